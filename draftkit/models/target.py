@@ -147,5 +147,7 @@ class FrozenTarget(nn.Module):
         self._captured.clear()
         last = out.last_hidden_state  # (B, T, H_t), normed
         logits = self.model.get_output_embeddings()(last) if compute_logits else None  # (B, T, V)
-        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return TargetOutput(aux, last, logits, new_cache if use_cache else None)
+        new_cache = None
+        if use_cache:
+            new_cache = out.cache if "cache" in out else out.past_key_values
+        return TargetOutput(aux, last, logits, new_cache)

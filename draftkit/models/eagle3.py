@@ -1,0 +1,418 @@
+"""``Eagle3Module``: online EAGLE3 training of a draft head on a frozen target (arXiv 2503.01840).
+
+Each training step runs the frozen target once (no grad) to get the aux hidden states and logits, then
+unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4):
+
+- step k, row p: input token x_{p+1+k}, teacher z_{p+1+k}, RoPE position p+k; supervised iff
+  p+2+k < L and m_{p+2+k} = 1 and t2d[argmax z_{p+1+k}] (the mask is keyed on the *predicted* token);
+- ids and teacher are shifted left by one more position after every step, in :func:`ttt_targets`, padding
+  with 0/False, so the mask travels with the labels;
+- loss: soft cross-entropy against softmax(z[..., t2d]) in fp32, per step normalised by the supervised
+  count, total Σ_k decay^k L_k.
+
+Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, K TTT steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+from draftkit.heads.io import HEAD_PREFIX
+from draftkit.selection.vocab import VocabMap
+
+__all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "ttt_targets", "soft_ce", "tau_sim"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TTTConfig:
+    """Training-time test."""
+
+    steps: int = 7
+    """K, draft steps unrolled per training step."""
+    decay: float = 0.8
+    """Weight of step k is decay**k."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"model.ttt.steps must be >= 1, got {self.steps}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"model.ttt.decay must be in (0, 1], got {self.decay}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (per optimizer step)."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    """Optimizer steps of linear warmup from 0."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of lr."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"bad model.optim {self}: need lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1")
+
+
+@dataclass
+class EntropyFilterConfig:
+    """Token prediction-entropy filter on the loss (first source document: "filter low-entropy tokens").
+
+    Positions whose target next-token entropy (nats) is below the threshold are dropped or down-weighted,
+    after the assistant mask. Off by default (see the recipe for the ablation).
+    """
+
+    mode: str = "off"
+    """``off``, ``drop`` or ``downweight``."""
+    threshold: float | None = None
+    """Absolute entropy threshold in nats."""
+    quantile: float | None = None
+    """Or: drop the lowest quantile of supervised positions in each batch."""
+    downweight: float = 0.1
+    """Weight given to low-entropy positions in ``downweight`` mode."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("off", "drop", "downweight"):
+            raise ValueError(f"model.entropy_filter.mode must be off, drop or downweight, got {self.mode!r}")
+        if self.mode != "off" and (self.threshold is None) == (self.quantile is None):
+            raise ValueError("model.entropy_filter: give exactly one of threshold or quantile")
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Shift (B, T) left by n along T, padding the tail with zeros/False."""
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)  # (B, T)
+
+
+def ttt_targets(
+    input_ids: torch.Tensor, weights: torch.Tensor, in_draft: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Row-aligned inputs and supervision of TTT step k (eagle3-format.md §4.1), all in one place.
+
+    Args:
+        input_ids: (B, T) int64 x.
+        weights: (B, T) float loss weight of each *token* m_t (assistant mask × optional entropy filter,
+            0 on padding).
+        in_draft: (B, T) bool, t2d[argmax z_t]: the target's top token after position t is in the draft vocab.
+        step: k >= 0.
+
+    Returns:
+        ids (B, T) = x_{p+1+k}; weight (B, T) = m_{p+2+k} · t2d[argmax z_{p+1+k}] (0 where p+2+k >= T);
+        teacher_offset = 1+k: row p's teacher is z at position p+1+k.
+    """
+    ids = _shift(input_ids, 1 + step)  # (B, T)
+    weight = _shift(weights, 2 + step) * _shift(in_draft, 1 + step)  # (B, T)
+    return ids, weight, 1 + step
+
+
+def soft_ce(logits: torch.Tensor, teacher_probs: torch.Tensor, teacher_argmax: torch.Tensor, weight: torch.Tensor):
+    """Weighted soft cross-entropy and accuracy of draft logits against teacher probabilities, fp32.
+
+    Args:
+        logits: (n, V_d) draft logits of supervised rows.
+        teacher_probs: (n, V_d) P = softmax(z[..., t2d]) of the same rows.
+        teacher_argmax: (n,) int64 argmax of P.
+        weight: (n,) float row weights.
+
+    Returns:
+        (loss_sum, correct_sum, weight_sum) scalars: Σ w·ℓ with ℓ = -Σ_i P_i log Q_i = logsumexp(l) - Σ_i P_i l_i,
+        Σ w·1[argmax Q = argmax P], and Σ w.
+    """
+    logits = logits.float()
+    ce = torch.logsumexp(logits, dim=-1) - (teacher_probs * logits).sum(-1)  # (n,)
+    correct = (logits.argmax(-1) == teacher_argmax).float()  # (n,)
+    return (ce * weight).sum(), (correct * weight).sum(), weight.sum()
+
+
+def tau_sim(accs: list[float]) -> float:
+    """Simulated acceptance length 1 + Σ_i Π_{j<=i} acc_j (eagle3-format.md §8.3; counts the bonus token)."""
+    total, prod = 1.0, 1.0
+    for a in accs:
+        prod *= a
+        total += prod
+    return total
+
+
+class Eagle3Module(pl.LightningModule):
+    """Trains an EAGLE3 draft head online against a frozen Hugging Face target.
+
+    Args:
+        target: target reference (local dir, hub id, ``pypi:...`` or a ``.gguf`` file).
+        target_dtype: dtype the frozen target runs in (``bfloat16`` halves its cost on CPUs with AVX512-BF16).
+        aux_layer_ids: HF ``hidden_states`` indices (id k = input of decoder layer k); None = [2, N//2, N-3].
+        draft_vocab_size: V_d, the most frequent assistant tokens (at most V).
+        ttt: training-time test settings.
+        optim: optimizer and schedule.
+        entropy_filter: token prediction-entropy filter on the loss.
+        norm_before_residual: head variant flag (speculators/vLLM); False is the EAGLE3 default.
+        serving_k: draft length at serving, for ``tau_sim_k{serving_k}``.
+
+    Heavy work (loading the target, building the vocab map from the datamodule's counts and the head) runs
+    in :meth:`setup`, so recipes instantiate in milliseconds.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        target_dtype: str = "bfloat16",
+        aux_layer_ids: list[int] | None = None,
+        draft_vocab_size: int = 32000,
+        ttt: TTTConfig = TTTConfig(),
+        optim: OptimConfig = OptimConfig(),
+        entropy_filter: EntropyFilterConfig = EntropyFilterConfig(),
+        norm_before_residual: bool = False,
+        serving_k: int = 5,
+    ) -> None:
+        super().__init__()
+        if draft_vocab_size < 1:
+            raise ValueError(f"model.draft_vocab_size must be >= 1, got {draft_vocab_size}")
+        if target_dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"model.target_dtype must be bfloat16, float32 or float16, got {target_dtype!r}")
+        self.save_hyperparameters()
+        # LightningCLI and checkpoints may hand the groups over as plain dicts
+        self.ttt = ttt if isinstance(ttt, TTTConfig) else TTTConfig(**ttt)
+        self.optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**optim)
+        self.entropy_filter = (
+            entropy_filter if isinstance(entropy_filter, EntropyFilterConfig) else EntropyFilterConfig(**entropy_filter)
+        )
+        self.strict_loading = False  # the frozen target and the embedding copy are not checkpointed
+        self.target = None
+        self.head: Eagle3LlamaHead | None = None
+        self.chat_template = None
+        self.empty_batches = 0
+        steps = self.ttt.steps
+        for split in ("train", "val"):
+            setattr(self, f"{split}_acc", torch.nn.ModuleList([MeanMetric() for _ in range(steps)]))
+            setattr(self, f"{split}_step_loss", torch.nn.ModuleList([MeanMetric() for _ in range(steps)]))
+        self.val_loss = MeanMetric()
+        self.kept_fraction = MeanMetric()
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    def set_aux_layer_ids(self, ids: list[int]) -> None:
+        """Choose aux layers before the head is built (used by the LayerSelection callback)."""
+        if self.head is not None:
+            raise RuntimeError("aux layers must be chosen before the head is built")
+        self.hparams.aux_layer_ids = list(ids)
+
+    def load_target_model(self):
+        """(HF model, tokenizer) of the frozen target, loaded once."""
+        if getattr(self, "_target_model", None) is None:
+            from draftkit.models.target import load_target
+
+            self._target_model = load_target(self.hparams.target, self.hparams.target_dtype)
+        return self._target_model
+
+    def setup(self, stage: str) -> None:
+        self.build(self.trainer.datamodule if self._trainer is not None else None)
+
+    def build(self, dm=None) -> None:
+        """Load the target, build the draft vocab from ``dm.token_counts`` and the head (idempotent).
+
+        Args:
+            dm: a datamodule with ``token_counts(V)`` (needed when V_d < V) and ``hparams.chat_template``.
+
+        Raises:
+            ValueError: if V_d > V, or V_d < V without a datamodule.
+        """
+        if self.head is not None:
+            return
+        from draftkit.models.target import FrozenTarget
+
+        model, tokenizer = self.load_target_model()
+        self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
+        self.hparams.aux_layer_ids = self.target.aux_layer_ids
+        vocab_size = self.target.vocab_size
+        if self.hparams.draft_vocab_size > vocab_size:
+            raise ValueError(
+                f"model.draft_vocab_size={self.hparams.draft_vocab_size} exceeds the target vocab ({vocab_size})"
+            )
+        if dm is not None and hasattr(dm, "token_counts"):
+            vocab = VocabMap.from_counts(dm.token_counts(vocab_size), self.hparams.draft_vocab_size)
+            self.chat_template = dm.hparams.chat_template
+        elif self.hparams.draft_vocab_size == vocab_size:
+            vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
+        else:
+            raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
+        vocab.validate()
+        cfg = Eagle3Config.from_target_config(
+            self.target.config, self.target.aux_layer_ids, self.hparams.draft_vocab_size,
+            norm_before_residual=self.hparams.norm_before_residual,
+        )
+        self.head = Eagle3LlamaHead(cfg)
+        self.head.set_vocab(vocab.d2t, vocab.t2d)
+        self.head.load_embedding(self.target.input_embeddings().float())
+        coverage = self._vocab_coverage(dm, vocab) if dm is not None and hasattr(dm, "token_counts") else None
+        log.info(
+            "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
+            self.target.aux_layer_ids, cfg.draft_vocab_size, vocab_size,
+            f" (covers {coverage:.1%} of assistant tokens)" if coverage is not None else "",
+        )
+
+    @staticmethod
+    def _vocab_coverage(dm, vocab: VocabMap) -> float:
+        counts = dm.token_counts(vocab.t2d.numel())
+        return float(counts[vocab.t2d].sum()) / max(1, int(counts.sum()))
+
+    # -- checkpoint -------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["state_dict"] = {
+            k: v for k, v in checkpoint["state_dict"].items()
+            if k.startswith(HEAD_PREFIX) and not k.startswith((f"{HEAD_PREFIX}embed_tokens.", f"{HEAD_PREFIX}rotary_emb."))
+            or k.startswith(("train_", "val_", "kept_"))
+        }
+        checkpoint["draftkit"] = {
+            "head_config": dataclasses.asdict(self.head.config),
+            "target": self.hparams.target,
+            "target_dtype": self.hparams.target_dtype,
+            "aux_layer_ids": list(self.head.config.aux_layer_ids),
+            "chat_template": self.chat_template,
+            "ttt": dataclasses.asdict(self.ttt),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        meta = checkpoint.get("draftkit")
+        if meta and self.head is not None and list(meta["aux_layer_ids"]) != list(self.head.config.aux_layer_ids):
+            raise ValueError(
+                f"checkpoint aux layers {meta['aux_layer_ids']} differ from this run's "
+                f"{self.head.config.aux_layer_ids}; use the recipe the checkpoint was trained with"
+            )
+
+    # -- training ---------------------------------------------------------------------------------------
+    def _loss_weights(self, loss_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(B, T) float weights on the *predicted* token positions: assistant mask × entropy filter."""
+        cfg = self.entropy_filter
+        mask = loss_mask.bool()
+        if cfg.mode == "off":
+            return mask.float()
+        # entropy of z_{t-1}: the target's uncertainty about token t, aligned with m_t
+        logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+        ent = -(logp.exp() * logp).sum(-1)  # (B, T), nats, entropy of the next-token distribution at t
+        ent_of_token = torch.cat([torch.zeros_like(ent[:, :1]), ent[:, :-1]], dim=1)  # (B, T)
+        if cfg.threshold is not None:
+            threshold = cfg.threshold
+        else:
+            vals = ent_of_token[mask]
+            threshold = float(torch.quantile(vals, cfg.quantile)) if vals.numel() else 0.0
+        low = ent_of_token < threshold
+        weights = mask.float()
+        weights[low & mask] = 0.0 if cfg.mode == "drop" else cfg.downweight
+        self.kept_fraction.update(float((weights[mask] > 0).float().mean()) if mask.any() else 1.0)
+        return weights
+
+    def ttt_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """Run the target and K TTT steps on a batch.
+
+        Teacher probabilities P = softmax(z[..., t2d]) are computed once per position; step k gathers
+        them at offset 1+k for its supervised rows, and the draft LM head runs only on those rows.
+
+        Args:
+            batch: ``input_ids``, ``attention_mask``, ``loss_mask``, each (B, T) int64.
+
+        Returns:
+            (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
+        """
+        input_ids, attn = batch["input_ids"], batch["attention_mask"]
+        out = self.target(input_ids, attention_mask=attn)
+        t2d = self.head.t2d
+        b, t = input_ids.shape
+        in_draft = t2d[out.logits.argmax(-1)]  # (B, T) bool
+        weights = self._loss_weights(batch["loss_mask"] * attn, out.logits)  # (B, T) float
+        probs = F.softmax(out.logits[..., t2d].float(), dim=-1).reshape(b * t, -1)  # (B*T, V_d), draft order
+        teacher_argmax = probs.argmax(-1)  # (B*T,)
+        del out.logits
+        key_padding = attn.bool()
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+        feature = self.head.project(out.aux_hidden_states.to(self.head.fc.weight.dtype))  # (B, T, H)
+        ttt_cache: list = []
+        total = feature.new_zeros((), dtype=torch.float32)
+        stats = []
+        world = self.trainer.world_size if self._trainer is not None else 1
+        for k in range(self.ttt.steps):
+            ids, w, offset = ttt_targets(input_ids, weights, in_draft, k)
+            rows = w.reshape(-1).nonzero().squeeze(-1)  # (n,) flat supervised rows
+            logits, feature = self.head.ttt_step(ids, feature, positions + k, ttt_cache, key_padding, rows)
+            loss_sum, correct_sum, w_sum = soft_ce(
+                logits, probs[rows + offset], teacher_argmax[rows + offset], w.reshape(-1)[rows]
+            )
+            denom = w_sum.detach()
+            if world > 1:  # normalise by the global supervised count (DDP averages gradients over ranks)
+                denom = self.all_gather(denom).sum() / world
+            total = total + (self.ttt.decay ** k) * loss_sum / denom.clamp_min(1.0)
+            stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
+        return total, stats
+
+    def _log_steps(self, split: str, stats, total: torch.Tensor, batch_size: int) -> None:
+        accs = getattr(self, f"{split}_acc")
+        losses = getattr(self, f"{split}_step_loss")
+        on_step = split == "train"
+        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
+            if float(w_sum) > 0:
+                accs[k].update(correct_sum / w_sum, weight=w_sum)
+                losses[k].update(loss_sum / w_sum, weight=w_sum)
+            self.log(f"{split}/acc_{k}", accs[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
+            self.log(f"{split}/loss_{k}", losses[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int):
+        total, stats = self.ttt_loss(batch)
+        supervised = sum(float(s[2]) for s in stats)
+        if supervised == 0 and self.trainer.world_size == 1:
+            # nothing to learn: skip backward and the optimizer step so the weights stay unchanged
+            self.empty_batches += 1
+            self.log("train/empty_batches", float(self.empty_batches), on_step=True)
+            return None
+        bs = batch["input_ids"].shape[0]
+        self._log_steps("train", stats, total, bs)
+        self.log("train/loss", total, on_step=True, prog_bar=True, batch_size=bs)
+        self.log("train/tau_sim", self._tau_from_batch(stats), on_step=True, prog_bar=True, batch_size=bs)
+        self.log("train/supervised_tokens", float(stats[0][2]), on_step=True, reduce_fx="sum", batch_size=bs)
+        if self.entropy_filter.mode != "off":
+            self.log("train/kept_fraction", self.kept_fraction, on_step=True, batch_size=bs)
+        return total
+
+    @staticmethod
+    def _tau_from_batch(stats) -> float:
+        return tau_sim([float(c / w) if float(w) > 0 else 0.0 for _, c, w in stats])
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        total, stats = self.ttt_loss(batch)
+        bs = batch["input_ids"].shape[0]
+        self.val_loss.update(total)
+        self._log_steps("val", stats, total, bs)
+        self.log("val/loss", self.val_loss, on_epoch=True, prog_bar=True, batch_size=bs)
+
+    def on_validation_epoch_end(self) -> None:
+        accs = [float(m.compute()) if m.update_called else 0.0 for m in self.val_acc]
+        k = min(self.hparams.serving_k, len(accs))
+        self.log("val/tau_sim", tau_sim(accs), prog_bar=True)
+        self.log(f"val/tau_sim_k{k}", tau_sim(accs[:k]))
+
+    def configure_optimizers(self):
+        cfg = self.optim
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warm = min(cfg.warmup_steps, total)
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / max(1, warm)
+            progress = (step - warm) / max(1, total - warm)
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,58 @@
+"""Shared offline fixtures: a seeded tiny Llama target with a byte-level ChatML tokenizer, tiny chat data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit.testing import build_tiny_target, tiny_llama_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, tmp_path_factory, monkeypatch):
+    """Unit tests write draftkit caches under a per-session temporary directory; ``slow`` tests use the
+    user's cache so the real SmolLM2 and ShareGPT are fetched and prepared once per machine."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path_factory.getbasetemp() / "draftkit-cache"))
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config_():
+    return tiny_llama_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A seeded tiny ``LlamaForCausalLM`` (vocab 320, hidden 64, 8 layers) saved with ``save_pretrained``."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture()
+def tiny_chat_jsonl(tmp_path) -> Path:
+    """8 chat rows (role/content)."""
+    path = tmp_path / "chat.jsonl"
+    with open(path, "w") as f:
+        for i in range(8):
+            msgs = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} ok"}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path

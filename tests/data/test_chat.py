@@ -1,0 +1,142 @@
+"""Readers, malformed records, the cut-off ShareGPT file, and the assistant loss mask."""
+
+import json
+
+import pytest
+import torch
+
+from draftkit.data.chat import TemplateError, read_conversations, tokenize_conversation
+from draftkit.data.module import ChatDataModule, ResumableLoader, collate
+
+
+def _write_sharegpt(path, records, cut=False):
+    text = json.dumps(records, indent=2)
+    if cut:
+        text = text[: text.rindex('"value"') + 12]  # stop inside the last record
+    path.write_text(text)
+
+
+def test_sharegpt_cut_off_reads_complete_records_and_warns_once(tmp_path):
+    recs = [
+        {"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(5)
+    ]
+    path = tmp_path / "sg.json"
+    _write_sharegpt(path, recs, cut=True)
+    with pytest.warns(UserWarning, match=r"cut off mid-record at byte \d+: read the 4 complete records") as rec:
+        convs, summary = read_conversations(str(path))
+    assert len([w for w in rec if "cut off" in str(w.message)]) == 1
+    assert len(convs) == 4 and summary.kept == 4
+    assert convs[0] == [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"}]
+    assert summary.cut_offset == len(path.read_text()[: path.read_text().index('{\n    "id": "4"')].encode())
+
+
+def test_malformed_records_are_skipped_and_counted(tmp_path):
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    recs = [
+        good,
+        {"conversations": []},
+        {"conversations": [{"from": "human", "value": "only a question"}]},
+        {"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "gpt", "value": "leading model turn"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ]
+    path = tmp_path / "sg.json"
+    _write_sharegpt(path, recs)
+    convs, summary = read_conversations(str(path))
+    assert len(convs) == 2
+    assert convs[1][0]["role"] == "user"  # the leading assistant turn is dropped
+    assert dict(summary.skipped) == {
+        "empty conversation": 1, "no assistant turn": 1, "non-string content": 1, "unknown role": 1,
+    }
+
+
+def test_corrupt_json_in_the_middle_is_an_error(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"conversations": []}, {"conversations": [}, {"conversations": []}]')
+    with pytest.raises(ValueError, match=r"bad.json: record 1 is corrupt JSON at line 1"):
+        read_conversations(str(path))
+
+
+def test_jsonl_chat_reader(tiny_chat_jsonl):
+    convs, summary = read_conversations(str(tiny_chat_jsonl))
+    assert summary.kept == 8 and convs[3][1] == {"role": "assistant", "content": "answer 3 ok"}
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+        read_conversations(str(tmp_path / "nope.jsonl"))
+
+
+def test_loss_mask_exact_on_chatml(tiny_tokenizer):
+    msgs = [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"},
+    ]
+    out = tokenize_conversation(tiny_tokenizer, msgs)
+    text = tiny_tokenizer.decode(out["input_ids"])
+    masked = "".join(tiny_tokenizer.decode([i]) for i, m in zip(out["input_ids"], out["loss_mask"]) if m)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nab<|im_end|>\n"
+    assert masked == "ok<|im_end|>ab<|im_end|>"
+    # byte tokenizer: one token per byte; positions are exact
+    ones = [i for i, m in enumerate(out["loss_mask"]) if m]
+    start = len(tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+    assert ones[:3] == [start, start + 1, start + 2]
+
+
+def test_template_without_assistant_span_is_an_error(tiny_tokenizer):
+    drops_assistant = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(TemplateError, match="no assistant span found"):
+        tokenize_conversation(tiny_tokenizer, msgs, chat_template=drops_assistant)
+
+
+def test_truncation(tiny_tokenizer):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 100}]
+    out = tokenize_conversation(tiny_tokenizer, msgs, max_length=40)
+    assert len(out["input_ids"]) == 40 and out["truncated"]
+
+
+def test_tokenizer_without_chat_template(tmp_path, tiny_target_dir, tiny_chat_jsonl):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").unlink(missing_ok=True)
+    dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="has no chat template and data.chat_template is not set"):
+        dm.setup("fit")
+
+
+def test_collate_pads_right():
+    batch = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], 0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+def test_resumable_loader_continues_where_it_stopped():
+    data = [{"input_ids": [i], "loss_mask": [1]} for i in range(10)]
+    first = ResumableLoader(data, seed=3, shuffle=True, batch_size=2, collate_fn=collate)
+    full = [b["input_ids"].flatten().tolist() for b in first]
+    again = ResumableLoader(data, seed=3, shuffle=True, batch_size=2, collate_fn=collate)
+    it = iter(again)
+    seen = [next(it)["input_ids"].flatten().tolist() for _ in range(2)]
+    state = again.state_dict()
+    assert state == {"epoch": 0, "consumed": 2}
+    resumed = ResumableLoader(data, seed=3, shuffle=True, batch_size=2, collate_fn=collate)
+    resumed.load_state_dict(state)
+    rest = [b["input_ids"].flatten().tolist() for b in resumed]
+    assert seen[:2] + rest == full
+    assert sorted(sum(full, [])) == list(range(10))
+
+
+def test_split_is_deterministic(tiny_target_dir, tiny_chat_jsonl):
+    a = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=3, seed=1)
+    b = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=3, seed=1)
+    a.setup(), b.setup()
+    assert a.val_set["input_ids"] == b.val_set["input_ids"] and len(a.val_set) == 3 and len(a.train_set) == 5
+    counts = a.token_counts(320)
+    assert int(counts.sum()) == sum(sum(m) for m in a.train_set["loss_mask"])
+    assert isinstance(counts, torch.Tensor)

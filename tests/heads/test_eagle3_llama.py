@@ -1,0 +1,85 @@
+"""Head shapes, serving keys, and the TTT path against step-by-step cached decoding."""
+
+import pytest
+import torch
+
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead, KVCache
+from draftkit.testing import tiny_llama_config
+
+
+def _head(dtype=torch.float64, seed=0):
+    cfg = Eagle3Config.from_target_config(tiny_llama_config(), [2, 4, 5], 320)
+    torch.manual_seed(seed)
+    head = Eagle3LlamaHead(cfg).to(dtype)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return head
+
+
+def test_serving_keys_and_shapes():
+    head = _head()
+    shapes = {k: tuple(v.shape) for k, v in head.export_state_dict().items()}
+    assert shapes == {
+        "d2t": (320,), "t2d": (320,), "fc.weight": (64, 192),
+        "midlayer.input_layernorm.weight": (64,), "midlayer.hidden_norm.weight": (64,),
+        "midlayer.self_attn.q_proj.weight": (64, 128), "midlayer.self_attn.k_proj.weight": (32, 128),
+        "midlayer.self_attn.v_proj.weight": (32, 128), "midlayer.self_attn.o_proj.weight": (64, 64),
+        "midlayer.post_attention_layernorm.weight": (64,), "midlayer.mlp.gate_proj.weight": (128, 64),
+        "midlayer.mlp.up_proj.weight": (128, 64), "midlayer.mlp.down_proj.weight": (64, 128),
+        "norm.weight": (64,), "lm_head.weight": (320, 64),
+    }
+    assert not head.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_ttt_unrolled_equals_step_by_step_cached_decoding(pad):
+    """Row p at TTT step k equals a chain that prefills rows 0..p and then drafts k tokens with a KV cache."""
+    head = _head()
+    b, t, steps = 2, 7, 4
+    torch.manual_seed(1)
+    aux = torch.randn(b, t, 192, dtype=torch.float64)
+    ids = torch.randint(0, 320, (b, t + steps))
+    pos = torch.arange(t).expand(b, t)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    if pad:
+        mask[1, 5:] = False  # sequence 1 has 5 real tokens
+    cache, feature, outs = [], head.project(aux), []
+    for k in range(steps):
+        logits, feature = head.ttt_step(ids[:, 1 + k : 1 + k + t], feature, pos + k, cache, mask)
+        outs.append(logits)
+    for row in range(b):
+        n = int(mask[row].sum())
+        for p in range(n):
+            kv = KVCache()
+            sl = slice(row, row + 1)
+            logits, h = head(ids[sl, 1 : p + 2], head.project(aux[sl, : p + 1]), pos[sl, : p + 1], kv)
+            torch.testing.assert_close(logits[0, -1], outs[0][row, p], rtol=1e-9, atol=1e-9)
+            f = h[:, -1:]
+            for k in range(1, steps):
+                logits, f = head(ids[sl, p + 1 + k : p + 2 + k], f, pos[sl, p : p + 1] + k, kv)
+                torch.testing.assert_close(logits[0, -1], outs[k][row, p], rtol=1e-9, atol=1e-9)
+
+
+def test_logits_index_selects_rows():
+    head = _head()
+    aux = torch.randn(2, 5, 192, dtype=torch.float64)
+    ids = torch.randint(0, 320, (2, 5))
+    pos = torch.arange(5).expand(2, 5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    full, _ = head.ttt_step(ids, head.project(aux), pos, [], mask)
+    rows = torch.tensor([0, 3, 9])
+    part, _ = head.ttt_step(ids, head.project(aux), pos, [], mask, rows)
+    torch.testing.assert_close(part, full.reshape(10, -1)[rows])
+
+
+def test_unsupported_target_type():
+    cfg = tiny_llama_config()
+    cfg.model_type = "gpt2"
+    with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
+        Eagle3Config.from_target_config(cfg, [2, 4, 5], 64)
+
+
+def test_set_vocab_shape_mismatch():
+    head = _head()
+    with pytest.raises(ValueError, match="do not match the head"):
+        head.set_vocab(torch.zeros(10, dtype=torch.long), torch.zeros(320, dtype=torch.bool))

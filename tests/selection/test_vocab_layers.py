@@ -1,0 +1,57 @@
+"""d2t/t2d maps and aux-layer id validation."""
+
+import pytest
+import torch
+
+from draftkit.selection.layers import default_aux_layer_ids, validate_aux_layer_ids
+from draftkit.selection.vocab import VocabMap, count_tokens
+
+
+def test_d2t_t2d_worked_example():
+    vm = VocabMap.from_ids(torch.tensor([1, 3, 4, 8]), 10)
+    assert vm.d2t.tolist() == [1, 2, 2, 5]
+    assert vm.d2t.dtype == torch.int64
+    assert vm.t2d.tolist() == [False, True, False, True, True, False, False, False, True, False]
+    vm.validate()
+    one_hot = torch.zeros(4)
+    one_hot[3] = 1
+    assert int(vm.target_ids[one_hot.argmax()]) == 8
+
+
+def test_from_counts_ranks_by_count_then_id_and_sorts():
+    counts = torch.tensor([0, 5, 7, 5, 0, 9, 1])
+    vm = VocabMap.from_counts(counts, 3)
+    assert vm.target_ids.tolist() == [1, 2, 5]  # 9@5, 7@2, then the tie 5@1 / 5@3 goes to the lower id
+
+
+def test_from_counts_pads_deterministically_with_warning():
+    counts = torch.tensor([0, 0, 4, 0, 1, 0])
+    with pytest.warns(UserWarning, match="only 2 distinct assistant tokens"):
+        vm = VocabMap.from_counts(counts, 4)
+    assert vm.target_ids.tolist() == [0, 1, 2, 4]
+
+
+def test_full_vocab_is_identity_not_arange():
+    vm = VocabMap.from_counts(torch.ones(6, dtype=torch.long), 6)
+    assert vm.d2t.tolist() == [0] * 6
+
+
+def test_vocab_too_large():
+    with pytest.raises(ValueError, match="draft_vocab_size=11 must be in"):
+        VocabMap.from_counts(torch.ones(10, dtype=torch.long), 11)
+
+
+def test_count_tokens_only_masked():
+    counts = count_tokens([[1, 2, 2, 3]], [[0, 1, 1, 0]], 5)
+    assert counts.tolist() == [0, 0, 2, 0, 0]
+
+
+def test_layer_ids():
+    assert default_aux_layer_ids(30) == [2, 15, 27]
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    assert validate_aux_layer_ids(None, 8) == [2, 4, 5]
+    assert validate_aux_layer_ids([5, 2, 4], 8) == [2, 4, 5]
+    with pytest.raises(ValueError, match="repeats a layer"):
+        validate_aux_layer_ids([2, 2, 4], 8)
+    with pytest.raises(ValueError, match=r"ids \[0, 8\] are out of range; valid HF hidden_states indices are 1..7"):
+        validate_aux_layer_ids([0, 3, 8], 8)
