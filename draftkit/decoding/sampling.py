@@ -1,0 +1,116 @@
+"""Token sampling for decoding: temperature, top-k and top-p (nucleus) warping of logits.
+
+Temperature 0 means greedy (argmax); :func:`probs_from_logits` then returns the one-hot distribution of
+the argmax, so that speculative rejection sampling at temperature 0 reduces to greedy acceptance.
+The same warping is applied to the target and to the draft in speculative sampling, which keeps the
+output distribution equal to plain sampling from the warped target (arXiv 2211.17192, 2302.01318).
+
+Shapes: V vocabulary (target V or draft V_d), ``...`` any leading dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_sampling", "probs_from_logits", "sample", "sample_from_probs"]
+
+
+def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Validate sampling options.
+
+    Args:
+        temperature: >= 0; 0 = greedy.
+        top_k: >= 0; 0 = no top-k cut.
+        top_p: in (0, 1]; 1 = no nucleus cut.
+
+    Raises:
+        ValueError: naming the option and the bad value.
+    """
+    if not temperature >= 0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+
+
+def probs_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Sampling distribution of logits after temperature, top-k and top-p warping.
+
+    Steps: 1. divide by the temperature; 2. keep the ``top_k`` largest logits (ties at the k-th value are
+    kept); 3. keep the smallest set of most probable tokens whose mass reaches ``top_p`` (the token that
+    crosses the threshold is kept, as in Hugging Face ``TopPLogitsWarper``); 4. softmax in float32.
+
+    Args:
+        logits: (..., V) any float dtype.
+        temperature: >= 0; 0 returns the one-hot distribution of the argmax (first index on ties).
+        top_k: 0 = off.
+        top_p: 1 = off.
+
+    Returns:
+        (..., V) float32 probabilities that sum to 1 over V.
+
+    Raises:
+        ValueError: on a bad option (see :func:`check_sampling`).
+    """
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    z = logits.float() / temperature  # (..., V)
+    if 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)  # (..., V)
+        sorted_p = sorted_z.softmax(-1)
+        # drop a token when the mass of the strictly more probable ones already reaches top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # (..., V)
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocab order
+        z = z.masked_fill(drop, float("-inf"))
+    return z.softmax(-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one id per row of a distribution.
+
+    Args:
+        probs: (..., V) non-negative, each row with positive mass (need not be normalised).
+        generator: torch RNG for reproducible draws (None = global RNG).
+
+    Returns:
+        (...) int64 ids.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])  # (prod(...), V)
+    ids = torch.multinomial(flat, 1, generator=generator)  # (prod(...), 1)
+    return ids.reshape(probs.shape[:-1])
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pick the next token from logits: argmax at temperature 0, else a draw from :func:`probs_from_logits`.
+
+    Args:
+        logits: (..., V).
+        temperature: >= 0; 0 = greedy.
+        top_k: 0 = off.
+        top_p: 1 = off.
+        generator: torch RNG (None = global RNG); unused when greedy.
+
+    Returns:
+        (...) int64 token ids.
+
+    Raises:
+        ValueError: on a bad option (see :func:`check_sampling`).
+    """
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample_from_probs(probs_from_logits(logits, temperature, top_k, top_p), generator)

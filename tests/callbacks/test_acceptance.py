@@ -1,0 +1,106 @@
+"""AcceptanceLengthMonitor on a tiny module: logged values equal a direct evaluation, schedule, arguments."""
+
+import csv
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
+from lightning.pytorch.loggers import CSVLogger
+
+from draftkit.decoding.evaluate import evaluate_head, load_prompts
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tmp_path_factory):
+    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.testing import build_tiny_target
+
+    model, tokenizer = load_target(str(build_tiny_target(tmp_path_factory.mktemp("acc") / "tiny")), "float32")
+    return FrozenTarget(model, None), tokenizer
+
+
+class TinyModule(pl.LightningModule):
+    """Holds head/target/tokenizer like Eagle3Module; trains nothing (lr 0) so the head stays fixed."""
+
+    def __init__(self, target, tokenizer) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.target = target
+        self.tokenizer = tokenizer
+        self.chat_template = None
+        self.head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, 320))
+        self.head.load_embedding(target.input_embeddings())
+
+    def training_step(self, batch, batch_idx):
+        return self.head.fc(batch).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.head.fc(batch).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.head.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 3 * 64), batch_size=2)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(2, 3 * 64), batch_size=2)
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello there", "abc abc abc", "unused"]) + "\n")
+    return str(path)
+
+
+def _metrics(tmp_path):
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    return [r for r in rows if r.get("val/accept_len")]
+
+
+def test_logs_accept_len_every_n_validations(tmp_path, tiny_parts, prompts):
+    torch.set_num_threads(1)
+    module = TinyModule(*tiny_parts)
+    monitor = AcceptanceLengthMonitor(every_n_validations=2, num_prompts=2, k=3, max_new_tokens=10, prompts=prompts)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_epochs=4, limit_train_batches=1, limit_val_batches=1,
+        logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=1, callbacks=[monitor],
+    )
+    trainer.fit(module)
+    assert [step for step, _ in monitor.history] == [2, 4]  # 4 validations, every 2nd, sanity check excluded
+    expected = evaluate_head(module.head, module.target, module.tokenizer, load_prompts(prompts, 2), k=3,
+                             max_new_tokens=10, baseline=False, prompt_lookup=False, warmup=False)
+    assert monitor.last_report["tau"] == pytest.approx(expected["tau"])
+    logged = _metrics(tmp_path)
+    assert len(logged) == 2
+    assert float(logged[-1]["val/accept_len"]) == pytest.approx(expected["tau"])
+    for i, a in enumerate(expected["acceptance_per_position"], 1):
+        assert float(logged[-1][f"val/accept_rate_pos{i}"]) == pytest.approx(a)
+    assert float(trainer.callback_metrics["val/accept_len"]) == pytest.approx(expected["tau"])  # monitorable
+    assert module.head.training  # mode restored
+
+
+def test_every_n_train_steps(tmp_path, tiny_parts, prompts):
+    torch.set_num_threads(1)
+    module = TinyModule(*tiny_parts)
+    monitor = AcceptanceLengthMonitor(every_n_train_steps=2, num_prompts=1, k=2, max_new_tokens=4, prompts=prompts)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=4, limit_val_batches=0, logger=CSVLogger(tmp_path),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
+    )
+    trainer.fit(module)
+    assert [step for step, _ in monitor.history] == [2, 4]
+    assert len(_metrics(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"every_n_validations": 0}, {"num_prompts": 0}, {"temperature": -1.0},
+                                    {"every_n_train_steps": 0}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="AcceptanceLengthMonitor"):
+        AcceptanceLengthMonitor(**kwargs)

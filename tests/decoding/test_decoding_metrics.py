@@ -1,0 +1,63 @@
+"""Acceptance metrics on the worked example of eagle3-format.md §8.2, and KL over the draft vocab."""
+
+import math
+
+import pytest
+import torch
+
+from draftkit.decoding.metrics import (
+    AcceptanceStats,
+    acceptance_length,
+    acceptance_per_position,
+    acceptance_rate,
+    accepted_prefix,
+    conditional_acceptance,
+    kl_target_draft,
+)
+
+MATCHES = [[1, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_worked_example_k4():
+    accepted = [accepted_prefix(m) for m in MATCHES]
+    assert accepted == [1, 4, 0]
+    assert acceptance_length(accepted) == pytest.approx(8 / 3)
+    assert round(acceptance_length(accepted), 3) == 2.667
+    assert acceptance_rate(accepted, 4) == pytest.approx(5 / 12)  # prefixes only, not 6/12
+    alpha = acceptance_per_position(accepted, 4)
+    assert alpha == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert conditional_acceptance(alpha)[1] == pytest.approx(1 / 2)
+    assert 1 + sum(alpha) == pytest.approx(acceptance_length(accepted))  # chain identity
+
+
+def test_stats_accumulator_matches_functions():
+    stats = AcceptanceStats(4)
+    for m in MATCHES:
+        stats.update(accepted_prefix(m), 4)
+    assert stats.tau() == pytest.approx(8 / 3)
+    assert stats.rate() == pytest.approx(5 / 12)
+    assert stats.per_position() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert stats.kl_per_position() is None
+    other = AcceptanceStats(4)
+    other.update(0, 0)  # a round that drafted nothing (prompt lookup without a match)
+    stats.extend(other)
+    assert stats.tau() == pytest.approx(9 / 4)
+    assert stats.tau_drafted() == pytest.approx(8 / 3)
+    assert stats.rate() == pytest.approx(5 / 12)
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        stats.update(3, 2)
+
+
+def test_kl_over_draft_vocab():
+    t2d = torch.tensor([True, False, True, True, False])
+    target = torch.tensor([[2.0, 9.0, 0.0, 1.0, -3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    draft = torch.tensor([[0.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    kl = kl_target_draft(target, draft, t2d)
+    p = torch.tensor([2.0, 0.0, 1.0]).softmax(-1)  # target restricted to ids 0, 2, 3
+    expected = float((p * (p.log() - math.log(1 / 3))).sum())
+    assert kl[0].item() == pytest.approx(expected, rel=1e-6)
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-7)  # equal distributions up to a logit shift
+    stats = AcceptanceStats(3)
+    stats.update(1, 2, kl)
+    stats.update(0, 1, kl[:1])
+    assert stats.kl_per_position() == pytest.approx([expected, 0.0, None])

@@ -1,0 +1,422 @@
+"""Dual-precision decoding: gates, calibration, replay metrics, verified speculation, the command (§4-7, §10)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from draftkit.decoding.dual_precision import (
+    DualPrecisionConfig,
+    DualPrecisionLM,
+    Gate,
+    ReplaySteps,
+    bootstrap_ci,
+    calibrate_thresholds,
+    catch_rate,
+    evaluate_dual_precision,
+    gate_scores,
+    greedy_decode,
+    kl_per_step,
+    mcnemar_exact,
+    replay_metrics,
+    replay_steps,
+    roc_auc,
+    teacher_forced_logits,
+    threshold_for_budget,
+    verified_decode,
+)
+from draftkit.quant import QuantConfig, WeightBytes
+
+PROMPTS = [[256, 10, 72, 105, 33], [256, 200, 15, 7, 7, 99, 3], [256, 1, 2, 3], [256, 90, 91, 250, 251, 30]]
+
+
+# ---------------------------------------------------------------------------------------------- stubs
+
+
+class StubLM:
+    """Fixed-logit two-precision model over V=16 tokens: high predicts (last + 1) % 16; low agrees with high
+    except at the generated positions listed in ``disagree_at`` (absolute sequence positions), where it
+    predicts (last + 2) % 16. The cache is the list of tokens seen."""
+
+    V = 16
+
+    def __init__(self, disagree_at=(), always_disagree=False):
+        self.disagree_at, self.always = set(disagree_at), always_disagree
+        self.bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
+        self.calls = []
+
+    def new_cache(self):
+        return []
+
+    def rollback(self, cache, n):
+        del cache[len(cache) - n:]
+        return cache
+
+    def _logits(self, seq, pos, precision):
+        nxt = (seq[pos] + 1) % self.V
+        if precision == "low" and (self.always or pos + 1 in self.disagree_at):
+            nxt = (seq[pos] + 2) % self.V
+        out = torch.zeros(self.V)
+        out[nxt] = 5.0
+        return out
+
+    def forward(self, ids, cache, precision, logits_to_keep=1):
+        self.calls.append((precision, len(ids)))
+        seq = (list(cache) if cache is not None else []) + list(ids)
+        if cache is not None:
+            cache.extend(ids)
+        return torch.stack([self._logits(seq, p, precision) for p in range(len(seq) - logits_to_keep, len(seq))])
+
+
+def _expected_high(prompt, n):
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = (last + 1) % StubLM.V
+        out.append(last)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_verified_stub_always_accept(k):
+    lm = StubLM()
+    rounds = 3
+    traj = verified_decode(lm, [0, 3], k, 1 + rounds * (k + 1))
+    assert traj.tokens == _expected_high([0, 3], 1 + rounds * (k + 1))
+    assert traj.rounds == [(k, k)] * rounds  # tau = k + 1 (bonus token counted)
+    assert traj.low_forwards == rounds * k and traj.high_forwards == 1 + rounds
+    per_token = traj.weight_bytes_read(lm.bytes) / len(traj.tokens)
+    assert per_token == (100.0 + rounds * (k * 60.0 + 100.0)) / (1 + rounds * (k + 1))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verified_stub_never_accept(k):
+    lm = StubLM(always_disagree=True)
+    traj = verified_decode(lm, [0, 3], k, 6)
+    assert traj.tokens == _expected_high([0, 3], 6)
+    assert [a for _, a in traj.rounds] == [0] * 5  # one corrected token per round
+    assert traj.weight_bytes_read(lm.bytes) == 100.0 + sum(d * 60.0 + 100.0 for d, _ in traj.rounds)
+
+
+def test_verified_stub_sometimes_accept_exact_lengths():
+    # the prompt holds positions 0-1 and the prefill emits position 2; low is wrong when predicting 5 and 11
+    lm = StubLM(disagree_at={5, 11})
+    traj = verified_decode(lm, [0, 3], 3, 12)
+    assert traj.tokens == _expected_high([0, 3], 12)
+    # drafts 3,4,5 -> 2 accepted + correction at 5; drafts 6,7,8 -> all + bonus 9; drafts 10,11,12 -> 1 accepted
+    # + correction at 11; one token left before the limit of 12 -> k = 1: draft 12 accepted + bonus 13
+    assert traj.rounds == [(3, 2), (3, 3), (3, 1), (1, 1)]
+    assert traj.low_forwards == 10 and traj.high_forwards == 5
+
+
+def test_verified_report_tau_and_chain_acceptance_on_stub():
+    lm = StubLM(disagree_at={5, 11})
+    config = DualPrecisionConfig(entropy_threshold=1.0, max_new_tokens=12, k=3, bootstrap_samples=0,
+                                 methods=("verified",))
+    entry = evaluate_dual_precision(lm, [[0, 3]], [], config)["methods"]["verified"]
+    # rounds [(3, 2), (3, 3), (3, 1), (1, 1)]: position 1 reached 4x accepted 4x, position 2 3x/2x, position 3 2x/1x
+    assert entry["alpha"] == [1.0, 2 / 3, 0.5]
+    assert entry["tau"] == (3 + 4 + 2 + 2) / 4
+    assert entry["bytes_per_token"] == (5 * 100.0 + 10 * 60.0) / 12
+    assert entry["exact_match"] == 1.0 and entry["kl_mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_gated_stub_escalates_by_score():
+    # low logits are one-hot-ish with the same shape everywhere: entropy is constant, so tau decides
+    lm = StubLM(always_disagree=True)
+    h = float(gate_scores(lm._logits([0], 0, "low"))["entropy"])
+    never = greedy_decode(lm, [0, 3], 5, gate=Gate("entropy", h + 1.0))
+    always = greedy_decode(lm, [0, 3], 5, gate=Gate("entropy", h - 1.0))
+    assert never.escalated == [False] * 5 and never.high_forwards == 0 and never.low_forwards == 5
+    assert always.escalated == [True] * 5 and always.high_forwards == 5 and always.low_forwards == 5
+    assert always.tokens == _expected_high([0, 3], 5)
+    assert lm.calls[-2:] == [("low", 1), ("high", 1)]  # each step: 4-bit pass, then the 8-bit re-run
+
+
+# ---------------------------------------------------------------------------------------------- tiny model
+
+
+@pytest.fixture(scope="module")
+def dp_tiny_dir(tmp_path_factory):
+    from draftkit.testing import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("dual_precision") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(dp_tiny_dir):
+    """DualPrecisionLM of the tiny Llama in float64 (exact enough that kernel numerics never flip a tie)."""
+    from draftkit.models.target import load_target
+
+    model, _ = load_target(str(dp_tiny_dir), "float64")
+    return DualPrecisionLM(model)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_verified_equals_all_high_on_tiny_model(tiny_lm, k):
+    accepted = rejected = 0
+    for prompt in PROMPTS[:3]:
+        high = greedy_decode(tiny_lm, prompt, 16, precision="high")
+        traj = verified_decode(tiny_lm, prompt, k, 16)
+        assert traj.tokens == high.tokens
+        torch.testing.assert_close(traj.logits, high.logits, rtol=1e-5, atol=1e-5)
+        wb = tiny_lm.bytes
+        assert traj.weight_bytes_read(wb) == pytest.approx(wb.high + sum(d * wb.low + wb.high for d, _ in traj.rounds))
+        accepted += sum(a for _, a in traj.rounds)
+        rejected += sum(a < d for d, a in traj.rounds)
+    assert accepted > 0 and rejected > 0  # both paths of the accept rule ran
+
+
+def test_gated_all_escalate_is_all_high_with_zero_kl(tiny_lm):
+    for prompt in PROMPTS[:2]:
+        high = greedy_decode(tiny_lm, prompt, 16, precision="high")
+        low = greedy_decode(tiny_lm, prompt, 16, precision="low")
+        every = greedy_decode(tiny_lm, prompt, 16, gate=Gate("margin", -2.0))  # -margin > -2 always
+        none = greedy_decode(tiny_lm, prompt, 16, gate=Gate("entropy", 1e9))
+        assert every.tokens == high.tokens and all(every.escalated)
+        assert none.tokens == low.tokens and not any(none.escalated)
+        ref = teacher_forced_logits(tiny_lm, prompt, every.tokens, "high")
+        assert kl_per_step(ref, every.logits).abs().max() < 1e-7
+        # the random tiny model is near uniform, so 4-bit KL is small, but far from numerics
+        assert kl_per_step(teacher_forced_logits(tiny_lm, prompt, low.tokens, "high"), low.logits).mean() > 1e-4
+
+
+def test_gated_overwrites_kv_of_escalated_steps(tiny_lm):
+    """Mixed run == a cache-free recomputation with each position's K/V at the precision the run used."""
+    prompt = PROMPTS[1]
+    steps, _ = replay_steps(tiny_lm, prompt, greedy_decode(tiny_lm, prompt, 12).tokens)
+    gate = Gate("entropy", threshold_for_budget(steps.scores["entropy"], 0.5))
+    traj = greedy_decode(tiny_lm, prompt, 12, gate=gate)
+    assert 0 < sum(traj.escalated) < len(traj.tokens)
+    # replay the run with a fresh cache, step by step, using the recorded decisions
+    cache, x = tiny_lm.new_cache(), list(prompt)
+    for tok, esc, logits in zip(traj.tokens, traj.escalated, traj.logits):
+        out = tiny_lm.forward(x, cache, "high" if esc else "low")[-1]
+        torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5)
+        x = [tok]
+
+
+def test_threshold_from_budget_hits_it_on_calibration_data(tiny_lm):
+    steps = []
+    for prompt in PROMPTS:
+        traj = greedy_decode(tiny_lm, prompt, 24, keep_logits=False)
+        steps.append(replay_steps(tiny_lm, prompt, traj.tokens)[0])
+    n = sum(s.flip.numel() for s in steps)
+    for budget in (0.05, 0.10, 0.15, 0.30):
+        gates = calibrate_thresholds(steps, budget)
+        for kind, gate in gates.items():
+            scores = torch.cat([s.scores[kind] for s in steps])
+            realised = float((scores > gate.threshold).double().mean())
+            assert realised == round(budget * n) / n, (kind, budget)
+            assert abs(realised - budget) <= 0.5 / n + 1e-12
+    assert gates["margin"].natural_threshold == -gates["margin"].threshold
+
+
+def test_replay_flip_labels(tiny_lm):
+    prompt = PROMPTS[0]
+    high = greedy_decode(tiny_lm, prompt, 10)
+    steps, tf_high = replay_steps(tiny_lm, prompt, high.tokens)
+    torch.testing.assert_close(tf_high, high.logits, rtol=1e-5, atol=1e-5)  # same prefix, same distribution
+    low = teacher_forced_logits(tiny_lm, prompt, high.tokens, "low")
+    assert torch.equal(steps.flip, low.argmax(-1) != high.logits.argmax(-1))
+    probs = low.softmax(-1).topk(2).values
+    torch.testing.assert_close(steps.scores["margin"], -(probs[:, 0] - probs[:, 1]))
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+def test_auc_hand_built_and_against_torchmetrics():
+    assert roc_auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == 0.75
+    assert roc_auc(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0, 1, 1])) == 0.5  # ties count half
+    assert math.isnan(roc_auc(torch.tensor([1.0, 2.0]), torch.tensor([1, 1])))
+    from torchmetrics.functional.classification import binary_auroc
+
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randint(0, 20, (500,), generator=gen).double()  # many ties
+    y = torch.rand(500, generator=gen) < 0.2 + 0.03 * s
+    diff = s[y][:, None] - s[~y][None, :]  # (n+, n-) every pair: the plain reference
+    brute = float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean())
+    assert roc_auc(s, y) == pytest.approx(brute, abs=1e-12)
+    assert roc_auc(s, y) == pytest.approx(float(binary_auroc(s.float(), y.long())), abs=1e-4)  # fp32 trapezoid
+
+
+def test_catch_rate_hand_built_and_random_baseline():
+    scores = torch.arange(10, dtype=torch.float64)  # top-2 of 10 escalate at B = 0.2
+    labels = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
+    assert catch_rate(scores, labels, 0.2) == pytest.approx(2 / 3)
+    assert catch_rate(scores, labels, 0.3) == 1.0
+    gen = torch.Generator().manual_seed(0)
+    rates = [catch_rate(torch.rand(2000, generator=gen), torch.rand(2000, generator=gen) < 0.1, 0.15)
+             for _ in range(200)]
+    assert sum(rates) / len(rates) == pytest.approx(0.15, abs=0.01)
+
+
+@pytest.mark.parametrize("b, c, p", [(5, 3, 0.727), (20, 7, 0.019), (2, 0, 0.5)])
+def test_mcnemar_worked_values(b, c, p):
+    assert round(mcnemar_exact(b, c), 3) == p
+
+
+def test_mcnemar_and_bootstrap_edges():
+    assert mcnemar_exact(0, 0) == 1.0
+    assert bootstrap_ci(5, lambda idx: 3.0, 50) == [3.0, 3.0]
+    assert bootstrap_ci(5, lambda idx: float("nan"), 50) is None
+    lo, hi = bootstrap_ci(40, lambda idx: float(idx.double().mean()), 400, seed=1)
+    assert lo < 19.5 < hi and hi - lo < 20
+
+
+def test_replay_metrics_on_hand_built_steps():
+    steps = [
+        ReplaySteps(torch.tensor([False, True, False, True]),
+                    {"entropy": torch.tensor([0.1, 0.9, 0.2, 0.8]), "margin": torch.tensor([-0.9, -0.1, -0.5, -0.6])}),
+        ReplaySteps(torch.tensor([False, False, True, False]),
+                    {"entropy": torch.tensor([0.3, 0.2, 0.7, 0.1]), "margin": torch.tensor([-0.8, -0.7, -0.2, -0.3])}),
+    ]
+    out = replay_metrics(steps, budgets=(0.25, 0.5), bootstrap_samples=20)
+    assert out["num_steps"] == 8 and out["num_flips"] == 3 and out["flip_rate"] == 3 / 8
+    assert out["auc_entropy"] == 1.0 and out["auc_margin"] == pytest.approx(13 / 15)
+    assert out["catch_at_budget"]["entropy"] == {"0.25": 2 / 3, "0.50": 1.0}
+    assert out["catch_at_budget"]["random"]["0.25"] == 0.25
+    # lagged gate: score at t-1 against the flip at t, within each prompt (6 pairs)
+    assert set(out["catch_at_budget_lagged"]) == {"entropy", "margin"}
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def test_config_bad_input():
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        DualPrecisionConfig(budget=1.5)
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        DualPrecisionConfig(budget=0.0)
+    with pytest.raises(ValueError, match="choose one"):
+        DualPrecisionConfig(budget=0.1, entropy_threshold=2.0)
+    assert DualPrecisionConfig().budget == 0.15
+    assert DualPrecisionConfig(margin_threshold=0.1).budget is None
+
+
+def test_no_quantizable_linears(dp_tiny_dir):
+    from draftkit.models.target import load_target
+
+    model, _ = load_target(str(dp_tiny_dir), "float32")
+    with pytest.raises(ValueError, match="no quantizable linears"):
+        DualPrecisionLM(model, QuantConfig(include=("*.does_not_exist.*",)))
+
+
+def test_evaluate_report_on_tiny_model(tiny_lm):
+    config = DualPrecisionConfig(budget=0.2, max_new_tokens=10, k=2, bootstrap_samples=20)
+    report = evaluate_dual_precision(tiny_lm, PROMPTS[:2], PROMPTS[2:], config)
+    methods = report["methods"]
+    assert list(methods) == ["all_high", "all_low", "entropy_gate", "margin_gate", "verified"]
+    for entry in methods.values():
+        assert {"bytes_per_token", "bytes_ratio_vs_high", "kl_mean", "escalation_rate", "exact_match"} <= set(entry)
+    wb = tiny_lm.bytes
+    assert methods["all_high"]["bytes_per_token"] == wb.high and methods["all_high"]["kl_mean"] < 1e-6
+    assert methods["all_low"]["bytes_ratio_vs_high"] == pytest.approx(wb.rho)
+    assert methods["verified"]["exact_match"] == 1.0 and methods["verified"]["kl_mean"] < 1e-6
+    e = methods["entropy_gate"]["escalation_rate"]
+    assert methods["entropy_gate"]["bytes_ratio_models"]["i"] == pytest.approx(wb.rho + e)
+    replay = report["replay"]
+    assert {"num_steps", "flip_rate", "auc_entropy", "auc_margin", "catch_at_budget"} <= set(replay)
+    assert replay["num_steps"] == 20
+    assert report["thresholds"]["source"] == "calibrated" and report["calibration"]["num_steps"] == 20
+    assert report["mcnemar"]["exact_match"]["all_high|verified"] == {"b": 0, "c": 0, "p": 1.0}
+
+
+def test_evaluate_with_correctness_labels(tiny_lm):
+    config = DualPrecisionConfig(entropy_threshold=3.0, max_new_tokens=6, k=1, bootstrap_samples=0,
+                                 methods=("all_low", "entropy_gate", "margin_gate"))
+    report = evaluate_dual_precision(tiny_lm, PROMPTS[:3], [], config, is_correct=lambda i, toks: i != 1)
+    assert list(report["methods"]) == ["all_high", "all_low", "entropy_gate"]  # no margin threshold given
+    assert report["methods"]["all_low"]["accuracy"] == pytest.approx(2 / 3)
+    assert report["mcnemar"]["correct"]["all_high|all_low"]["p"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def _write_prompts(path, texts):
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def test_cli_end_to_end(dp_tiny_dir, tmp_path):
+    from draftkit.decoding.dual_precision_cli import main
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
+    out, tb = tmp_path / "report.json", tmp_path / "tb"
+    rc = main(["--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+               "--calibration_prompts", "2", "--num_prompts", "3", "--max_new_tokens", "6", "--k", "2",
+               "--bootstrap_samples", "10", "--output", str(out), "--tensorboard", str(tb)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["sizes"] == {"calibration_prompts": 2, "evaluation_prompts": 3, "max_new_tokens": 6, "k": 2}
+    assert not set(report["prompts"]["evaluation_ids"]) & set(report["prompts"]["calibration_ids"])
+    assert report["methods"]["verified"]["exact_match"] == 1.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb)).Reload()
+    assert {"dual_precision/catch_vs_budget", "dual_precision/bytes_vs_kl"} <= set(events.Tags()["images"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--budget", "1.2"], "(0, 1)"),
+        (["--budget", "0"], "(0, 1)"),
+        (["--budget", "0.1", "--margin_threshold", "0.2"], "choose one"),
+        (["--num_prompts", "50"], "only 4 prompts remain"),
+    ],
+)
+def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
+    from draftkit.decoding.dual_precision_cli import main
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
+    with pytest.raises(SystemExit) as exc:
+        main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", "2", *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
+    from draftkit.decoding.dual_precision_cli import load_prompts, main, split_prompts
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(5)])
+    calib = _write_prompts(tmp_path / "c.jsonl", ["q1", "q3", "other"])
+    _, evaluation, overlap = split_prompts(load_prompts(prompts), load_prompts(calib), None)
+    assert overlap == 2 and len(evaluation) == 5
+    with caplog.at_level(logging.WARNING):
+        rc = main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
+                   "--max_new_tokens", "2", "--bootstrap_samples", "0", "--output", str(tmp_path / "r.json")])
+    assert rc == 0
+    assert "2 of 5 evaluation prompts also appear in the calibration prompts" in caplog.text
+    assert json.loads((tmp_path / "r.json").read_text())["prompts"]["overlap"] == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"answer": "42"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: no prompt text"):
+        load_prompts(str(bad))
+
+
+# ---------------------------------------------------------------------------------------------- real target
+
+
+@pytest.mark.slow
+def test_smollm2_verified_equals_all_high():
+    from draftkit.decoding.dual_precision_cli import SMOLLM2_REF, load_prompts
+    from draftkit.models.target import load_target
+
+    model, tok = load_target(SMOLLM2_REF, "float32")
+    lm = DualPrecisionLM(model)
+    assert len(lm.layers) == 30 * 7 and round(lm.bytes.rho, 3) == 0.675
+    text = load_prompts("mt-bench")[0].text
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    prompt = tok(chat, add_special_tokens=False)["input_ids"]
+    high = greedy_decode(lm, prompt, 12, [tok.eos_token_id])
+    verified = verified_decode(lm, prompt, 2, 12, [tok.eos_token_id])
+    assert verified.tokens == high.tokens
+    steps, _ = replay_steps(lm, prompt, high.tokens)
+    assert steps.flip.shape == (len(high.tokens),) and (steps.scores["entropy"] >= 0).all()

@@ -1,0 +1,180 @@
+"""``draftkit evaluate`` on the tiny target: report keys and values, prompt files, bad input."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from decoding_stubs import make_head
+
+from draftkit.decoding.evaluate import (
+    Prompt,
+    check_head_matches_target,
+    evaluate_head,
+    load_prompts,
+    main,
+)
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+
+ISSUE_KEYS = {
+    "num_prompts", "k", "temperature", "tau", "acceptance_per_position", "acceptance_rate", "kl_per_position",
+    "bytes_per_token", "target_forwards_per_token", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+    "greedy_equal", "prompt_lookup_tau", "per_prompt",
+}
+
+
+def write_ckpt(path, head, target_ref):
+    meta = {
+        "head_config": dataclasses.asdict(head.config), "target": str(target_ref), "target_dtype": "float32",
+        "aux_layer_ids": list(head.config.aux_layer_ids), "chat_template": None, "ttt": {"steps": 7, "decay": 0.8},
+    }
+    state = {f"head.{k}": v for k, v in head.export_state_dict().items()}
+    torch.save({"state_dict": state, "draftkit": meta}, path)
+    return path
+
+
+@pytest.fixture()
+def ckpt(tmp_path, tiny, tiny_dir):
+    return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_dir)
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
+        {"prompt": "abc abc abc abc"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
+    out = tmp_path / "sub" / "report.json"
+    tb = tmp_path / "tb"
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "12", "--k", "4", "--tensorboard", str(tb)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert ISSUE_KEYS <= set(report)
+    assert report["num_prompts"] == 3 and report["k"] == 4 and report["temperature"] == 0.0
+    assert report["greedy_equal"] == 3  # float32 greedy: lossless
+    assert [r["id"] for r in report["per_prompt"]] == ["7", "2", "3"]
+    assert all(r["equal"] and r["first_diff"] is None for r in report["per_prompt"])
+    assert len(report["acceptance_per_position"]) == 4 and len(report["kl_per_position"]) == 4
+    assert report["tau"] == pytest.approx(1 + sum(report["acceptance_per_position"]))  # chain identity
+    assert report["target_forwards_per_token"] == pytest.approx(
+        report["rounds"] / sum(r["new_tokens"] - 1 for r in report["per_prompt"]))
+    assert report["bytes_per_token"]["plain"] > 0 and report["bytes_per_token"]["speculative"] > 0
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert report["prompt_lookup_tau"] >= 1
+    assert list(tb.glob("events.out.tfevents.*"))
+    printed = capsys.readouterr().out
+    assert "tau (bonus counted)" in printed and "greedy_equal               3/3" in printed
+
+
+def test_evaluate_head_token_ids_and_bytes(tiny, tiny_head):
+    target, _ = tiny
+    report = evaluate_head(
+        tiny_head, target, None, [[256, 1, 2, 3], [256, 9, 9, 9, 9]], k=3, max_new_tokens=7,
+        eos_token_ids=[257], baseline=False, prompt_lookup=False, warmup=False,
+    )
+    assert report["speedup"] is None and report["greedy_equal"] is None and report["prompt_lookup_tau"] is None
+    assert report["num_prompts"] == 2
+    # weights read per round: target (untied embedding excluded) + fc once + 3 x (layer, norm, lm_head)
+    cfg = tiny_head.config
+    layer = sum(p.numel() for p in tiny_head.midlayer.parameters()) + cfg.hidden_size
+    draft_round = 4 * (cfg.num_aux_layers * cfg.target_hidden_size * cfg.hidden_size
+                       + 3 * (layer + cfg.draft_vocab_size * cfg.hidden_size))
+    target_bytes = 4 * (sum(p.numel() for p in target.model.parameters()) - 320 * 64)
+    assert report["bytes_per_token"]["plain"] == target_bytes
+    decode_tokens = sum(r["new_tokens"] - 1 for r in report["per_prompt"])
+    assert report["bytes_per_token"]["speculative"] == pytest.approx(
+        report["rounds"] * (target_bytes + draft_round) / decode_tokens)
+    assert tiny_head.training is False
+
+
+def test_sampled_report(tiny, tiny_head):
+    report = evaluate_head(tiny_head, tiny[0], tiny[1], ["hello"], k=2, temperature=0.7, top_p=0.9,
+                           max_new_tokens=6, warmup=False)
+    assert report["greedy_equal"] is None and report["temperature"] == 0.7
+    assert 1 <= report["tau"] <= 3
+
+
+def test_load_prompts_formats(tmp_path, prompts_file):
+    prompts = load_prompts(str(prompts_file))
+    assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])
+    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert len(load_prompts(str(prompts_file), num_prompts=2)) == 2
+    array = tmp_path / "p.json"
+    array.write_text(json.dumps(["one", {"conversations": [{"from": "human", "value": "two"}]}]))
+    assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
+
+
+def test_prompt_file_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
+        load_prompts(str(bad))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        load_prompts(str(empty))
+    with pytest.raises(FileNotFoundError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_bad_input_errors(tiny, tiny_head):
+    target, tokenizer = tiny
+    with pytest.raises(ValueError, match="prompt list is empty"):
+        evaluate_head(tiny_head, target, tokenizer, [])
+    with pytest.raises(ValueError, match="k .* must be >= 1"):
+        evaluate_head(tiny_head, target, tokenizer, ["hi"], k=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        evaluate_head(tiny_head, target, tokenizer, ["hi"], temperature=-0.5)
+    with pytest.raises(ValueError, match=r"prompt 0: 600 tokens .* context window of 512"):
+        evaluate_head(tiny_head, target, tokenizer, [[5] * 600], max_new_tokens=4)
+
+
+def test_head_target_mismatch_names_both(tiny, tiny_head):
+    target, _ = tiny
+    fields = dataclasses.asdict(tiny_head.config)
+    wrong_vocab = Eagle3LlamaHead(Eagle3Config(**{**fields, "vocab_size": 300, "draft_vocab_size": 256}))
+    with pytest.raises(ValueError, match=r"head V=300, target V=320"):
+        check_head_matches_target(wrong_vocab, target)
+    wrong_hidden = Eagle3LlamaHead(Eagle3Config(**{**fields, "target_hidden_size": 32}))
+    with pytest.raises(ValueError, match=r"head was trained on H_t=32, target has H_t=64"):
+        evaluate_head(wrong_hidden, target, None, [[1, 2]])
+
+
+def test_main_bad_input_exit_code(tmp_path, ckpt, prompts_file, tiny, capsys):
+    out = tmp_path / "r.json"
+    base = ["--prompts", str(prompts_file), "--output", str(out)]
+    assert main(["--checkpoint", str(tmp_path / "nope.ckpt"), *base]) == 2
+    assert "nope.ckpt does not exist" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint")
+    assert main(["--checkpoint", str(garbage), *base]) == 2
+    assert "could not be read" in capsys.readouterr().err
+    assert main(["--checkpoint", str(ckpt), *base, "--k", "0"]) == 2
+    assert "--k must be >= 1" in capsys.readouterr().err
+    assert main(["--checkpoint", str(ckpt), *base, "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+    other = make_head(tiny[0])
+    other_ckpt = write_ckpt(tmp_path / "other.ckpt", other, tmp_path / "missing-target")
+    assert main(["--checkpoint", str(other_ckpt), *base]) == 2
+    assert "missing-target" in capsys.readouterr().err
+    assert not out.exists()  # nothing partial written
+
+
+def test_exported_head_directory(tmp_path, ckpt, prompts_file):
+    export = pytest.importorskip("draftkit.export")
+    directory = export.export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
+    out = tmp_path / "report.json"
+    rc = main(["--checkpoint", str(directory), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "6", "--num_prompts", "1", "--prompt_lookup", "false"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["greedy_equal"] == 1 and report["prompt_lookup_tau"] is None

@@ -1,0 +1,238 @@
+"""Decoding on a tiny random Llama target with a tiny random EAGLE3 head (float32, offline)."""
+
+import pytest
+import torch
+from decoding_stubs import chi2_pvalue
+
+from draftkit.decoding.sampling import probs_from_logits
+from draftkit.decoding.speculative import (
+    DecodeConfig,
+    Draft,
+    Eagle3Drafter,
+    TargetSession,
+    generate_plain,
+    generate_speculative,
+    generate_uncached,
+    greedy_verify,
+)
+from draftkit.heads.eagle3_llama import KVCache
+
+PROMPTS = [[256, 10, 72, 101, 108, 108, 111, 257, 10], [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8]]
+
+
+class OracleDrafter(Eagle3Drafter):
+    """The real head and cache, but the proposed ids are replaced by the known greedy output for the
+    first ``pattern[r]`` positions and a wrong token afterwards, so acceptance is controlled."""
+
+    def __init__(self, head, greedy_tokens: list[int], prompt_len: int, pattern: list[int]) -> None:
+        super().__init__(head)
+        self.greedy, self.n, self.pattern, self.round = greedy_tokens, prompt_len, pattern, 0
+
+    def propose(self, tokens, k, cfg, generator):
+        draft = super().propose(tokens, k, cfg, generator)  # advances and rolls back the draft cache
+        good = self.pattern[self.round % len(self.pattern)]
+        self.round += 1
+        start = tokens.shape[0] - self.n  # index in the output of the token after tokens[-1]
+        ids = [self.greedy[start + i] if start + i < len(self.greedy) else 0 for i in range(k)]
+        ids = [t if i < good else (t + 1) % 320 for i, t in enumerate(ids)]
+        return Draft(torch.tensor(ids), None, draft.logits, draft.t2d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_cached_equals_uncached(tiny, temperature):
+    target, _ = tiny
+    session = TargetSession(target)
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        cfg = DecodeConfig(max_new_tokens=24, temperature=temperature, top_k=20)
+        cached = generate_plain(session, ids, cfg, torch.Generator().manual_seed(3)).tokens
+        uncached = generate_uncached(target, ids, cfg, torch.Generator().manual_seed(3))
+        assert cached == uncached
+        assert len(cached) == 24
+
+
+def test_greedy_speculative_equals_plain_random_head(tiny, tiny_head):
+    target, _ = tiny
+    session = TargetSession(target)
+    cfg = DecodeConfig(max_new_tokens=32)
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        plain = generate_plain(session, ids, cfg)
+        spec = generate_speculative(session, Eagle3Drafter(tiny_head), ids, 5, cfg, collect_kl=True)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.rounds == spec.target_forwards
+        kl = spec.stats.kl_per_position()
+        assert len(kl) == 5 and all(x > 0 for x in kl)
+
+
+def test_greedy_speculative_with_controlled_acceptance(tiny, tiny_head):
+    target, _ = tiny
+    session = TargetSession(target)
+    ids = torch.tensor(PROMPTS[1])
+    pattern = [3, 0, 5, 1, 2]  # tokens per cycle: 4 + 1 + 6 + 2 + 3 = 16
+    cfg = DecodeConfig(max_new_tokens=1 + 16 * 2)
+    plain = generate_plain(session, ids, cfg)
+    drafter = OracleDrafter(tiny_head, plain.tokens, len(PROMPTS[1]), pattern)
+    spec = generate_speculative(session, drafter, ids, 5, cfg)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.accepted == pattern * 2
+    assert spec.stats.tau() == pytest.approx(16 / 5)
+    # the loop committed the accepted positions' aux states: flushing them gives a fresh prefill's cache
+    seq = ids.tolist() + spec.tokens
+    Eagle3Drafter.propose(drafter, torch.tensor(seq), 1, cfg, None)
+    full = target(torch.tensor([seq[:-1]]))
+    cache = KVCache()
+    tiny_head(torch.tensor([seq[1:]]), tiny_head.project(full.aux_hidden_states), torch.arange(len(seq) - 1)[None], cache)
+    torch.testing.assert_close(drafter.cache.k, cache.k, atol=1e-5, rtol=1e-5)
+
+
+def _layer_kv(cache, i):
+    layer = cache.layers[i]
+    return layer.keys, layer.values
+
+
+def test_cache_rollback_equals_fresh_prefill(tiny, tiny_head):
+    """After rounds with rejections, both caches equal a fresh prefill of the accepted sequence."""
+    target, _ = tiny
+    prompt = torch.tensor(PROMPTS[0])
+    greedy = generate_plain(TargetSession(target), prompt, DecodeConfig(max_new_tokens=30)).tokens
+    session, drafter = TargetSession(target), Eagle3Drafter(tiny_head)
+    cfg = DecodeConfig(max_new_tokens=30)
+    logits, aux = session.forward(prompt, last_only=True)
+    drafter.reset(prompt, aux)
+    seq = prompt.tolist() + [int(logits[-1].argmax())]
+    for planned in (2, 0, 4, 1):
+        drafter.propose(torch.tensor(seq), 4, cfg, None)
+        out = len(seq) - len(prompt)
+        ids = [greedy[out + i] if i < planned else (greedy[out + i] + 1) % 320 for i in range(4)]
+        L = session.length
+        logits, aux = session.forward(torch.tensor(seq[-1:] + ids))
+        a, nxt = greedy_verify(torch.tensor(ids), logits)
+        assert a == planned
+        session.crop(L + a + 1)
+        drafter.commit(aux[: a + 1])
+        seq += ids[:a] + [nxt]
+    assert seq[len(prompt):] == greedy[: len(seq) - len(prompt)]
+    # target: the cropped cache equals a prefill of everything but the last (not yet verified) token
+    fresh = TargetSession(target)
+    fresh.forward(torch.tensor(seq[:-1]))
+    assert session.length == fresh.length == len(seq) - 1
+    for i in range(target.num_layers):
+        for got, want in zip(_layer_kv(session.cache, i), _layer_kv(fresh.cache, i)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # draft: once the pending rows are fed, the cache equals step-0 rows of a fresh full prefill
+    drafter.propose(torch.tensor(seq), 4, cfg, None)
+    full = target(torch.tensor([seq[:-1]]))
+    cache = KVCache()
+    n = len(seq) - 1
+    tiny_head(torch.tensor([seq[1:]]), tiny_head.project(full.aux_hidden_states), torch.arange(n)[None], cache)
+    assert drafter.cache.length == n
+    torch.testing.assert_close(drafter.cache.k, cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter.cache.v, cache.v, atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_chain_equals_head_forward(tiny, tiny_head):
+    """Eagle3Drafter's last-row-only step and chaining equal the head's own forward step by step."""
+    target, _ = tiny
+    prompt = torch.tensor(PROMPTS[1])
+    out = target(prompt[None])
+    x = int(out.logits[0, -1].argmax())
+    drafter = Eagle3Drafter(tiny_head)
+    drafter.reset(prompt, out.aux_hidden_states[0])
+    draft = drafter.propose(torch.tensor(prompt.tolist() + [x]), 3, DecodeConfig(), None)
+    n = prompt.numel()
+    cache = KVCache()
+    ids = torch.tensor([prompt.tolist()[1:] + [x]])
+    logits, h = tiny_head(ids, tiny_head.project(out.aux_hidden_states), torch.arange(n)[None], cache)
+    expected = []
+    for j in range(3):
+        z = logits[0, -1]
+        expected.append(z)
+        t = tiny_head.draft_to_target(z.argmax())
+        logits, h = tiny_head(t.view(1, 1), h[:, -1:], torch.tensor([[n + j]]), cache)
+    torch.testing.assert_close(draft.logits, torch.stack(expected), atol=1e-5, rtol=1e-5)
+    assert draft.ids.tolist() == [int(tiny_head.draft_to_target(z.argmax())) for z in expected]
+    assert bool(tiny_head.t2d[draft.ids].all())
+    assert drafter.cache.length == n  # chained rows rolled back
+
+
+def test_sampled_draft_distribution_is_mapped_through_d2t(tiny, tiny_head):
+    target, _ = tiny
+    prompt = torch.tensor(PROMPTS[0])
+    out = target(prompt[None])
+    drafter = Eagle3Drafter(tiny_head)
+    drafter.reset(prompt, out.aux_hidden_states[0])
+    cfg = DecodeConfig(temperature=0.8, top_p=0.9)
+    draft = drafter.propose(torch.tensor(prompt.tolist() + [5]), 4, cfg, torch.Generator().manual_seed(0))
+    assert draft.probs.shape == (4, 320)
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(4))
+    assert float(draft.probs[:, ~tiny_head.t2d].abs().sum()) == 0.0
+    expected = probs_from_logits(draft.logits, 0.8, 0, 0.9)  # (4, V_d) in draft order
+    torch.testing.assert_close(draft.probs[:, tiny_head.t2d], expected)
+    assert bool((draft.probs[torch.arange(4), draft.ids] > 0).all())
+
+
+class SelfDrafter:
+    """Drafts from the target's own distribution at another temperature (no cache): overlapping p and q."""
+
+    def __init__(self, target, temperature: float) -> None:
+        self.target, self.temperature, self.memo = target, temperature, {}
+
+    def reset(self, prompt_ids, aux):
+        pass
+
+    def commit(self, aux):
+        pass
+
+    def round_bytes(self, drafted):
+        return 0
+
+    def propose(self, tokens, k, cfg, generator):
+        ids, probs, seq = [], [], tokens
+        for _ in range(k):
+            key = tuple(seq.tolist())
+            if key not in self.memo:
+                self.memo[key] = probs_from_logits(self.target(seq[None]).logits[0, -1], self.temperature)
+            q = self.memo[key]
+            d = torch.multinomial(q, 1, generator=generator)
+            ids.append(d[0])
+            probs.append(q)
+            seq = torch.cat([seq, d])
+        return Draft(torch.stack(ids), torch.stack(probs))
+
+
+def test_sampled_speculative_distribution_tiny_target(tiny):
+    """Speculative sampling with the real cached target gives the target's (top-k warped) distribution."""
+    target, _ = tiny
+    prompt = torch.tensor(PROMPTS[0])
+    cfg = DecodeConfig(max_new_tokens=2, temperature=1.0, top_k=3)
+    session = TargetSession(target)
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    counts: dict[tuple[int, int], int] = {}
+    drafter = SelfDrafter(target, 2.0)
+    for _ in range(n):
+        out = tuple(generate_speculative(session, drafter, prompt, 1, cfg, g).tokens)
+        counts[out] = counts.get(out, 0) + 1
+    p1 = probs_from_logits(target(prompt[None]).logits[0, -1], 1.0, 3)
+    cells, expected = [], []
+    for t1 in p1.nonzero()[:, 0].tolist():
+        p2 = probs_from_logits(target(torch.cat([prompt, torch.tensor([t1])])[None]).logits[0, -1], 1.0, 3)
+        for t2 in p2.nonzero()[:, 0].tolist():
+            cells.append((t1, t2))
+            expected.append(float(p1[t1] * p2[t2]) * n)
+    assert set(counts) <= set(cells)
+    observed = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
+    assert chi2_pvalue(observed, torch.tensor(expected)) > 1e-3
+
+
+def test_bench_scripted_acceptance(tiny, tiny_head):
+    from draftkit.decoding.bench import bench_decode
+
+    target, tokenizer = tiny
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    # 1 + rounds emitting 2, 4, 3, 5, 1, 3 = 19 tokens: whole rounds only
+    result = bench_decode(target, tokenizer, tiny_head, prompts, k=5, max_new_tokens=19, pattern=[1, 3, 2, 4, 0, 2])
+    assert result["outputs_equal_plain"] == 2
+    assert result["scripted_tau"] == pytest.approx(3.0)
+    assert result["head_tau"] >= 1.0 and result["draft_ms_per_round"] > 0

@@ -1,0 +1,102 @@
+"""Byte accounting (dual-precision.md §3, §7): Qwen3-0.6B built from its numbers on the meta device."""
+
+import pytest
+import torch
+
+from draftkit.quant import (
+    QuantConfig,
+    expected_tokens_per_round,
+    expected_verified_ratio,
+    gated_bytes_per_token,
+    quantize_model,
+    verified_bytes_per_token,
+    weight_bytes,
+)
+from draftkit.testing import tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _ratios(wb, e=0.16):
+    return [gated_bytes_per_token(wb, e, c) / wb.high for c in ("i", "ii", "iii")]
+
+
+def test_qwen3_bf16_head(qwen3_06b):
+    wb = weight_bytes(qwen3_06b, QuantConfig(), scale_bytes=0)
+    assert wb.quantized_params == 28 * 15_728_640  # 440.4 M decoder-linear weights
+    assert round(wb.high / 1e6, 1) == 751.7  # 440.4 + 311.2 (+ norms)
+    assert round(wb.low / 1e6, 1) == 531.5
+    assert round(wb.high_plane / 1e6, 1) == 220.2
+    assert round(wb.rho, 3) == 0.707
+    assert [round(r, 3) for r in _ratios(wb)] == [0.867, 0.820, 0.754]
+    # per-channel scales (2 bytes each) are negligible: same ratios within 1e-3
+    with_scales = weight_bytes(qwen3_06b, QuantConfig())
+    assert _ratios(with_scales) == pytest.approx([0.867, 0.820, 0.754], abs=1e-3)
+    assert with_scales.high - wb.high == 28 * 12288 * 2  # one scale per output channel
+
+
+def test_qwen3_all_quantized(qwen3_06b):
+    wb = weight_bytes(qwen3_06b, QuantConfig(quantize_lm_head=True), scale_bytes=0)
+    assert round(wb.high / 1e6, 1) == 596.1  # 440.4 + 155.6 (+ norms, one embedding row)
+    assert round(wb.rho, 3) == 0.5
+    assert [round(r, 3) for r in _ratios(wb)] == [0.660, 0.580, 0.580]
+
+
+def test_counts_on_a_quantized_model_equal_the_config_count():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())  # untied head: V*H at 2 bytes, embedding one row
+    before = weight_bytes(model)
+    quantize_model(model)
+    after = weight_bytes(model)
+    assert before == after
+    h, v, layers = 64, 320, 8
+    linears = layers * (h * h + 2 * h * 32 + h * h + 3 * h * 128)  # q, k+v (2 KV heads of 16), o, mlp
+    assert after.quantized_params == linears
+    norms = (2 * layers + 1) * h
+    scales = layers * (h + 32 + 32 + h + 128 + 128 + h)
+    assert after.high == linears + (v * h + h + norms + scales) * 2
+
+
+def test_cost_models_and_bounds():
+    from draftkit.quant.bytes import WeightBytes
+
+    wb = WeightBytes(high=100.0, low=70.0, high_plane=40.0, quantized_params=80, other=30.0)
+    assert gated_bytes_per_token(wb, 0.0, "i") == 70.0
+    assert gated_bytes_per_token(wb, 1.0, "i") == 170.0  # every step pays both passes
+    assert gated_bytes_per_token(wb, 1.0, "iii") == 100.0
+    assert gated_bytes_per_token(wb, 0.5, "ii") == 70.0 + 0.5 * 60.0
+    with pytest.raises(ValueError, match="cost model"):
+        gated_bytes_per_token(wb, 0.1, "iv")
+    with pytest.raises(ValueError, match="escalation rate"):
+        gated_bytes_per_token(wb, 1.5)
+    assert verified_bytes_per_token(wb, 3, 4.0) == (3 * 70 + 100) / 4
+
+
+@pytest.mark.parametrize(
+    "rho, alpha, row",
+    [
+        (0.707, 0.90, [0.898, 0.891, 0.908, 0.935, 1.005]),
+        (0.707, 0.95, [0.875, 0.846, 0.841, 0.846, 0.869]),
+        (0.707, 0.98, [0.862, 0.821, 0.804, 0.797, 0.795]),
+        (0.5, 0.95, [0.769, 0.701, 0.674, 0.663, 0.663]),
+    ],
+)
+def test_verified_ratio_table(rho, alpha, row):
+    assert [round(expected_verified_ratio(rho, alpha, k), 3) for k in (1, 2, 3, 4, 6)] == row
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_round(1.0, 3) == 4.0
