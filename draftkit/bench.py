@@ -1,8 +1,10 @@
-"""``python -m draftkit bench train --recipe R``: training throughput of a recipe on this machine.
+"""``python -m draftkit bench train --recipe R [--cache DIR]``: training throughput of a recipe on this machine.
 
 Prints training tokens/s (all tokens of the batch, padding excluded) and the ratio of one full training
 step (target forward + K TTT steps + backward + optimizer step) to the target's forward alone on the same
-batch, both timed in the same run after warm-up.
+batch, both timed in the same run after warm-up. With ``--cache DIR`` (a hidden-state cache of the same
+recipe) it also times offline training (cached states + target LM head only) on the same batches and prints
+online and offline tokens/s side by side.
 """
 
 from __future__ import annotations
@@ -16,31 +18,61 @@ import torch
 __all__ = ["main", "bench_train"]
 
 
-def bench_train(recipes: list[str], steps: int = 5, warmup: int = 1, overrides: list[str] | None = None) -> dict:
-    """Time ``steps`` training steps and target forwards on the recipe's first batches.
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_train(
+    recipes: list[str], steps: int = 5, warmup: int = 1, overrides: list[str] | None = None,
+    hidden_states_cache: str | None = None,
+) -> dict:
+    """Time ``steps`` training steps (and, online, target forwards) on the recipe's first batches.
+
+    Online mode runs the target in every step; offline mode (``hidden_states_cache``, a directory written by
+    ``python -m draftkit cache-hidden-states``) reads the target states from the cache and applies only the
+    target's LM head. Both modes see the same batches (same seeded sampler).
 
     Returns:
-        dict with ``tokens_per_step``, ``target_forward_s``, ``train_step_s``, ``ratio``,
-        ``train_tokens_per_s``, ``target_tokens_per_s``, ``precision``, ``threads``.
+        dict with ``mode`` (online/offline), ``device`` (CUDA when the recipe's accelerator is a GPU),
+        ``tokens_per_step`` (real tokens, padding excluded),
+        ``load_s`` (fetching and collating one batch; reading the shards offline), ``train_step_s``,
+        ``train_tokens_per_s`` (tokens / train_step_s), ``end_to_end_tokens_per_s``
+        (tokens / (load_s + train_step_s)), ``precision``, ``threads``; online also ``target_forward_s``,
+        ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
     """
     from draftkit.cli import DraftkitCLI
 
     args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])
+    if hidden_states_cache:
+        args += ["--data.hidden_states_cache", str(hidden_states_cache)]
     cli = DraftkitCLI(args=args, run=False)
     model, dm, trainer = cli.model, cli.datamodule, cli.trainer
     dm.setup("fit")
     model.build(dm)
     model.train()
     precision = str(trainer.precision)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if "bf16" in precision else nullcontext()
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    device = torch.device("cuda" if isinstance(trainer.accelerator, CUDAAccelerator) else "cpu")
+    model.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if "bf16" in precision else nullcontext()
     opt = torch.optim.AdamW([p for p in model.head.parameters() if p.requires_grad], lr=1e-5)
     it = iter(dm.train_dataloader())
-    batches = [next(it) for _ in range(warmup + steps)]
+    batches, load = [], []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        batches.append({k: v.to(device) for k, v in next(it).items()})
+        _sync(device)
+        load.append(time.perf_counter() - t0)
+    offline = "aux_hidden_states" in batches[0]
     fwd, step = [], []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
-        with autocast:
-            model.target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        if not offline:
+            with autocast:
+                model.target(batch["input_ids"], attention_mask=batch["attention_mask"])
+            _sync(device)
         t1 = time.perf_counter()
         with autocast:
             loss, _ = model.ttt_loss(batch)
@@ -48,36 +80,56 @@ def bench_train(recipes: list[str], steps: int = 5, warmup: int = 1, overrides: 
         torch.nn.utils.clip_grad_norm_(model.head.parameters(), 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(device)
         t2 = time.perf_counter()
         if i >= warmup:
             fwd.append(t1 - t0)
             step.append(t2 - t1)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches[warmup:]) / steps
     result = {
+        "mode": "offline" if offline else "online",
         "tokens_per_step": tokens,
-        "target_forward_s": sum(fwd) / steps,
+        "load_s": sum(load[warmup:]) / steps,
         "train_step_s": sum(step) / steps,
         "precision": precision,
         "threads": torch.get_num_threads(),
+        "device": str(device),
     }
-    result["ratio"] = result["train_step_s"] / result["target_forward_s"]
     result["train_tokens_per_s"] = tokens / result["train_step_s"]
-    result["target_tokens_per_s"] = tokens / result["target_forward_s"]
+    result["end_to_end_tokens_per_s"] = tokens / (result["train_step_s"] + result["load_s"])
+    if not offline:
+        result["target_forward_s"] = sum(fwd) / steps
+        result["ratio"] = result["train_step_s"] / result["target_forward_s"]
+        result["target_tokens_per_s"] = tokens / result["target_forward_s"]
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m draftkit bench``."""
     parser = argparse.ArgumentParser(prog="draftkit bench", description=__doc__)
     parser.add_argument("what", choices=["train"])
     parser.add_argument("-r", "--recipe", action="append", required=True, help="recipe YAML (repeatable)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
+    parser.add_argument("--cache", help="hidden-state cache directory: also time offline training, side by side")
     args, overrides = parser.parse_known_args(argv)
     r = bench_train(args.recipe, args.steps, args.warmup, overrides)
-    print(
-        f"draftkit bench train ({r['precision']}, {r['threads']} threads, {r['tokens_per_step']:.0f} tokens/step)\n"
-        f"  target forward alone : {r['target_forward_s']:.3f} s/step  ({r['target_tokens_per_s']:.0f} tokens/s)\n"
-        f"  full training step   : {r['train_step_s']:.3f} s/step  ({r['train_tokens_per_s']:.0f} tokens/s)\n"
-        f"  ratio step / forward : {r['ratio']:.2f}"
-    )
+    lines = [
+        f"draftkit bench train ({r['device']}, {r['precision']}, {r['threads']} threads, {r['tokens_per_step']:.0f} tokens/step)",
+        f"  target forward alone : {r['target_forward_s']:.3f} s/step  ({r['target_tokens_per_s']:.0f} tokens/s)",
+        f"  full training step   : {r['train_step_s']:.3f} s/step  ({r['train_tokens_per_s']:.0f} tokens/s)",
+        f"  ratio step / forward : {r['ratio']:.2f}",
+    ]
+    if args.cache:
+        o = bench_train(args.recipe, args.steps, args.warmup, overrides, hidden_states_cache=args.cache)
+        lines += [
+            "",
+            f"  {'':28}{'online':>12}{'offline':>12}",
+            f"  {'batch load (s/step)':28}{r['load_s']:12.4f}{o['load_s']:12.4f}",
+            f"  {'training step (s/step)':28}{r['train_step_s']:12.3f}{o['train_step_s']:12.3f}",
+            f"  {'training tokens/s':28}{r['train_tokens_per_s']:12.0f}{o['train_tokens_per_s']:12.0f}",
+            f"  {'end-to-end tokens/s':28}{r['end_to_end_tokens_per_s']:12.0f}{o['end_to_end_tokens_per_s']:12.0f}",
+            f"  offline / online (end to end): {o['end_to_end_tokens_per_s'] / r['end_to_end_tokens_per_s']:.2f}x",
+        ]
+    print("\n".join(lines))
     return 0

@@ -3,7 +3,8 @@
 ``--recipe`` (alias ``-r``, ``-c``, ``--config``) is the config-file flag; repeat it to stack recipes
 (later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks).
 
-Verbs: fit, validate (LightningCLI); evaluate, select-layers, export, bench (draftkit commands).
+Verbs: fit, validate (LightningCLI); evaluate (``--decoding dual-precision`` for dual-precision decoding),
+select-layers, export, bench, cache-hidden-states (draftkit commands).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ __all__ = ["DraftkitCLI", "main"]
 
 VERBS = {
     "evaluate": "draftkit.decoding.evaluate",
+    "evaluate-dual-precision": "draftkit.decoding.dual_precision_cli",
     "select-layers": "draftkit.analysis.select",
     "export": "draftkit.export.cli",
     "bench": "draftkit.bench",
+    "cache-hidden-states": "draftkit.cache_hidden_states",
 }
 
 
@@ -62,12 +65,25 @@ class DraftkitCLI(LightningCLI):
         )
 
 
+def _option(args: list[str], name: str) -> str | None:
+    """Value of ``--name value`` or ``--name=value`` in an argument list, else None."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m draftkit`` and the ``draftkit`` script."""
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args and args[0] in VERBS:
-        module = importlib.import_module(VERBS[args[0]])
+        verb = args[0]
+        if verb == "evaluate" and _option(args, "--decoding") == "dual-precision":
+            verb = "evaluate-dual-precision"
+        module = importlib.import_module(VERBS[verb])
         return int(module.main(args[1:]) or 0)
     DraftkitCLI(args=argv)
     return 0

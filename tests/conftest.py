@@ -19,7 +19,10 @@ def _isolated_cache(request, tmp_path_factory, monkeypatch):
     user's cache so the real SmolLM2 and ShareGPT are fetched and prepared once per machine."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path_factory.getbasetemp() / "draftkit-cache"))
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # unit tests are tiny; one thread keeps them fast on a shared 2-core machine
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,11 @@ unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4):
 - ids and teacher are shifted left by one more position after every step, in :func:`ttt_targets`, padding
   with 0/False, so the mask travels with the labels;
 - loss: soft cross-entropy against softmax(z[..., t2d]) in fp32, per step normalised by the supervised
-  count, total Σ_k decay^k L_k.
+  count (the global count under DDP), total Σ_k decay^k L_k.
+
+Offline mode (the datamodule's ``hidden_states_cache``): batches carry the cached aux and last hidden states,
+the target forward is skipped and only the target's LM head is loaded (``draftkit.models.teacher``) to turn
+the last hidden state into teacher logits.
 
 Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, K TTT steps.
 """
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.heads.io import HEAD_PREFIX
 from draftkit.selection.vocab import VocabMap
@@ -223,18 +228,33 @@ class Eagle3Module(pl.LightningModule):
     def build(self, dm=None) -> None:
         """Load the target, build the draft vocab from ``dm.token_counts`` and the head (idempotent).
 
+        In offline mode (``dm.hidden_states`` is a ``HiddenStateCache``) only the target's config, embedding
+        and LM head are loaded, and the cache's fingerprint must match this run's target and aux layers.
+
         Args:
             dm: a datamodule with ``token_counts(V)`` (needed when V_d < V) and ``hparams.chat_template``.
 
         Raises:
-            ValueError: if V_d > V, or V_d < V without a datamodule.
+            ValueError: if V_d > V, or V_d < V without a datamodule, or the hidden-state cache was built for
+                another target, target dtype or aux layers (naming the field).
         """
         if self.head is not None:
             return
-        from draftkit.models.target import FrozenTarget
+        cache = getattr(dm, "hidden_states", None) if dm is not None else None
+        if cache is not None:
+            from draftkit.data.offline import config_fingerprint
+            from draftkit.models.teacher import load_target_lm_head
 
-        model, tokenizer = self.load_target_model()
-        self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
+            self.target = load_target_lm_head(self.hparams.target, self.hparams.target_dtype, self.hparams.aux_layer_ids)
+            cache.check({
+                "target": self.hparams.target, "target_config": config_fingerprint(self.target.config),
+                "target_dtype": self.hparams.target_dtype, "aux_layer_ids": list(self.target.aux_layer_ids),
+            })
+        else:
+            from draftkit.models.target import FrozenTarget
+
+            model, tokenizer = self.load_target_model()
+            self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
         self.hparams.aux_layer_ids = self.target.aux_layer_ids
         vocab_size = self.target.vocab_size
         if self.hparams.draft_vocab_size > vocab_size:
@@ -294,25 +314,33 @@ class Eagle3Module(pl.LightningModule):
 
     # -- training ---------------------------------------------------------------------------------------
     def _loss_weights(self, loss_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """(B, T) float weights on the *predicted* token positions: assistant mask × entropy filter."""
+        """(B, T) float weights on the *predicted* token positions: assistant mask × entropy filter.
+
+        Token t is keyed on the entropy of z_{t-1}, the target's uncertainty about token t
+        (``key_offset=-1`` of :func:`entropy_filter_weights`).
+        """
         cfg = self.entropy_filter
-        mask = loss_mask.bool()
         if cfg.mode == "off":
-            return mask.float()
-        # entropy of z_{t-1}: the target's uncertainty about token t, aligned with m_t
-        logp = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-        ent = -(logp.exp() * logp).sum(-1)  # (B, T), nats, entropy of the next-token distribution at t
-        ent_of_token = torch.cat([torch.zeros_like(ent[:, :1]), ent[:, :-1]], dim=1)  # (B, T)
-        if cfg.threshold is not None:
-            threshold = cfg.threshold
-        else:
-            vals = ent_of_token[mask]
-            threshold = float(torch.quantile(vals, cfg.quantile)) if vals.numel() else 0.0
-        low = ent_of_token < threshold
-        weights = mask.float()
-        weights[low & mask] = 0.0 if cfg.mode == "drop" else cfg.downweight
-        self.kept_fraction.update(float((weights[mask] > 0).float().mean()) if mask.any() else 1.0)
+            return loss_mask.bool().float()
+        weights, kept = entropy_filter_weights(
+            logits, loss_mask, cfg.mode, cfg.threshold, cfg.quantile, key_offset=-1, downweight=cfg.downweight
+        )
+        self.kept_fraction.update(float(kept))
         return weights
+
+    def _teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Aux hidden states (B, T, n*H_t) and teacher logits (B, T, V): from the batch's cached states
+        (offline) or from one target forward (online).
+
+        Raises:
+            ValueError: when a batch carries cached states but the target was not built for offline mode.
+        """
+        if "aux_hidden_states" in batch:
+            if not hasattr(self.target, "logits"):
+                raise ValueError("batch carries cached hidden states but the model was built without the cache")
+            return batch["aux_hidden_states"], self.target.logits(batch["last_hidden_state"])
+        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        return out.aux_hidden_states, out.logits
 
     def ttt_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Run the target and K TTT steps on a batch.
@@ -321,23 +349,25 @@ class Eagle3Module(pl.LightningModule):
         them at offset 1+k for its supervised rows, and the draft LM head runs only on those rows.
 
         Args:
-            batch: ``input_ids``, ``attention_mask``, ``loss_mask``, each (B, T) int64.
+            batch: ``input_ids``, ``attention_mask``, ``loss_mask``, each (B, T) int64; in offline mode also
+                ``aux_hidden_states`` (B, T, n*H_t) and ``last_hidden_state`` (B, T, H_t), and then the target
+                forward is skipped.
 
         Returns:
             (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
         """
         input_ids, attn = batch["input_ids"], batch["attention_mask"]
-        out = self.target(input_ids, attention_mask=attn)
+        aux, logits = self._teacher(batch)  # (B, T, n*H_t), (B, T, V)
         t2d = self.head.t2d
         b, t = input_ids.shape
-        in_draft = t2d[out.logits.argmax(-1)]  # (B, T) bool
-        weights = self._loss_weights(batch["loss_mask"] * attn, out.logits)  # (B, T) float
-        probs = F.softmax(out.logits[..., t2d].float(), dim=-1).reshape(b * t, -1)  # (B*T, V_d), draft order
+        in_draft = t2d[logits.argmax(-1)]  # (B, T) bool
+        weights = self._loss_weights(batch["loss_mask"] * attn, logits)  # (B, T) float
+        probs = F.softmax(logits[..., t2d].float(), dim=-1).reshape(b * t, -1)  # (B*T, V_d), draft order
         teacher_argmax = probs.argmax(-1)  # (B*T,)
-        del out.logits
+        del logits
         key_padding = attn.bool()
         positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
-        feature = self.head.project(out.aux_hidden_states.to(self.head.fc.weight.dtype))  # (B, T, H)
+        feature = self.head.project(aux.to(self.head.fc.weight.dtype))  # (B, T, H)
         ttt_cache: list = []
         total = feature.new_zeros((), dtype=torch.float32)
         stats = []

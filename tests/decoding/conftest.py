@@ -14,20 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decoding_stubs import make_head
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Keep unit tests to one core (other jobs share the machine) and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    from draftkit.testing import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("decoding") / "tiny-llama")
+def tiny_dir(tiny_target_dir):
+    """The shared seeded tiny Llama of tests/conftest.py."""
+    return tiny_target_dir
 
 
 @pytest.fixture(scope="session")

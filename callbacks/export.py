@@ -1,0 +1,113 @@
+"""ExportOnCheckpoint: write serving-engine export directories when ``fit`` ends.
+
+The callback saves the trained head through ``trainer.save_checkpoint`` (so the LightningModule's own
+``on_save_checkpoint`` adds the ``draftkit`` metadata) or picks the best/last checkpoint of the
+``ModelCheckpoint`` callback, then runs ``draftkit.export.export_checkpoint`` once per engine into
+``<dirpath>/{vllm,vllm-speculators,sglang,trtllm}``.
+
+Shapes: none (files only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from draftkit.export import export_checkpoint
+from draftkit.export.common import DTYPES, ENGINES
+
+__all__ = ["ExportOnCheckpoint"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIRS = {"vllm": "vllm", "speculators": "vllm-speculators", "sglang": "sglang", "trtllm": "trtllm"}
+"""Sub-directory of each engine under ``dirpath`` (the ``checkpoints/<run>/export/`` layout)."""
+
+
+class ExportOnCheckpoint(Callback):
+    """Exports the trained head for serving engines at the end of ``fit``.
+
+    Args:
+        engines: engine layouts to write, any of ``vllm``, ``speculators``, ``sglang``, ``trtllm``.
+        dirpath: export root; None means ``<trainer.default_root_dir>/export``. Each engine gets a
+            sub-directory (``vllm``, ``vllm-speculators``, ``sglang``, ``trtllm``).
+        checkpoint: which weights to export: ``final`` (the weights at the end of fit), ``best`` or ``last``
+            (the ``ModelCheckpoint`` files; falls back to ``final`` when there is none).
+        dtype: weight dtype of the export (``bfloat16`` default).
+        num_speculative_tokens: k written into the speculators/TensorRT-LLM configs and launch lines.
+        overwrite: replace existing export directories (a re-run of the same recipe).
+
+    Raises:
+        ValueError: on an unknown engine, dtype or checkpoint choice, an empty engine list, or k < 1.
+    """
+
+    def __init__(
+        self,
+        engines: list[str] | tuple[str, ...] = ("vllm",),
+        dirpath: str | None = None,
+        checkpoint: str = "final",
+        dtype: str = "bfloat16",
+        num_speculative_tokens: int = 3,
+        overwrite: bool = True,
+    ) -> None:
+        engines = list(engines)
+        bad = [e for e in engines if e not in ENGINES]
+        if not engines or bad:
+            raise ValueError(f"ExportOnCheckpoint engines must be a non-empty subset of {list(ENGINES)}, got {engines}")
+        if checkpoint not in ("final", "best", "last"):
+            raise ValueError(f"ExportOnCheckpoint checkpoint must be 'final', 'best' or 'last', got {checkpoint!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"ExportOnCheckpoint dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"ExportOnCheckpoint num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.engines = engines
+        self.dirpath = dirpath
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.num_speculative_tokens = num_speculative_tokens
+        self.overwrite = overwrite
+        self.exported: dict[str, Path] = {}
+
+    def _root(self, trainer: Trainer) -> Path:
+        return Path(self.dirpath if self.dirpath is not None else os.path.join(trainer.default_root_dir, "export"))
+
+    def _existing_checkpoint(self, trainer: Trainer) -> str | None:
+        cb = trainer.checkpoint_callback
+        if self.checkpoint == "final" or cb is None:
+            return None
+        path = getattr(cb, "best_model_path" if self.checkpoint == "best" else "last_model_path", "")
+        return path if path and os.path.isfile(path) else None
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        root = self._root(trainer)
+        source = self._existing_checkpoint(trainer)
+        tmp_dir = None
+        if source is None:
+            if self.checkpoint != "final":
+                log.warning("ExportOnCheckpoint: no %s checkpoint file; exporting the final weights", self.checkpoint)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp_dir = tempfile.mkdtemp(prefix=".export-ckpt-", dir=root) if trainer.is_global_zero else None
+            tmp_dir = trainer.strategy.broadcast(tmp_dir)
+            source = os.path.join(tmp_dir, "final.ckpt")
+            trainer.save_checkpoint(source, weights_only=True)  # collective: every rank takes part
+        try:
+            if trainer.is_global_zero:
+                for engine in self.engines:
+                    out = export_checkpoint(
+                        source, engine, root / ENGINE_DIRS[engine], dtype=self.dtype, overwrite=self.overwrite,
+                        num_speculative_tokens=self.num_speculative_tokens,
+                    )
+                    self.exported[engine] = out
+                    log.info("ExportOnCheckpoint: %s -> %s", engine, out)
+            trainer.strategy.barrier("ExportOnCheckpoint")
+        finally:
+            if tmp_dir is not None and trainer.is_global_zero:
+                import shutil
+
+                shutil.rmtree(tmp_dir, ignore_errors=True)

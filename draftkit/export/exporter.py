@@ -1,0 +1,280 @@
+"""``export_checkpoint``: one training checkpoint -> one engine directory, checked before it appears.
+
+Steps (eagle3-format.md §7):
+1. read the checkpoint and its target config; refuse a head trained for another target (hidden size, vocab)
+   or without a draft-vocab map;
+2. rename/cast the serving tensors for the engine and validate them strictly (names, shapes, dtypes, d2t);
+3. build ``config.json`` (aux ids converted by the engine module, all four norm flags explicit) and the
+   ``draftkit_export.json`` sidecar;
+4. write everything into a temporary sibling directory, reload it with :func:`load_exported_head`, compare its
+   logits with the checkpoint's head (same dtype rounding) and with :func:`reference_forward`, and only then
+   rename it into place.
+
+Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, N target layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftkit.export import sglang as sglang_engine
+from draftkit.export import speculators as speculators_engine
+from draftkit.export import trtllm as trtllm_engine
+from draftkit.export import vllm as vllm_engine
+from draftkit.export.common import (
+    DTYPES,
+    ENGINES,
+    SIDECAR,
+    HeadSource,
+    head_config_dict,
+    read_checkpoint,
+    serving_tensors,
+    validate_tensors,
+    vocab_fingerprint,
+    write_directory,
+)
+from draftkit.export.load import load_exported_head, read_export, reference_forward
+from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
+
+__all__ = ["ENGINE_MODULES", "export_checkpoint", "export_head_source", "verify_export"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_MODULES = {
+    "vllm": vllm_engine,
+    "speculators": speculators_engine,
+    "sglang": sglang_engine,
+    "trtllm": trtllm_engine,
+}
+
+FORMAT_VERSION = 1
+
+
+def _draftkit_version() -> str:
+    try:
+        return metadata.version("draftkit")
+    except metadata.PackageNotFoundError:  # running from a source tree without an install
+        return "unknown"
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    engine: str,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    target: str | None = None,
+    num_speculative_tokens: int = 3,
+    sglang_version: str = sglang_engine.ENGINE_VERSION,
+    sglang_aux_rule: str | None = None,
+    verifier: str | None = None,
+) -> Path:
+    """Export a draftkit training checkpoint for one serving engine.
+
+    Args:
+        checkpoint: a ``.ckpt`` written by ``draftkit fit``.
+        engine: one of ``vllm``, ``speculators``, ``sglang``, ``trtllm``.
+        out_dir: the directory to create.
+        dtype: weight dtype, ``bfloat16`` (default), ``float32`` or ``float16`` (fp16 drafts have overflowed
+            to NaN logits in engines: sglang PR #27883, vllm #55250).
+        overwrite: replace an existing ``out_dir``.
+        target: target reference overriding the checkpoint's ``meta["target"]``.
+        num_speculative_tokens: k, written where the format carries it (speculators, TensorRT-LLM options) and
+            into the launch command.
+        sglang_version: SGLang release the export is for (selects the aux-id rule; recorded in the sidecar).
+        sglang_aux_rule: explicit SGLang aux-id rule for releases newer than the verified ones.
+        verifier: speculators ``verifier.name_or_path`` (default: the resolved target path).
+
+    Returns:
+        The export directory.
+
+    Raises:
+        ValueError: on an unknown engine or dtype, k < 1, a bad checkpoint (see :func:`read_checkpoint`), a
+            head the engine cannot express, or a failed self-check (nothing is written then).
+        FileExistsError: if ``out_dir`` exists and ``overwrite`` is false.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    out_dir = Path(out_dir).expanduser().absolute()
+    if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
+        raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
+    source = read_checkpoint(checkpoint, target=target)
+    return export_head_source(
+        source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=num_speculative_tokens,
+        sglang_version=sglang_version, sglang_aux_rule=sglang_aux_rule, verifier=verifier,
+    )
+
+
+def export_head_source(
+    source: HeadSource,
+    engine: str,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    num_speculative_tokens: int = 3,
+    sglang_version: str = sglang_engine.ENGINE_VERSION,
+    sglang_aux_rule: str | None = None,
+    verifier: str | None = None,
+) -> Path:
+    """Export an already-read :class:`HeadSource` (see :func:`export_checkpoint` for the arguments)."""
+    module = ENGINE_MODULES[engine]
+    out_dir = Path(out_dir).expanduser().absolute()
+    cfg, n_layers, aux = source.config, source.num_layers, source.aux_layer_ids
+    torch_dtype = DTYPES[dtype]
+    if dtype == "float16":
+        log.warning("exporting fp16 weights: fp16 drafts have overflowed to NaN logits in engines; prefer bfloat16")
+
+    tensors = serving_tensors(source.state, torch_dtype, module.LAYER_PREFIX)
+    validate_tensors(tensors, cfg, torch_dtype, module.LAYER_PREFIX, where=f"{source.path} -> {engine}")
+
+    text_files: dict[str, str] = {}
+    engine_version = module.ENGINE_VERSION
+    extra: dict = {}
+    if engine == "vllm":
+        config = vllm_engine.build_config(cfg, aux, n_layers, dtype)
+        written = vllm_engine.vllm_aux_layer_ids(aux, n_layers)
+    elif engine == "speculators":
+        archs = list(getattr(source.target_config, "architectures", None) or ["LlamaForCausalLM"])
+        config = speculators_engine.build_config(
+            cfg, aux, n_layers, dtype, verifier=verifier or source.target_path, verifier_architectures=archs,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+        written = speculators_engine.speculators_aux_layer_ids(aux, n_layers)
+    elif engine == "sglang":
+        rule = sglang_engine.sglang_aux_rule(sglang_version, sglang_aux_rule)
+        config = sglang_engine.build_config(cfg, aux, n_layers, dtype, rule)
+        written = sglang_engine.sglang_aux_layer_ids(aux, n_layers, rule)
+        engine_version = sglang_version
+        extra["engine_aux_rule"] = rule
+    else:
+        config = trtllm_engine.build_config(cfg, dtype)
+        written = trtllm_engine.trtllm_aux_layer_ids(aux, n_layers)
+        text_files[trtllm_engine.SPEC_FILE] = trtllm_engine.build_spec_yaml(
+            str(out_dir), aux, n_layers, num_speculative_tokens
+        )
+
+    meta = source.meta
+    sidecar = {
+        "format": "draftkit-export",
+        "format_version": FORMAT_VERSION,
+        "draftkit_version": _draftkit_version(),
+        "engine": engine,
+        "engine_version": engine_version,
+        **extra,
+        "dtype": dtype,
+        "layer_prefix": module.LAYER_PREFIX,
+        "source_checkpoint": str(Path(source.path).absolute()),
+        "target": source.target,
+        "target_path": source.target_path,
+        "target_dtype": meta.get("target_dtype"),
+        "target_num_layers": n_layers,
+        "aux_layer_ids": aux,
+        "aux_layer_ids_convention": "HF hidden_states index: id k = input of decoder layer k",
+        "aux_layer_ids_default": source.default_aux,
+        "engine_aux_layer_ids": written,
+        "vocab": {
+            "vocab_size": cfg.vocab_size,
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "fingerprint": vocab_fingerprint(tensors["d2t"], cfg.vocab_size),
+        },
+        "head_config": head_config_dict(cfg),
+        "chat_template": meta.get("chat_template"),
+        "ttt": meta.get("ttt"),
+        "num_speculative_tokens": num_speculative_tokens,
+        "launch": module.launch_command(source, str(out_dir), num_speculative_tokens),
+    }
+
+    def check(tmp: Path) -> None:
+        verify_export(tmp, source)
+
+    path = write_directory(out_dir, tensors, {"config.json": config, SIDECAR: sidecar}, text_files, overwrite, check)
+    log.info("exported %s for %s into %s", source.path, engine, path)
+    return path
+
+
+def _small_embedding(head: Eagle3LlamaHead, rows: torch.Tensor) -> None:
+    """Replace the (V, H) embedding by a few random rows: enough for ids < len(rows), and cheap for big V."""
+    head.embed_tokens = nn.Embedding.from_pretrained(rows, freeze=True)
+
+
+@torch.no_grad()
+def verify_export(directory: str | Path, source: HeadSource, seed: int = 0) -> float:
+    """Self-check an export directory against the checkpoint it came from (§7.6.2).
+
+    1. :func:`load_exported_head` rebuilds the head from the files (strict keys, shapes, dtypes, d2t, flags,
+       config/sidecar agreement).
+    2. The checkpoint's head with its weights rounded to the export dtype and the rebuilt head run the same
+       random serving pass in fp32: a 5-token prefill from random aux states, then 3 chained single-token
+       steps with the KV cache. Their logits must be equal.
+    3. :func:`reference_forward` on the raw exported tensors must reproduce the same logits (RoPE from the
+       config's ``rope_theta``; skipped for scaled RoPE).
+
+    Args:
+        directory: the (temporary) export directory.
+        source: the checkpoint it was written from.
+        seed: seed of the random inputs.
+
+    Returns:
+        The largest absolute logit difference found.
+
+    Raises:
+        ValueError: when a check fails (names the directory, the step and the difference).
+    """
+    directory = Path(directory)
+    loaded, _ = load_exported_head(directory)
+    cfg = source.config
+    config, _, tensors = read_export(directory)
+    dtype = tensors["fc.weight"].dtype
+    original = Eagle3LlamaHead(cfg)
+    rounded = {k: (v.to(dtype).float() if v.is_floating_point() else v) for k, v in source.state.items()}
+    original.load_state_dict(rounded, strict=False)
+    original.eval()
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(min(cfg.vocab_size, 64), cfg.hidden_size, generator=g)  # (64, H)
+    _small_embedding(original, rows)
+    _small_embedding(loaded, rows)
+    t = 5
+    ids = torch.randint(0, rows.shape[0], (1, t + 4), generator=g)  # (1, T+4)
+    aux = torch.randn(1, t, cfg.num_aux_layers * cfg.target_hidden_size, generator=g)  # (1, T, n*H_t)
+    ref_config = dict(config.get("transformer_layer_config", config))
+    ref_config["norm_before_residual"] = bool(cfg.norm_before_residual)
+    run_reference = not ref_config.get("rope_scaling")
+
+    worst = 0.0
+    caches = (KVCache(), KVCache())
+    feats = (original.project(aux), loaded.project(aux))
+    past = None
+    ref_feat = aux
+    for step in range(4):
+        lo, hi = (0, t) if step == 0 else (t + step - 1, t + step)
+        pos = torch.arange(lo, hi)[None]  # (1, T') positions
+        outs = [head(ids[:, lo + 1:hi + 1], f, pos, cache=c)
+                for head, f, c in zip((original, loaded), feats, caches)]
+        (la, ha), (lb, hb) = outs
+        diff = float((la - lb).abs().max())
+        worst = max(worst, diff)
+        if diff != 0.0:
+            raise ValueError(f"{directory}: reloaded head differs from the checkpoint at draft step {step} "
+                             f"(max |logit diff| {diff:.3g})")
+        if run_reference:
+            lr, hr, past = reference_forward(tensors, ref_config, ids[:, lo + 1:hi + 1], ref_feat, pos, rows,
+                                             past=past, project=step == 0)
+            diff = float((lr - la).abs().max())
+            tol = 1e-4 * max(1.0, float(la.abs().max()))
+            worst = max(worst, diff)
+            if diff > tol:
+                raise ValueError(f"{directory}: reference forward differs from the head at draft step {step} "
+                                 f"(max |logit diff| {diff:.3g} > {tol:.3g}); the config does not describe the weights")
+            ref_feat = hr[:, -1:]
+        feats = (ha[:, -1:], hb[:, -1:])
+    return worst

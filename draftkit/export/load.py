@@ -1,0 +1,302 @@
+"""Read an export directory back: the reference loader and a plain reference forward (eagle3-format.md §3, §7.6).
+
+:func:`load_exported_head` rebuilds an :class:`Eagle3LlamaHead` from ``config.json`` + ``model.safetensors``
+(the sidecar gives the target metadata and the layer count N needed to decode the engine's aux ids) and checks
+that the config, the weights and the sidecar agree. :func:`reference_forward` is an independent functional
+implementation of one draft step written from §3 that runs directly on the exported tensors; tests and the
+export self-check compare it with the training module.
+
+Shapes: B batch, T new tokens, S cached positions, H draft hidden, H_t target hidden, n aux layers,
+A heads, A_kv kv heads, d head dim, V target vocab, V_d draft vocab, N target layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftkit.export import sglang as sglang_engine
+from draftkit.export import speculators as speculators_engine
+from draftkit.export import trtllm as trtllm_engine
+from draftkit.export import vllm as vllm_engine
+from draftkit.export.common import NORM_FLAGS, SIDECAR, head_config_dict, validate_tensors
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+
+__all__ = ["load_exported_head", "read_export", "reference_forward"]
+
+_STRUCTURAL = (
+    "hidden_size", "target_hidden_size", "num_aux_layers", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "rms_norm_eps",
+    "max_position_embeddings", "norm_before_residual", "aux_layer_ids",
+)
+
+
+def read_export(directory: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """Read the three files of an export directory.
+
+    Args:
+        directory: an export directory.
+
+    Returns:
+        (config.json dict, sidecar dict, tensors by name as stored).
+
+    Raises:
+        FileNotFoundError: if the directory or one of ``config.json``, ``model.safetensors``,
+            ``draftkit_export.json`` is missing.
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    for name in ("config.json", "model.safetensors", SIDECAR):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory} is not a draftkit export directory: {name} is missing")
+    config = json.loads((directory / "config.json").read_text())
+    sidecar = json.loads((directory / SIDECAR).read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    return config, sidecar, tensors
+
+
+def _engine_view(directory: Path, engine: str, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None, str]:
+    """Split an engine config into (layer fields, eagle fields, written aux ids, layer prefix)."""
+    if engine == "speculators":
+        layer = dict(config["transformer_layer_config"])
+        eagle = config
+        written = config.get("eagle_aux_hidden_state_layer_ids")
+        return layer, eagle, written, speculators_engine.LAYER_PREFIX
+    if engine == "vllm":
+        return config, config, config.get("eagle_aux_hidden_state_layer_ids"), vllm_engine.LAYER_PREFIX
+    if engine == "sglang":
+        written = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return config, config, written, sglang_engine.LAYER_PREFIX
+    if engine == "trtllm":
+        import yaml
+
+        spec_path = directory / trtllm_engine.SPEC_FILE
+        if not spec_path.is_file():
+            raise FileNotFoundError(f"{directory}: {trtllm_engine.SPEC_FILE} is missing")
+        spec = yaml.safe_load(spec_path.read_text()) or {}
+        written = (spec.get("speculative_config") or {}).get("eagle3_layers_to_capture")
+        return config, config, written, trtllm_engine.LAYER_PREFIX
+    raise ValueError(f"{directory}: unknown engine {engine!r} in {SIDECAR}")
+
+
+def _hf_ids(engine: str, written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
+    if engine == "vllm":
+        return vllm_engine.hf_aux_layer_ids(written, num_layers)
+    if engine == "speculators":
+        return speculators_engine.hf_aux_layer_ids(written, num_layers)
+    if engine == "sglang":
+        return sglang_engine.hf_aux_layer_ids(written, num_layers, sidecar["engine_aux_rule"])
+    return trtllm_engine.hf_aux_layer_ids(written, num_layers)
+
+
+def load_exported_head(
+    directory: str | Path,
+    embedding: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Eagle3LlamaHead, dict]:
+    """Rebuild the draft head of an export directory (any engine layout).
+
+    The head shape comes from ``config.json`` (for speculators: ``transformer_layer_config`` plus the top-level
+    EAGLE fields), the aux ids from the engine's own key decoded with that engine's rule, the weights from
+    ``model.safetensors``; the sidecar supplies N and the training metadata and must agree with all of it.
+    Like ``head_from_checkpoint``, the returned head's ``embed_tokens`` is uninitialised unless the export
+    carries one (H != H_t) or ``embedding`` is given.
+
+    Args:
+        directory: an export directory written by ``draftkit export``.
+        embedding: optional (V, H) target input embedding to load into ``embed_tokens``.
+        dtype: dtype of the returned head (float32 reproduces the training module's logits).
+
+    Returns:
+        (head in eval mode, meta) with meta keys as ``head_from_checkpoint``'s (``head_config``, ``target``,
+        ``target_dtype``, ``aux_layer_ids``, ``chat_template``, ``ttt``) plus ``engine``, ``engine_version``,
+        ``dtype`` and ``export`` (the whole sidecar).
+
+    Raises:
+        FileNotFoundError: if a file of the export is missing.
+        ValueError: if a norm flag is missing or set to a variant draftkit heads do not have, the tensors fail
+            the strict checks (names, shapes, dtypes, d2t invariants), or config.json and the sidecar disagree.
+    """
+    directory = Path(directory)
+    config, sidecar, tensors = read_export(directory)
+    engine = sidecar.get("engine")
+    layer, eagle, written, prefix = _engine_view(directory, engine, config, sidecar)
+
+    missing_flags = [f for f in NORM_FLAGS if f not in eagle]
+    if missing_flags:
+        raise ValueError(f"{directory}/config.json: norm flags {missing_flags} are missing; all four must be explicit")
+    unsupported = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if eagle[f]]
+    if unsupported:
+        raise ValueError(f"{directory}/config.json: {unsupported} set, which draftkit's Eagle3LlamaHead does not implement")
+    if ("input_norm.weight" in tensors) != bool(eagle["norm_before_fc"]):
+        raise ValueError(f"{directory}: input_norm.weight present iff norm_before_fc, and they disagree")
+
+    num_layers = int(sidecar["target_num_layers"])
+    aux = _hf_ids(engine, written, num_layers, sidecar)
+    hidden = int(layer["hidden_size"])
+    target_hidden = eagle.get("target_hidden_size") or hidden
+    rope = {"rope_theta": layer["rope_theta"], "rope_scaling": layer.get("rope_scaling")}
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        target_hidden_size=int(target_hidden),
+        num_aux_layers=len(aux),
+        intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=int(layer["num_attention_heads"]),
+        num_key_value_heads=int(layer["num_key_value_heads"]),
+        head_dim=int(layer.get("head_dim") or hidden // int(layer["num_attention_heads"])),
+        vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(eagle.get("draft_vocab_size") or layer["vocab_size"]),
+        rms_norm_eps=float(layer["rms_norm_eps"]),
+        max_position_embeddings=int(layer["max_position_embeddings"]),
+        rope=rope,
+        norm_before_residual=bool(eagle["norm_before_residual"]),
+        aux_layer_ids=aux,
+    )
+    stored_dtype = tensors["fc.weight"].dtype
+    if str(stored_dtype).removeprefix("torch.") != layer.get("torch_dtype"):
+        raise ValueError(
+            f"{directory}: config.json torch_dtype {layer.get('torch_dtype')!r} but weights are {stored_dtype}"
+        )
+    validate_tensors(tensors, cfg, stored_dtype, prefix, where=f"{directory}/model.safetensors")
+
+    recorded = sidecar.get("head_config", {})
+    rebuilt = head_config_dict(cfg)
+    rebuilt["aux_layer_ids"] = aux
+    recorded = dict(recorded, aux_layer_ids=sidecar.get("aux_layer_ids"))
+    diff = {k: (rebuilt[k], recorded.get(k)) for k in _STRUCTURAL if rebuilt[k] != recorded.get(k)}
+    if diff:
+        raise ValueError(f"{directory}: config.json and {SIDECAR} disagree on {diff} (config value, sidecar value)")
+
+    head = Eagle3LlamaHead(cfg)
+    state = {}
+    for name, value in tensors.items():
+        if name.startswith(prefix):
+            name = "midlayer." + name[len(prefix):]
+        state[name] = value
+    result = head.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{directory}: head keys missing {missing}, unexpected {result.unexpected_keys}")
+    head = head.to(dtype)
+    if embedding is not None:
+        head.load_embedding(embedding.to(dtype))
+    meta = {
+        "head_config": head_config_dict(cfg),
+        "target": sidecar.get("target"),
+        "target_dtype": sidecar.get("target_dtype"),
+        "aux_layer_ids": aux,
+        "chat_template": sidecar.get("chat_template"),
+        "ttt": sidecar.get("ttt"),
+        "engine": engine,
+        "engine_version": sidecar.get("engine_version"),
+        "dtype": str(stored_dtype).removeprefix("torch."),
+        "export": sidecar,
+    }
+    return head.eval(), meta
+
+
+# -- reference forward (§3), independent of draftkit.heads ------------------------------------------------
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (..., d)
+
+
+def reference_forward(
+    weights: dict[str, torch.Tensor],
+    config: dict,
+    input_ids: torch.Tensor,
+    feature: torch.Tensor,
+    position_ids: torch.Tensor,
+    embedding: torch.Tensor,
+    past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    project: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One EAGLE3 draft step computed directly from the exported tensors, in fp32 (eagle3-format.md §3).
+
+    Steps: (1) g = fc(F) when ``feature`` has the fc input width, else g = feature (the previous pre-norm h);
+    (2) e = embedding[tokens]; (3) u = cat(input_layernorm(e), hidden_norm(g)); (4) residual r = g, or
+    hidden_norm(g) with ``norm_before_residual``; (5) causal GQA attention of q, k, v = proj(u) with plain RoPE
+    (rotate-half, theta from the config) over ``past`` plus the new keys, h1 = o_proj(attn) + r;
+    (6) h = h1 + mlp(post_attention_layernorm(h1)); (7) logits = lm_head(norm(h)) over the draft vocab.
+
+    Args:
+        weights: exported tensors (``midlayer.*`` or ``layers.0.*`` names).
+        config: the engine ``config.json`` (for speculators its ``transformer_layer_config`` merged with the
+            top-level flags); reads hidden_size, num_attention_heads, num_key_value_heads, head_dim,
+            rms_norm_eps, rope_theta, rope_scaling (must be null) and norm_before_residual.
+        input_ids: (B, T) int64 token ids (row t carries x_{t+1}).
+        feature: (B, T, n*H_t) aux states for step 0, or (B, T, H) the previous step's h.
+        position_ids: (B, T) int64 RoPE positions.
+        embedding: (V, H) input embedding.
+        past: (keys, values), each (B, A_kv, S, d) after RoPE, or None.
+        project: apply ``fc`` to ``feature`` (step 1); None decides by width (fc input width != H).
+
+    Returns:
+        logits (B, T, V_d) fp32, h (B, T, H) fp32 pre-norm, and the new (keys, values) (B, A_kv, S+T, d).
+
+    Raises:
+        NotImplementedError: for scaled RoPE (``rope_scaling`` not null).
+    """
+    if config.get("rope_scaling"):
+        raise NotImplementedError("reference_forward implements plain RoPE only (rope_scaling must be null)")
+    prefix = "layers.0." if "layers.0.hidden_norm.weight" in weights else "midlayer."
+    w = {k: v.float() for k, v in weights.items() if v.is_floating_point()}
+
+    def lin(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ w[name].T
+
+    hidden = int(config["hidden_size"])
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    d = int(config.get("head_dim") or hidden // heads)
+    eps = float(config["rms_norm_eps"])
+    b, t = input_ids.shape
+
+    g = feature.float()
+    if (g.shape[-1] != hidden) if project is None else project:
+        g = lin(g, "fc.weight")  # (B, T, n*H_t) -> (B, T, H)
+    e = embedding.float()[input_ids]  # (B, T, H)
+    g_normed = _rms_norm(g, w[f"{prefix}hidden_norm.weight"], eps)
+    u = torch.cat([_rms_norm(e, w[f"{prefix}input_layernorm.weight"], eps), g_normed], dim=-1)  # (B, T, 2H)
+    residual = g_normed if config.get("norm_before_residual") else g
+
+    q = lin(u, f"{prefix}self_attn.q_proj.weight").view(b, t, heads, d).transpose(1, 2)  # (B, A, T, d)
+    k = lin(u, f"{prefix}self_attn.k_proj.weight").view(b, t, kv_heads, d).transpose(1, 2)  # (B, A_kv, T, d)
+    v = lin(u, f"{prefix}self_attn.v_proj.weight").view(b, t, kv_heads, d).transpose(1, 2)  # (B, A_kv, T, d)
+    # theta_i = base^(-2i/d), computed in fp32 as Llama does
+    inv_freq = 1.0 / (float(config["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # (d/2,)
+    angles = position_ids.float()[..., None] * inv_freq  # (B, T, d/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, d)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, d)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    if past is not None:
+        k = torch.cat([past[0].float(), k], dim=2)  # (B, A_kv, S+T, d)
+        v = torch.cat([past[1].float(), v], dim=2)  # (B, A_kv, S+T, d)
+    s = k.shape[2]
+    groups = heads // kv_heads
+    kk = k.repeat_interleave(groups, dim=1)  # (B, A, S+T, d)
+    vv = v.repeat_interleave(groups, dim=1)  # (B, A, S+T, d)
+    scores = q @ kk.transpose(-1, -2) / math.sqrt(d)  # (B, A, T, S+T)
+    allowed = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)  # new row i sees keys <= S + i
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    attn = (scores.softmax(-1) @ vv).transpose(1, 2).reshape(b, t, heads * d)  # (B, T, A*d)
+    h1 = lin(attn, f"{prefix}self_attn.o_proj.weight") + residual  # (B, T, H)
+
+    x = _rms_norm(h1, w[f"{prefix}post_attention_layernorm.weight"], eps)
+    mlp = lin(F.silu(lin(x, f"{prefix}mlp.gate_proj.weight")) * lin(x, f"{prefix}mlp.up_proj.weight"),
+              f"{prefix}mlp.down_proj.weight")
+    h = h1 + mlp  # (B, T, H), pre-norm: what the next step receives
+    logits = lin(_rms_norm(h, w["norm.weight"], eps), "lm_head.weight")  # (B, T, V_d)
+    return logits, h, (k, v)

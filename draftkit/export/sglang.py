@@ -1,0 +1,190 @@
+"""SGLang export directory (eagle3-format.md §7.4).
+
+The SGLang loader (``python/sglang/srt/models/llama_eagle3.py``) has no norm flags: it always computes the
+standard placement (``norm_before_residual = false``, no ``fc_norm``/``norm_before_fc``/``norm_output``), so
+only standard heads are exported. It reads the aux ids only from the nested
+``eagle_config.eagle_aux_hidden_state_layer_ids`` (``model_runner_components/spec_aux_hidden_state.py``) and
+hands them to ``LlamaForCausalLM.set_eagle3_layers_to_capture``, whose capture loop fires *before* decoder
+layer i.
+
+The +1 that ``set_eagle3_layers_to_capture`` adds to explicit ids is version dependent, so the exporter takes
+the SGLang version and picks the rule from it (:func:`sglang_aux_rule`); both are written to the sidecar.
+
+Launch (chain, k = 3): ``python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3
+--speculative-draft-model-path <dir> --speculative-num-steps 3 --speculative-eagle-topk 1
+--speculative-num-draft-tokens 4``.
+
+Shapes: H draft hidden, H_t target hidden, N target layers.
+"""
+
+from __future__ import annotations
+
+from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from draftkit.heads.eagle3_llama import Eagle3Config
+from draftkit.selection.layers import default_aux_layer_ids
+
+__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "PLUS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE", "build_config",
+           "check_supported", "hf_aux_layer_ids", "launch_command", "sglang_aux_layer_ids", "sglang_aux_rule"]
+
+ENGINE = "sglang"
+ENGINE_VERSION = "0.5.23"
+"""Default pinned SGLang release (newest on PyPI when this was written)."""
+LAYER_PREFIX = "midlayer."
+
+PLUS_ONE = "plus_one"
+"""SGLang adds 1 to every explicit id (``layers_to_capture = [val + 1 for val in layer_ids]``)."""
+PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
+"""sglang PR #25454: +1 only when the first id is 1; any other list is used as-is."""
+
+VERIFIED_PLUS_ONE_VERSIONS = ("0.5.12", "0.5.14", "0.5.16", "0.5.23")
+"""Releases whose ``python/sglang/srt/models/llama.py::set_eagle3_layers_to_capture`` was read and adds +1
+unconditionally (PR #25454's conditional rule reached only ``glm4_moe_lite.py`` in 0.5.23)."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not piece[:1].isdigit():
+            break
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def sglang_aux_rule(version: str, rule: str | None = None) -> str:
+    """The id rule of an SGLang release for Llama-family targets.
+
+    Args:
+        version: the SGLang version the export is for, e.g. ``"0.5.23"``.
+        rule: an explicit rule (:data:`PLUS_ONE` or :data:`PLUS_ONE_IF_FIRST_IS_ONE`) that overrides the table,
+            for releases newer than the last verified one.
+
+    Returns:
+        :data:`PLUS_ONE` for releases up to the newest verified one (0.5.23), or ``rule`` when given.
+
+    Raises:
+        ValueError: for an unknown rule, or a release newer than 0.5.23 without an explicit rule (the +1 may
+            have become conditional there; read ``set_eagle3_layers_to_capture`` in that release and pass
+            ``--sglang-aux-rule``).
+    """
+    if rule is not None:
+        if rule not in (PLUS_ONE, PLUS_ONE_IF_FIRST_IS_ONE):
+            raise ValueError(f"unknown SGLang aux-id rule {rule!r}; use {PLUS_ONE!r} or {PLUS_ONE_IF_FIRST_IS_ONE!r}")
+        return rule
+    if _version_tuple(version) <= _version_tuple(VERIFIED_PLUS_ONE_VERSIONS[-1]):
+        return PLUS_ONE
+    raise ValueError(
+        f"SGLang {version} is newer than the last release whose aux-id rule was checked "
+        f"({VERIFIED_PLUS_ONE_VERSIONS[-1]}); read python/sglang/srt/models/llama.py::set_eagle3_layers_to_capture "
+        f"in that release and pass --sglang-aux-rule {PLUS_ONE} or {PLUS_ONE_IF_FIRST_IS_ONE}"
+    )
+
+
+def sglang_aux_layer_ids(
+    aux_layer_ids: list[int], num_layers: int, rule: str = PLUS_ONE, omit_default: bool = True
+) -> list[int] | None:
+    """Aux ids as SGLang's nested ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+
+    SGLang captures the input of decoder layer i for each i in ``layers_to_capture``; the written ids become
+    ``layers_to_capture`` after the version's rule.
+
+    Rule (:data:`PLUS_ONE`, every release up to 0.5.23): write ℓ − 1 (output-of-layer form); SGLang adds 1 back
+    and captures the input of layer ℓ = HF ``hidden_states[ℓ]``.
+
+    Rule (:data:`PLUS_ONE_IF_FIRST_IS_ONE`, sglang PR #25454): SGLang adds 1 only when the first id is 1. A set
+    whose lowest ℓ is 2 is written ℓ − 1 (first id 1, +1 applied); a set whose lowest ℓ is 3 or more is written
+    ℓ unchanged (used as-is); a set whose lowest ℓ is 1 cannot be expressed (ℓ − 1 starts at 0, used as-is =
+    the embedding; ℓ starts at 1, shifted to 2).
+
+    The default set ``[2, N//2, N-3]`` is omitted (None) under both rules: SGLang's default is that set,
+    capture-before, without any +1.
+
+    Args:
+        aux_layer_ids: HF ``hidden_states`` indices, ascending, in 1..N-1.
+        num_layers: N.
+        rule: :data:`PLUS_ONE` or :data:`PLUS_ONE_IF_FIRST_IS_ONE` (see :func:`sglang_aux_rule`).
+        omit_default: return None for the default set (what the exporter writes); False gives its explicit form.
+
+    Returns:
+        The ids to write, or None to omit ``eagle_config``.
+
+    Raises:
+        ValueError: if the rule cannot express the set (lowest id 1 under PR #25454), or the rule is unknown.
+    """
+    ids = sorted(int(i) for i in aux_layer_ids)
+    if omit_default and ids == default_aux_layer_ids(num_layers):
+        return None
+    if rule == PLUS_ONE:
+        return [i - 1 for i in ids]
+    if rule == PLUS_ONE_IF_FIRST_IS_ONE:
+        if ids[0] == 1:
+            raise ValueError(
+                f"aux layer ids {ids} (HF hidden_states indices) cannot be expressed for SGLang with the "
+                "PR #25454 rule: a set whose lowest id is 1 is read either as the embedding or shifted by one; "
+                "retrain with a lowest id >= 2 or target an SGLang release with the unconditional +1"
+            )
+        return [i - 1 for i in ids] if ids[0] == 2 else ids
+    raise ValueError(f"unknown SGLang aux-id rule {rule!r}")
+
+
+def hf_aux_layer_ids(written: list[int] | None, num_layers: int, rule: str = PLUS_ONE) -> list[int]:
+    """Inverse of :func:`sglang_aux_layer_ids`: the HF ids SGLang captures for a written list.
+
+    This is SGLang's own resolution: default ``[2, N//2, N-3]`` when absent, else the rule applied to the list.
+    """
+    if not written:
+        return default_aux_layer_ids(num_layers)
+    ids = [int(i) for i in written]
+    if rule == PLUS_ONE or (rule == PLUS_ONE_IF_FIRST_IS_ONE and ids[0] == 1):
+        return [i + 1 for i in ids]
+    return ids
+
+
+def check_supported(cfg: Eagle3Config) -> None:
+    """Refuse heads SGLang would compute differently.
+
+    Raises:
+        ValueError: if the head uses ``norm_before_residual`` (SGLang has no norm flags).
+    """
+    if cfg.norm_before_residual:
+        raise ValueError(
+            "this head was trained with norm_before_residual=true, which SGLang's llama_eagle3 loader does not "
+            "implement (it always uses the standard norm placement); export it --to vllm or --to speculators"
+        )
+
+
+def build_config(cfg: Eagle3Config, aux_layer_ids: list[int], num_layers: int, dtype_name: str, rule: str) -> dict:
+    """``config.json`` of the SGLang directory (§7.4): §7.2 fields without the top-level aux key.
+
+    Non-default ids go only into the nested ``eagle_config`` (SGLang ignores the top-level key); rope is kept
+    as top-level ``rope_theta``/``rope_scaling`` (mirrored from ``rope_parameters``); all four norm flags are
+    still written (all false) so the directory documents itself.
+
+    Args:
+        cfg: the head shape.
+        aux_layer_ids: HF ``hidden_states`` indices.
+        num_layers: N.
+        dtype_name: the weight dtype name.
+        rule: the SGLang aux-id rule.
+
+    Raises:
+        ValueError: see :func:`check_supported` and :func:`sglang_aux_layer_ids`.
+    """
+    check_supported(cfg)
+    config = llama_config_fields(cfg, dtype_name)
+    config.update(norm_flags(cfg))
+    if cfg.hidden_size != cfg.target_hidden_size:
+        config["target_hidden_size"] = cfg.target_hidden_size
+    ids = sglang_aux_layer_ids(aux_layer_ids, num_layers, rule)
+    if ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+    return config
+
+
+def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
+    """The ``sglang.launch_server`` command for a chain of k draft tokens (topk 1, k + 1 draft tokens)."""
+    return (
+        f"python -m sglang.launch_server --model-path {source.target_path} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}"
+    )

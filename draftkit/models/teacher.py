@@ -1,0 +1,167 @@
+"""``TargetLMHead``: the few target weights that offline training needs, loaded without the target.
+
+Offline training (``draftkit.data.offline``) reads the aux and last hidden states from a cache, so of the
+target it needs only its config (to size the head), its input embedding (copied into the head once) and its
+LM head (teacher logits z = W_lm · last_hidden_state). Both tensors are read by name from the target's
+safetensors files; the model itself is only instantiated on the ``meta`` device to learn those names.
+
+Shapes: B batch, T tokens, H_t target hidden, V target vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftkit.selection.layers import validate_aux_layer_ids
+
+__all__ = ["TargetLMHead", "load_target_lm_head"]
+
+log = logging.getLogger(__name__)
+
+
+class TargetLMHead(nn.Module):
+    """Frozen target LM head plus the target facts ``Eagle3Module.build`` reads (``FrozenTarget``'s API
+    without the decoder layers).
+
+    Args:
+        config: the target's (text) ``PretrainedConfig``.
+        embed_weight: (V, H_t) input embedding.
+        lm_head_weight: (V, H_t) output projection, in the target dtype.
+        aux_layer_ids: HF ``hidden_states`` indices, or None for [2, N//2, N-3].
+
+    Raises:
+        ValueError: on invalid aux ids or weights whose shapes do not match the config.
+    """
+
+    def __init__(self, config, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids=None) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        shape = (config.vocab_size, config.hidden_size)
+        if tuple(embed_weight.shape) != shape or tuple(lm_head_weight.shape) != shape:
+            raise ValueError(
+                f"target weights {tuple(embed_weight.shape)}, {tuple(lm_head_weight.shape)} do not match its "
+                f"config (vocab {shape[0]}, hidden {shape[1]})"
+            )
+        self._embed = embed_weight  # not a module tensor: only copied into the head once
+        # a frozen parameter, not a buffer: DDP would broadcast buffers on every forward
+        self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def input_embeddings(self) -> torch.Tensor:
+        """(V, H_t) input embedding weight."""
+        return self._embed
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V, H_t) output projection weight."""
+        return self.lm_head
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "offline mode: only the target's LM head is loaded, not its decoder layers; code that runs the target "
+            "(e.g. an acceptance-length callback) needs online mode or its own target (load_target)"
+        )
+
+    def train(self, mode: bool = True) -> "TargetLMHead":
+        return super().train(False)
+
+    @torch.no_grad()
+    def logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """Teacher logits z = last_hidden_state @ W_lm^T in the target dtype.
+
+        Args:
+            last_hidden_state: (B, T, H_t) ``hidden_states[N]`` after the final norm (bf16 from a cache).
+
+        Returns:
+            (B, T, V) logits.
+        """
+        return F.linear(last_hidden_state.to(self.lm_head.dtype), self.lm_head)  # (B, T, V)
+
+
+def _weight_names(config) -> tuple[str, str]:
+    """Checkpoint names of the input embedding and LM head weights (from a meta-device instance)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight"
+
+
+def _read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors (those present) from ``model.safetensors`` or a sharded safetensors index."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {n: model_dir / weight_map[n] for n in names if n in weight_map}
+    else:
+        files = {n: model_dir / "model.safetensors" for n in names}
+    out = {}
+    for name, path in files.items():
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def load_target_lm_head(ref: str, dtype: str | torch.dtype = "bfloat16", aux_layer_ids=None) -> TargetLMHead:
+    """Load a target's config, input embedding and LM head (not the decoder layers).
+
+    Falls back to loading the whole target when its weights are not local safetensors (a hub id, ``.bin``).
+
+    Args:
+        ref: target reference (see ``draftkit.artifacts.resolve_model_dir``).
+        dtype: the target dtype the teacher logits are computed in.
+        aux_layer_ids: HF ``hidden_states`` indices, or None for the default.
+
+    Returns:
+        :class:`TargetLMHead`.
+
+    Raises:
+        ValueError: when the LM head is missing and the embeddings are not tied.
+    """
+    from transformers import AutoConfig
+
+    from draftkit.artifacts import resolve_model_dir
+
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    path = Path(resolve_model_dir(ref))
+    has_safetensors = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+    if not has_safetensors:
+        from draftkit.models.target import load_target
+
+        log.info("target %s has no local safetensors; loading the whole target for its LM head", ref)
+        model, _ = load_target(ref, torch_dtype)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return TargetLMHead(cfg, model.get_input_embeddings().weight.detach(),
+                            model.get_output_embeddings().weight.detach(), aux_layer_ids)
+    config = AutoConfig.from_pretrained(path)
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    emb_name, head_name = _weight_names(config)
+    tensors = _read_tensors(path, [emb_name, head_name])
+    if emb_name not in tensors:
+        raise ValueError(f"target {ref}: no tensor {emb_name!r} in {path}")
+    head = tensors.get(head_name)
+    if head is None:
+        if not getattr(text_cfg, "tie_word_embeddings", False):
+            raise ValueError(f"target {ref}: no tensor {head_name!r} in {path} and the embeddings are not tied")
+        head = tensors[emb_name]
+    log.info("offline mode: loaded %s and %s of %s (not the decoder layers)", emb_name, head_name, ref)
+    return TargetLMHead(text_cfg, tensors[emb_name].to(torch_dtype), head.to(torch_dtype).clone(), aux_layer_ids)

@@ -1,0 +1,60 @@
+"""Helpers for export tests: a tiny seeded Llama target saved with save_pretrained, and a writer for minimal
+draftkit training checkpoints with the layout ``draftkit fit`` writes (no trainer needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+from draftkit.selection.vocab import VocabMap
+
+TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 50000.0, "rms_norm_eps": 1e-5}  # non-default theta/eps: a config slip shows
+
+
+def save_tiny_target(path, **overrides):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**TINY, **overrides})
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def make_head(target_dir, aux_layer_ids=None, draft_vocab_size=96, norm_before_residual=False, seed=1):
+    """A randomly initialised head sized from the tiny target, with random norm weights and a sparse vocab."""
+    from transformers import AutoConfig
+
+    from draftkit.selection.layers import validate_aux_layer_ids
+
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    ids = validate_aux_layer_ids(aux_layer_ids, tcfg.num_hidden_layers)
+    cfg = Eagle3Config.from_target_config(tcfg, ids, draft_vocab_size, norm_before_residual=norm_before_residual)
+    torch.manual_seed(seed)
+    head = Eagle3LlamaHead(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))  # not all-ones, so a swapped norm shows up
+    g = torch.Generator().manual_seed(seed)
+    used = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab_size]).values
+    vm = VocabMap.from_ids(used, cfg.vocab_size)
+    head.set_vocab(vm.d2t, vm.t2d)
+    return head.eval(), ids
+
+
+def write_checkpoint(path, head, target, aux_layer_ids, drop=(), state_extra=None):
+    """Save {"state_dict": {"head."+k: ...}, "draftkit": meta} like a draftkit training checkpoint."""
+    state = {"head." + k: v.clone() for k, v in head.export_state_dict().items() if k not in drop}
+    state.update(state_extra or {})
+    meta = {
+        "head_config": dataclasses.asdict(head.config),
+        "target": str(target),
+        "target_dtype": "float32",
+        "aux_layer_ids": list(aux_layer_ids),
+        "chat_template": None,
+        "ttt": {"steps": 7, "decay": 0.8},
+    }
+    torch.save({"state_dict": state, "draftkit": meta}, path)
+    return path
