@@ -52,9 +52,9 @@ def _override(tmp_path: Path, max_steps: int) -> Path:
     return path
 
 
-def _losses(tmp_path: Path) -> dict[int, float]:
+def _losses(tmp_path: Path, key: str = "train/loss") -> dict[int, float]:
     rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("version_*/metrics.csv")))))
-    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
 def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
@@ -69,6 +69,8 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)), "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)
+    accs = _losses(full, "train/acc_0")
+    assert sorted(accs) == list(range(6)) and all(0.0 <= v <= 1.0 for v in accs.values())
     assert sorted(b) == [3, 4, 5]  # resumed runs log steps 4..6 (0-based 3..5)
     for step in b:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step

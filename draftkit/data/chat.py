@@ -46,13 +46,15 @@ class ReadSummary:
 
     source: str
     kept: int = 0
+    usable: int = 0
     skipped: Counter = field(default_factory=Counter)
     cut_offset: int | None = None
 
     def __str__(self) -> str:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
         cut = f"; file cut off at byte {self.cut_offset}" if self.cut_offset is not None else ""
-        return f"{self.source}: {self.kept} conversations kept; skipped: {skipped}{cut}"
+        capped = f" (first {self.kept} of {self.usable} usable)" if self.usable > self.kept else ""
+        return f"{self.source}: {self.kept} conversations kept{capped}; skipped: {skipped}{cut}"
 
 
 def normalize_record(record) -> tuple[list[dict] | None, str | None]:
@@ -168,7 +170,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
             cut with one warning), a local ``.jsonl`` (one record per line), or a ``datasets`` source (hub id,
             a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load).
         split: the ``datasets`` split.
-        max_records: stop after this many kept conversations (None = all).
+        max_records: keep only the first this many usable conversations (None = all); the rest of the
+            source is still read, so the summary and the cut-off warning cover the whole file.
 
     Returns:
         (conversations, summary); malformed records are skipped and counted by reason in the summary.
@@ -193,10 +196,10 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
         if messages is None:
             summary.skipped[reason] += 1
             continue
-        conversations.append(messages)
-        summary.kept += 1
-        if max_records is not None and summary.kept >= max_records:
-            break
+        summary.usable += 1
+        if max_records is None or summary.kept < max_records:
+            conversations.append(messages)
+            summary.kept += 1
     return conversations, summary
 
 

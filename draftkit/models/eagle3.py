@@ -392,8 +392,11 @@ class Eagle3Module(pl.LightningModule):
         on_step = split == "train"
         for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
             if float(w_sum) > 0:
-                accs[k].update(correct_sum / w_sum, weight=w_sum)
-                losses[k].update(loss_sum / w_sum, weight=w_sum)
+                # forward (not update) so that on_step logging sees this batch's value
+                accs[k](correct_sum / w_sum, weight=w_sum)
+                losses[k](loss_sum / w_sum, weight=w_sum)
+            elif on_step:
+                continue  # nothing measured at this step
             self.log(f"{split}/acc_{k}", accs[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
             self.log(f"{split}/loss_{k}", losses[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
 

@@ -140,3 +140,13 @@ def test_split_is_deterministic(tiny_target_dir, tiny_chat_jsonl):
     counts = a.token_counts(320)
     assert int(counts.sum()) == sum(sum(m) for m in a.train_set["loss_mask"])
     assert isinstance(counts, torch.Tensor)
+
+
+def test_max_records_still_reads_the_whole_file(tmp_path):
+    recs = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(5)]
+    path = tmp_path / "sg.json"
+    _write_sharegpt(path, recs, cut=True)
+    with pytest.warns(UserWarning, match="read the 4 complete records"):
+        convs, summary = read_conversations(str(path), max_records=2)
+    assert [c[0]["content"] for c in convs] == ["q0", "q1"]
+    assert (summary.kept, summary.usable) == (2, 4) and "first 2 of 4 usable" in str(summary)
