@@ -58,8 +58,9 @@ def build_tiny_target(dest: str | Path, seed: int = 0, **overrides) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(tiny_llama_config(**overrides))
+        with torch.random.fork_rng():  # leave the caller's random state alone
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(tiny_llama_config(**overrides))
         model.save_pretrained(tmp)
         _byte_tokenizer().save_pretrained(tmp)
         if dest.exists():
