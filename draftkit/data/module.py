@@ -314,6 +314,12 @@ class ChatDataModule(pl.LightningDataModule):
         return str(path)
 
     def _cache_key(self) -> tuple[str, Path]:
+        """(key, data path); computed once per module, since it hashes the whole data file."""
+        if getattr(self, "_key", None) is None:
+            self._key = self._compute_cache_key()
+        return self._key
+
+    def _compute_cache_key(self) -> tuple[str, Path]:
         hp = self.hparams
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")

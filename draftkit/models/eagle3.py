@@ -261,8 +261,9 @@ class Eagle3Module(pl.LightningModule):
             raise ValueError(
                 f"model.draft_vocab_size={self.hparams.draft_vocab_size} exceeds the target vocab ({vocab_size})"
             )
-        if dm is not None and hasattr(dm, "token_counts"):
-            vocab = VocabMap.from_counts(dm.token_counts(vocab_size), self.hparams.draft_vocab_size)
+        counts = dm.token_counts(vocab_size) if dm is not None and hasattr(dm, "token_counts") else None
+        if counts is not None:
+            vocab = VocabMap.from_counts(counts, self.hparams.draft_vocab_size)
             self.chat_template = dm.hparams.chat_template
         elif self.hparams.draft_vocab_size == vocab_size:
             vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
@@ -276,17 +277,12 @@ class Eagle3Module(pl.LightningModule):
         self.head = Eagle3LlamaHead(cfg)
         self.head.set_vocab(vocab.d2t, vocab.t2d)
         self.head.load_embedding(self.target.input_embeddings().float())
-        coverage = self._vocab_coverage(dm, vocab) if dm is not None and hasattr(dm, "token_counts") else None
+        coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
             self.target.aux_layer_ids, cfg.draft_vocab_size, vocab_size,
             f" (covers {coverage:.1%} of assistant tokens)" if coverage is not None else "",
         )
-
-    @staticmethod
-    def _vocab_coverage(dm, vocab: VocabMap) -> float:
-        counts = dm.token_counts(vocab.t2d.numel())
-        return float(counts[vocab.t2d].sum()) / max(1, int(counts.sum()))
 
     # -- checkpoint -------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
