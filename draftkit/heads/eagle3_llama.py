@@ -377,6 +377,35 @@ class Eagle3LlamaHead(nn.Module):
             )
         self.embed_tokens.weight.copy_(weight)
 
+    @torch.no_grad()
+    def init_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor | None = None) -> None:
+        """Start ``lm_head`` from the target's LM head rows of the draft vocab and ``norm`` from its final norm.
+
+        Call after :meth:`set_vocab`. Row i of the head's ``lm_head`` becomes row ``i + d2t[i]`` of the target's,
+        so at step 0 the head's logits are the target's own logits restricted to the draft vocab, applied to the
+        head's hidden state.
+
+        Args:
+            lm_head_weight: (V, H) target output projection (any float dtype; copied as the head's dtype).
+            final_norm_weight: (H,) target final RMSNorm weight, or None to leave ``norm`` at ones.
+
+        Raises:
+            ValueError: when the shapes do not match the head's (V, H) (names both).
+        """
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(lm_head_weight.shape) != expected or (
+            final_norm_weight is not None and tuple(final_norm_weight.shape) != expected[1:]
+        ):
+            raise ValueError(
+                f"target LM head {tuple(lm_head_weight.shape)} / final norm "
+                f"{None if final_norm_weight is None else tuple(final_norm_weight.shape)} do not match the head's "
+                f"vocab {expected[0]} and hidden size {expected[1]}"
+            )
+        rows = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.copy_(lm_head_weight[rows.to(lm_head_weight.device)])
+        if final_norm_weight is not None:
+            self.norm.weight.copy_(final_norm_weight)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft ids (any shape, int64) to target ids: i + d2t[i]."""
         return draft_ids + self.d2t[draft_ids]

@@ -108,6 +108,11 @@ class FrozenTarget(nn.Module):
         """(V, H_t) output projection weight."""
         return self.model.get_output_embeddings().weight
 
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """(H_t,) weight of the final RMSNorm (``model.model.norm``), or None if the target has none."""
+        norm = getattr(self.base, "norm", None)
+        return getattr(norm, "weight", None)
+
     def train(self, mode: bool = True) -> "FrozenTarget":
         # the target stays in eval mode whatever Lightning asks
         return super().train(False)

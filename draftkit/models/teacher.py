@@ -34,12 +34,16 @@ class TargetLMHead(nn.Module):
         embed_weight: (V, H_t) input embedding.
         lm_head_weight: (V, H_t) output projection, in the target dtype.
         aux_layer_ids: HF ``hidden_states`` indices, or None for [2, N//2, N-3].
+        final_norm_weight: (H_t,) final RMSNorm weight, or None if the checkpoint has none.
 
     Raises:
         ValueError: on invalid aux ids or weights whose shapes do not match the config.
     """
 
-    def __init__(self, config, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids=None) -> None:
+    def __init__(
+        self, config, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, aux_layer_ids=None,
+        final_norm_weight: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -51,6 +55,7 @@ class TargetLMHead(nn.Module):
                 f"config (vocab {shape[0]}, hidden {shape[1]})"
             )
         self._embed = embed_weight  # not a module tensor: only copied into the head once
+        self._final_norm = final_norm_weight
         # a frozen parameter, not a buffer: DDP would broadcast buffers on every forward
         self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
 
@@ -69,6 +74,10 @@ class TargetLMHead(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """(V, H_t) output projection weight."""
         return self.lm_head
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """(H_t,) weight of the target's final RMSNorm, or None."""
+        return self._final_norm
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(
@@ -92,15 +101,17 @@ class TargetLMHead(nn.Module):
         return F.linear(last_hidden_state.to(self.lm_head.dtype), self.lm_head)  # (B, T, V)
 
 
-def _weight_names(config) -> tuple[str, str]:
-    """Checkpoint names of the input embedding and LM head weights (from a meta-device instance)."""
+def _weight_names(config) -> tuple[str, str, str | None]:
+    """Checkpoint names of the input embedding, LM head and final norm weights (from a meta-device instance);
+    the last is None when the base model has no ``norm``."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight"
+    norm = getattr(model.get_decoder(), "norm", None)
+    return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight", f"{names[id(norm)]}.weight" if norm is not None else None
 
 
 def _read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -150,12 +161,14 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "bfloat16", aux_lay
         log.info("target %s has no local safetensors; loading the whole target for its LM head", ref)
         model, _ = load_target(ref, torch_dtype)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        norm = getattr(model.get_decoder(), "norm", None)
         return TargetLMHead(cfg, model.get_input_embeddings().weight.detach(),
-                            model.get_output_embeddings().weight.detach(), aux_layer_ids)
+                            model.get_output_embeddings().weight.detach(), aux_layer_ids,
+                            norm.weight.detach() if norm is not None else None)
     config = AutoConfig.from_pretrained(path)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    emb_name, head_name = _weight_names(config)
-    tensors = _read_tensors(path, [emb_name, head_name])
+    emb_name, head_name, norm_name = _weight_names(config)
+    tensors = _read_tensors(path, [n for n in (emb_name, head_name, norm_name) if n is not None])
     if emb_name not in tensors:
         raise ValueError(f"target {ref}: no tensor {emb_name!r} in {path}")
     head = tensors.get(head_name)
@@ -164,4 +177,5 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "bfloat16", aux_lay
             raise ValueError(f"target {ref}: no tensor {head_name!r} in {path} and the embeddings are not tied")
         head = tensors[emb_name]
     log.info("offline mode: loaded %s and %s of %s (not the decoder layers)", emb_name, head_name, ref)
-    return TargetLMHead(text_cfg, tensors[emb_name].to(torch_dtype), head.to(torch_dtype).clone(), aux_layer_ids)
+    return TargetLMHead(text_cfg, tensors[emb_name].to(torch_dtype), head.to(torch_dtype).clone(), aux_layer_ids,
+                        tensors.get(norm_name))

@@ -1,5 +1,7 @@
 """The frozen target wrapper captures exactly HF hidden_states[i]."""
 
+import copy
+
 import pytest
 import torch
 
@@ -33,3 +35,29 @@ def test_cached_target_forward_equals_full(tiny_target):
     rest = target(x[:, 6:], cache=first.cache, use_cache=True)
     torch.testing.assert_close(rest.logits, full.logits[:, 6:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rest.aux_hidden_states, full.aux_hidden_states[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+def test_head_init_from_target_reproduces_target_logits_on_draft_vocab(tiny_target, tiny_target_dir, tmp_path):
+    """After init_from_target, head.logits(x) == target LM head(final norm(x)) at the draft vocab's target ids,
+    from the online target and from the offline (safetensors-only) loader alike."""
+    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+    from draftkit.models.target import FrozenTarget
+    from draftkit.models.teacher import load_target_lm_head
+    from draftkit.selection.vocab import VocabMap
+
+    model = copy.deepcopy(tiny_target)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.linspace(0.5, 2.0, 64))  # not ones: the copy must be visible
+    model.save_pretrained(tmp_path / "t")
+    ids = torch.tensor([1, 3, 4, 8, 40, 319])
+    vocab = VocabMap.from_ids(ids, 320)
+    x = torch.randn(2, 5, 64)
+    expected = model.lm_head(model.model.norm(x))[..., ids]  # (2, 5, 6)
+    for target in (FrozenTarget(model), load_target_lm_head(str(tmp_path / "t"), "float32")):
+        cfg = Eagle3Config.from_target_config(target.config, target.aux_layer_ids, len(ids))
+        head = Eagle3LlamaHead(cfg)
+        head.set_vocab(vocab.d2t, vocab.t2d)
+        head.init_from_target(target.lm_head_weight(), target.final_norm_weight())
+        torch.testing.assert_close(head.logits(x), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match the head"):
+        head.init_from_target(torch.zeros(320, 32))
