@@ -1,0 +1,54 @@
+"""benchmarks/ablation_layers.py: per-arm means and seed-paired differences on a hand-made table."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation_layers.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("ablation_layers", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(arm, seed, tau, val):
+    return {"arm": arm, "seed": seed, "tau": tau, "val_tau_sim": val, "alpha": [tau - 1.0]}
+
+
+def test_means_and_seed_paired_differences():
+    mod = _module()
+    rows = [
+        _row("fixed", 0, 1.25, 1.20), _row("fixed", 1, 1.27, 1.22),
+        _row("chosen", 0, 1.30, 1.21), _row("chosen", 1, 1.26, 1.25),
+        _row("chosen-filter", 0, 1.20, 1.10),  # seed 1 missing: only seed 0 is paired
+    ]
+    s = mod.summarize(rows)
+    assert s["arms"]["fixed"]["tau_mean"] == pytest.approx(1.26)
+    assert s["arms"]["chosen"]["alpha1_mean"] == pytest.approx(0.28)
+    d = s["paired_differences"]["chosen_minus_fixed"]
+    assert d["seeds"] == [0, 1]
+    assert d["tau"] == pytest.approx([0.05, -0.01]) and d["tau_mean"] == pytest.approx(0.02)
+    assert d["val_tau_sim_mean"] == pytest.approx(0.02)
+    f = s["paired_differences"]["filter_minus_nofilter"]
+    assert f["seeds"] == [0] and f["tau"] == pytest.approx([-0.10])
+
+
+@pytest.mark.parametrize("arm", ["fixed", "chosen", "chosen-filter"])
+def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
+    """Each arm's recipe stack parses and sets exactly its arm's layers, filter and the shared budget."""
+    from draftkit.cli import DraftkitCLI
+
+    mod = _module()
+    monkeypatch.chdir(PATH.parents[1])
+    args = [a for r in mod.BASE + mod.ARMS[arm] for a in ("--recipe", str(r))]
+    cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    assert cli.trainer.max_steps == 120 and cli.trainer.val_check_interval == 120
+    assert cli.model.hparams.aux_layer_ids == (None if arm == "fixed" else [5, 26, 29])
+    assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
+    assert cli.model.entropy_filter.quantile == (0.5 if arm == "chosen-filter" else None)
+    assert cli.datamodule.hparams.seed == 1
+    assert cli.model.ttt.steps == 7 and cli.datamodule.hparams.batch_size == 4  # the default's head and batch
