@@ -6,7 +6,8 @@ Arms (recipes stacked on ``recipes/smollm2-135m-eagle3.yaml`` + ``recipes/ablati
 
 - ``fixed``:          aux layers [2, 15, 27] (the default), no filter;
 - ``chosen``:         ``recipes/ablation/chosen-layers.yaml`` ([5, 26, 29] from ``select-layers``), no filter;
-- ``chosen-filter``:  chosen layers + ``recipes/ablation/entropy-filter.yaml`` (drop the lowest-entropy half).
+- ``chosen-filter``:  chosen layers + ``recipes/ablation/entropy-filter.yaml`` (drop the lowest-entropy half);
+- ``chosen-blocks``:  ``recipes/ablation/chosen-blocks-layers.yaml``, chosen with one layer per CKA block.
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (the recipe's relative paths resolve there) and is skipped when its
@@ -37,6 +38,7 @@ ARMS = {
     "fixed": [],
     "chosen": [REPO / "recipes/ablation/chosen-layers.yaml"],
     "chosen-filter": [REPO / "recipes/ablation/chosen-layers.yaml", REPO / "recipes/ablation/entropy-filter.yaml"],
+    "chosen-blocks": [REPO / "recipes/ablation/chosen-blocks-layers.yaml"],
 }
 CKPT = "checkpoints/smollm2-135m-eagle3/last.ckpt"
 
@@ -89,7 +91,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per-arm means over seeds and seed-paired differences (chosen - fixed, chosen-filter - chosen)."""
+    """Per-arm means over seeds and seed-paired differences (chosen - fixed, chosen-filter - chosen,
+    chosen-blocks - fixed)."""
     by = {(r["arm"], r["seed"]): r for r in rows}
     arms = {}
     for arm in ARMS:
@@ -102,7 +105,8 @@ def summarize(rows: list[dict]) -> dict:
             }
     diffs = {}
     for name, (a, b) in {"chosen_minus_fixed": ("chosen", "fixed"),
-                         "filter_minus_nofilter": ("chosen-filter", "chosen")}.items():
+                         "filter_minus_nofilter": ("chosen-filter", "chosen"),
+                         "blocks_minus_fixed": ("chosen-blocks", "fixed")}.items():
         seeds = sorted({s for (arm, s) in by if arm == a} & {s for (arm, s) in by if arm == b})
         if seeds:
             d = [by[(a, s)]["tau"] - by[(b, s)]["tau"] for s in seeds]

@@ -37,17 +37,21 @@ def test_means_and_seed_paired_differences():
     assert f["seeds"] == [0] and f["tau"] == pytest.approx([-0.10])
 
 
-@pytest.mark.parametrize("arm", ["fixed", "chosen", "chosen-filter"])
+LAYERS = {"fixed": None, "chosen": [5, 26, 29], "chosen-filter": [5, 26, 29], "chosen-blocks": [5, 20, 29]}
+
+
+@pytest.mark.parametrize("arm", list(LAYERS))
 def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
     """Each arm's recipe stack parses and sets exactly its arm's layers, filter and the shared budget."""
     from draftkit.cli import DraftkitCLI
 
     mod = _module()
+    assert set(mod.ARMS) == set(LAYERS)
     monkeypatch.chdir(PATH.parents[1])
     args = [a for r in mod.BASE + mod.ARMS[arm] for a in ("--recipe", str(r))]
     cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
     assert cli.trainer.max_steps == 120 and cli.trainer.val_check_interval == 120
-    assert cli.model.hparams.aux_layer_ids == (None if arm == "fixed" else [5, 26, 29])
+    assert cli.model.hparams.aux_layer_ids == LAYERS[arm]
     assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
     assert cli.model.entropy_filter.quantile == (0.5 if arm == "chosen-filter" else None)
     assert cli.datamodule.hparams.seed == 1
