@@ -54,5 +54,5 @@ def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
     assert cli.model.hparams.aux_layer_ids == LAYERS[arm]
     assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
     assert cli.model.entropy_filter.quantile == (0.5 if arm == "chosen-filter" else None)
-    assert cli.datamodule.hparams.seed == 1
+    assert cli.datamodule.hparams.seed == 1 and cli.datamodule.hparams.bucket_window == 0  # as published
     assert cli.model.ttt.steps == 7 and cli.datamodule.hparams.batch_size == 4  # the default's head and batch
