@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
-import os
 import resource
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +34,7 @@ import torch
 from draftkit.analysis.collect import LayerAnalysisConfig, LayerStatistics, collect_layer_statistics
 from draftkit.analysis.plots import cka_heatmap, entropy_curve, log_figures, save_figure
 from draftkit.analysis.subsets import Selection, select_subsets
+from draftkit.jsonio import write_json_atomic
 
 __all__ = ["build_report", "chat_batches", "main", "peak_rss_mb", "run_layer_analysis", "write_report"]
 
@@ -144,18 +142,8 @@ def build_report(stats: LayerStatistics, selection: Selection, config: LayerAnal
 
 
 def write_report(report: dict, path: str | Path) -> None:
-    """Write JSON atomically (temporary file in the same folder, then ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write the report JSON atomically (``draftkit.jsonio.write_json_atomic``)."""
+    write_json_atomic(path, report, indent=1)
 
 
 def run_layer_analysis(

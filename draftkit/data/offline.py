@@ -47,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftkit.data.module import collate
+from draftkit.jsonio import write_json_atomic
 
 __all__ = [
     "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
@@ -371,7 +372,7 @@ def write_hidden_states(
     if dry_run:
         return plan
     output.mkdir(parents=True, exist_ok=True)
-    _atomic_json(output / INDEX, index)
+    write_json_atomic(output / INDEX, index, indent=1)
     t0, written, nbytes = time.perf_counter(), 0, 0
     for name, shard in todo:
         rows = [splits[name][i] for i in range(*shard["rows"])]
@@ -380,7 +381,7 @@ def write_hidden_states(
         dt = time.perf_counter() - t0
         log.info("wrote %s (%d tokens; %.0f tokens/s so far)", shard["file"], shard["num_tokens"], written / max(dt, 1e-9))
     index["complete"] = True
-    _atomic_json(output / INDEX, index)
+    write_json_atomic(output / INDEX, index, indent=1)
     seconds = time.perf_counter() - t0
     return {
         **plan, "tokens_written": written, "bytes_written": nbytes, "seconds": seconds,
@@ -392,12 +393,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 @torch.no_grad()

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from draftkit.jsonio import write_json_atomic
 
 __all__ = ["SMOLLM2_REF", "MTBENCH_REF", "PromptRecord", "load_prompts", "split_prompts", "main"]
 
@@ -161,22 +161,6 @@ def _json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the report ordinary permissions
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_json_safe(obj), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_tensorboard(report: dict, logdir: str) -> None:
@@ -377,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     report["timing_s"]["load_and_quantize"] = t_load
     report["torch_threads"] = torch.get_num_threads()
     if args.output:
-        _write_json_atomic(Path(args.output), report)
+        write_json_atomic(args.output, _json_safe(report), allow_nan=False)
     if args.tensorboard:
         write_tensorboard(report, args.tensorboard)
     print(_summary(report))

@@ -26,7 +26,6 @@ import logging
 import os
 import platform
 import sys
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
+from draftkit.jsonio import write_json_atomic
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -512,19 +512,6 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         plt.close(fig)
 
 
-def _write_json(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # -- command ------------------------------------------------------------------------------------------------
 def _parser():
     from jsonargparse import ArgumentParser
@@ -587,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
                            draft_dtype=args.draft_dtype or args.dtype)
-    _write_json(report, Path(args.output))
+    write_json_atomic(args.output, report)
     if args.tensorboard:
         write_tensorboard(report, args.tensorboard)
     print(format_summary(report))
