@@ -59,7 +59,27 @@ def load_target(ref: str, dtype: str | torch.dtype = "bfloat16"):
     return model, tokenizer
 
 
-class FrozenTarget(nn.Module):
+class TargetFacts(nn.Module):
+    """What ``Eagle3Module.build`` reads of a frozen target, shared by :class:`FrozenTarget` and the offline
+    ``draftkit.models.teacher.TargetLMHead``: ``config`` facts, and eval mode whatever Lightning asks.
+
+    Subclasses set ``config`` (the text config) and provide ``input_embeddings()``, ``lm_head_weight()``
+    and ``final_norm_weight()``.
+    """
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def train(self, mode: bool = True):
+        return super().train(False)
+
+
+class FrozenTarget(TargetFacts):
     """A frozen target (eval mode, no grad) that returns the aux states the draft head reads.
 
     Args:
@@ -92,14 +112,6 @@ class FrozenTarget(nn.Module):
 
         return hook
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
     def input_embeddings(self) -> torch.Tensor:
         """(V, H_t) input embedding weight."""
         return self.model.get_input_embeddings().weight
@@ -112,10 +124,6 @@ class FrozenTarget(nn.Module):
         """(H_t,) weight of the final RMSNorm (``model.model.norm``), or None if the target has none."""
         norm = getattr(self.base, "norm", None)
         return getattr(norm, "weight", None)
-
-    def train(self, mode: bool = True) -> "FrozenTarget":
-        # the target stays in eval mode whatever Lightning asks
-        return super().train(False)
 
     @torch.no_grad()
     def forward(

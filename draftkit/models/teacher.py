@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftkit.models.target import TargetFacts
 from draftkit.selection.layers import validate_aux_layer_ids
 
 __all__ = ["TargetLMHead", "load_target_lm_head"]
@@ -25,7 +26,7 @@ __all__ = ["TargetLMHead", "load_target_lm_head"]
 log = logging.getLogger(__name__)
 
 
-class TargetLMHead(nn.Module):
+class TargetLMHead(TargetFacts):
     """Frozen target LM head plus the target facts ``Eagle3Module.build`` reads (``FrozenTarget``'s API
     without the decoder layers).
 
@@ -59,14 +60,6 @@ class TargetLMHead(nn.Module):
         # a frozen parameter, not a buffer: DDP would broadcast buffers on every forward
         self.lm_head = nn.Parameter(lm_head_weight, requires_grad=False)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
     def input_embeddings(self) -> torch.Tensor:
         """(V, H_t) input embedding weight."""
         return self._embed
@@ -84,9 +77,6 @@ class TargetLMHead(nn.Module):
             "offline mode: only the target's LM head is loaded, not its decoder layers; code that runs the target "
             "(e.g. an acceptance-length callback) needs online mode or its own target (load_target)"
         )
-
-    def train(self, mode: bool = True) -> "TargetLMHead":
-        return super().train(False)
 
     @torch.no_grad()
     def logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
