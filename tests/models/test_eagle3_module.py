@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from draftkit.data.module import ChatDataModule
-from draftkit.models.eagle3 import Eagle3Module, tau_sim, ttt_targets
+from draftkit.models.eagle3 import Eagle3Module, OptimConfig, soft_ce, tau_sim, ttt_targets
 
 
 def test_ttt_alignment_worked_example():
@@ -96,3 +96,135 @@ def test_all_masked_batch_is_finite_and_zero(built_module):
     loss, stats = model.ttt_loss(batch)
     assert math.isfinite(float(loss)) and float(loss) == 0.0
     assert all(float(w) == 0 for _, _, w in stats)
+
+
+def test_soft_ce_hand_computed():
+    """Three rows, known logits and teacher: loss, correct count and weight sum to the last digit."""
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    argmax = torch.tensor([0, 2, 2])  # rows 0 and 2 agree with the draft's argmax, row 1 does not
+    weight = torch.tensor([1.0, 1.0, 0.5])
+    loss_sum, correct_sum, weight_sum = soft_ce(logits, probs, argmax, weight)
+    ce = [math.log(math.e**2 + 2) - 1.0, math.log(math.e + 2), math.log(math.e**3 + 2) - 3.0]
+    assert float(loss_sum) == pytest.approx(ce[0] + ce[1] + 0.5 * ce[2], rel=1e-6)
+    assert float(correct_sum) == 1.5 and float(weight_sum) == 2.5
+
+
+class _IdentityLMHead(torch.nn.Module):
+    """Offline-mode stand-in for the target's LM head: the batch's ``last_hidden_state`` *are* the logits."""
+
+    def logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        return last_hidden_state
+
+
+@pytest.fixture()
+def full_vocab_module(tiny_target_dir):
+    """A built module on the tiny target with V_d = V (identity vocab, no datamodule needed), K = 1."""
+    torch.manual_seed(0)
+    model = Eagle3Module(str(tiny_target_dir), target_dtype="float32", draft_vocab_size=320, ttt={"steps": 1})
+    model.build()
+    for p in model.head.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _offline_batch(model, teacher_logits: torch.Tensor, loss_mask: torch.Tensor, seed: int = 0) -> dict:
+    """A batch in the offline layout whose teacher logits are given: (B, T, V) -> batch dict."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, _ = teacher_logits.shape
+    width = model.head.fc.weight.shape[1]
+    return {
+        "input_ids": torch.randint(0, 256, (b, t), generator=g),
+        "attention_mask": torch.ones(b, t, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "aux_hidden_states": torch.randn(b, t, width, generator=g),
+        "last_hidden_state": teacher_logits,
+    }
+
+
+def test_accuracy_and_tau_sim_on_a_hand_built_teacher(full_vocab_module):
+    """Teacher argmax at position p+1 is set to the draft's argmax at row p on 3 of the 5 supervised rows:
+    acc_0 = 3/5 and tau_sim = 1.6 exactly (a draft compared with the teacher one row early, or counting
+    mismatches, gives other numbers)."""
+    model = full_vocab_module
+    model.target = _IdentityLMHead()
+    t, v = 8, 320
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])  # step 0 supervises rows p = 1..5 (m_{p+2} = 1)
+    batch = _offline_batch(model, torch.zeros(1, t, v), loss_mask)
+    with torch.no_grad():  # the draft's own argmax per row, from a plain step-0 pass
+        ids = torch.cat([batch["input_ids"][:, 1:], torch.zeros(1, 1, dtype=torch.long)], 1)
+        logits, _ = model.head.ttt_step(ids, model.head.project(batch["aux_hidden_states"]), torch.arange(t)[None],
+                                        [], torch.ones(1, t, dtype=torch.bool))
+    draft = logits[0].argmax(-1).tolist()  # (T,)
+    teacher = torch.zeros(1, t, v)
+    for q in range(t):
+        teacher[0, q, (7 * q + 3) % v] = 5.0  # rows outside the supervised range: arbitrary confident tokens
+    for p in (1, 3, 4):
+        teacher[0, p + 1] = 0.0
+        teacher[0, p + 1, draft[p]] = 5.0  # agree
+    for p in (2, 5):
+        teacher[0, p + 1] = 0.0
+        teacher[0, p + 1, (draft[p] + 1) % v] = 5.0  # disagree
+    batch["last_hidden_state"] = teacher
+    _, stats = model.ttt_loss(batch)
+    (_, correct, weight), = stats
+    assert (float(correct), float(weight)) == (3.0, 5.0)
+    assert Eagle3Module._tau_from_batch(stats) == pytest.approx(1.6)
+
+
+def test_entropy_filter_keys_each_token_on_the_previous_teacher_position(tiny_target_dir):
+    """Inside the module, token t is kept iff H(z_{t-1}) >= threshold: with uniform (high-entropy) teacher
+    rows at positions 2 and 5 only, the supervised tokens are 3 and 6, so step-0 rows 1 and 4."""
+    t, v = 8, 320
+    teacher = torch.zeros(1, t, v)
+    for q in range(t):
+        if q not in (2, 5):
+            teacher[0, q, q] = 30.0  # peaked: entropy ~ 0 nats; uniform rows have log 320 = 5.77 nats
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    for mode, kept in (("drop", 0.0), ("downweight", 0.1)):
+        torch.manual_seed(0)
+        model = Eagle3Module(str(tiny_target_dir), target_dtype="float32", draft_vocab_size=320, ttt={"steps": 2},
+                             entropy_filter={"mode": mode, "threshold": 1.0, "downweight": 0.1})
+        model.build()
+        expected = torch.tensor([[0, 0, 0, 1, kept, kept, 1, kept]])
+        torch.testing.assert_close(model._loss_weights(loss_mask, teacher), expected)
+        model.target = _IdentityLMHead()
+        _, stats = model.ttt_loss(_offline_batch(model, teacher, loss_mask))
+        # step 0: row p weighs token p+2 (rows 1..5); step 1: token p+3 (rows 0..4)
+        assert [float(w) for _, _, w in stats] == pytest.approx([2 + 3 * kept, 2 + 3 * kept])
+
+
+def test_lr_schedule_is_linear_warmup_then_cosine(full_vocab_module):
+    """lr(s) = lr (s+1)/W for s < W, then lr (r + (1-r) (1 + cos(pi (s-W)/(S-W)))/2), S = 110, W = 10."""
+    from types import SimpleNamespace
+
+    model = full_vocab_module
+    model.optim = OptimConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    model._trainer = SimpleNamespace(estimated_stepping_batches=110)
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    lrs = {}
+    for step in range(121):
+        lrs[step] = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+    expected = {0: 1e-4, 4: 5e-4, 9: 1e-3, 10: 1e-3, 35: 1e-4 + 9e-4 * (1 + math.sqrt(0.5)) / 2, 60: 5.5e-4,
+                85: 1e-4 + 9e-4 * (1 - math.sqrt(0.5)) / 2, 110: 1e-4, 120: 1e-4}
+    assert {s: lrs[s] for s in expected} == pytest.approx(expected, rel=1e-9)
+
+
+def test_init_from_target_copies_the_draft_vocab_rows(tiny_target_dir, tiny_chat_jsonl):
+    """model.init_from_target=True: lm_head row i is the target's row i + d2t[i] (V_d = 200 < V = 320)."""
+    dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), max_length=64, val_size=2)
+    heads = {}
+    for init in (True, False):
+        model = Eagle3Module(str(tiny_target_dir), target_dtype="float32", draft_vocab_size=200, init_from_target=init)
+        model.build(dm)
+        heads[init] = model.head
+    head, target = heads[True], model.target
+    ids = torch.arange(200) + head.d2t  # (V_d,) target id of each draft id
+    assert int(ids[-1]) > 199  # a real offset: the draft vocab is not the first 200 ids
+    assert torch.equal(head.lm_head.weight, target.lm_head_weight()[ids])
+    assert torch.equal(head.norm.weight, target.final_norm_weight())
+    assert not torch.equal(heads[False].lm_head.weight, target.lm_head_weight()[ids])
