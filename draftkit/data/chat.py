@@ -11,6 +11,8 @@ Shapes: T tokens.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import warnings
@@ -23,6 +25,7 @@ __all__ = [
     "read_conversations",
     "normalize_record",
     "tokenize_conversation",
+    "tokenization_fingerprint",
     "TemplateError",
 ]
 
@@ -201,6 +204,18 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
             conversations.append(messages)
             summary.kept += 1
     return conversations, summary
+
+
+@functools.cache
+def tokenization_fingerprint() -> str:
+    """16 hex digits over draftkit's version and the source of this module (readers, templating, loss mask,
+    truncation): the tokenized-data cache key includes it, so a change to how conversations are tokenized
+    re-tokenizes instead of reusing a cache written by the old code."""
+    from draftkit import __version__
+
+    h = hashlib.sha256(f"draftkit {__version__};".encode())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _render(tokenizer, messages, chat_template, add_generation_prompt=False) -> str:

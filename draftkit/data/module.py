@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve_model_dir
-from draftkit.data.chat import read_conversations, tokenize_conversation
+from draftkit.data.chat import read_conversations, tokenization_fingerprint, tokenize_conversation
 
 __all__ = ["ChatDataModule", "ResumableLoader", "collate"]
 
@@ -314,7 +314,12 @@ class ChatDataModule(pl.LightningDataModule):
         return str(path)
 
     def _cache_key(self) -> tuple[str, Path]:
-        """(key, data path); computed once per module, since it hashes the whole data file."""
+        """(key, data path); computed once per module, since it hashes the whole data file.
+
+        The key covers what changes the tokenized rows: the tokenization code and draftkit's version
+        (:func:`~draftkit.data.chat.tokenization_fingerprint`), the data file, split, chat template, tokenizer,
+        ``max_length`` and ``max_conversations``.
+        """
         if getattr(self, "_key", None) is None:
             self._key = self._compute_cache_key()
         return self._key
@@ -324,8 +329,8 @@ class ChatDataModule(pl.LightningDataModule):
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")
         key = _fingerprint(
-            "chat-v1", self._data_fingerprint(path), hp.split, hp.chat_template or tok.chat_template,
-            tok.name_or_path, len(tok), tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
+            "chat-v1", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
+            hp.chat_template or tok.chat_template, tok.name_or_path, len(tok), tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
             hp.max_conversations,
         )
         return key, Path(path)
@@ -431,7 +436,8 @@ class ChatDataModule(pl.LightningDataModule):
         return count_tokens(self.train_set["input_ids"], self.train_set["loss_mask"], vocab_size)
 
     def fingerprint(self) -> str:
-        """Key of the tokenized data (tokenizer, data, template, max_length) plus the split and sample cap."""
+        """Key of the tokenized data (tokenization code, tokenizer, data, template, max_length) plus the split
+        and sample cap."""
         key, _ = self._cache_key()
         hp = self.hparams
         return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples)

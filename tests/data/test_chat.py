@@ -92,9 +92,40 @@ def test_template_without_assistant_span_is_an_error(tiny_tokenizer):
 
 
 def test_truncation(tiny_tokenizer):
+    """Truncation cuts input_ids and loss_mask alike: both are the first 40 entries of the full encoding."""
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 100}]
+    full = tokenize_conversation(tiny_tokenizer, msgs)
     out = tokenize_conversation(tiny_tokenizer, msgs, max_length=40)
-    assert len(out["input_ids"]) == 40 and out["truncated"]
+    assert len(out["input_ids"]) == len(out["loss_mask"]) == 40 and out["truncated"] and not full["truncated"]
+    assert out["input_ids"] == full["input_ids"][:40] and out["loss_mask"] == full["loss_mask"][:40]
+    assert sum(out["loss_mask"]) == 40 - len(tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+
+
+def test_cache_key_covers_what_changes_tokenization(tiny_target_dir, tiny_chat_jsonl, monkeypatch):
+    """The tokenized-data key changes with the tokenization code (or draftkit's version), the chat template
+    and max_length, and only then."""
+    import draftkit
+    import draftkit.data.chat as chat
+    import draftkit.data.module as module
+
+    def key(**kwargs) -> str:
+        return ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), **kwargs).fingerprint()
+
+    base = key()
+    assert key() == base
+    assert key(max_length=64) != base
+    assert key(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}") != base
+    monkeypatch.setattr(module, "tokenization_fingerprint", lambda: "0" * 16)  # the tokenization code changed
+    assert key() != base
+    monkeypatch.undo()
+    assert key() == base
+    code = chat.tokenization_fingerprint()
+    chat.tokenization_fingerprint.cache_clear()
+    monkeypatch.setattr(draftkit, "__version__", "0.0.0-other")
+    assert chat.tokenization_fingerprint() != code
+    chat.tokenization_fingerprint.cache_clear()
+    monkeypatch.undo()
+    assert chat.tokenization_fingerprint() == code
 
 
 def test_tokenizer_without_chat_template(tmp_path, tiny_target_dir, tiny_chat_jsonl):

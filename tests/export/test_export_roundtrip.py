@@ -257,6 +257,19 @@ def test_full_vocab_without_d2t_exports_zeros(tiny_target_dir, tmp_path):
     assert t["d2t"].tolist() == [0] * 320 and bool(t["t2d"].all())
 
 
+def test_missing_t2d_is_rebuilt_from_d2t_with_its_offset(tiny_target_dir, tmp_path):
+    """A checkpoint with d2t but no t2d, draft ids [1, 3, 4, 8] of V = 320: t2d marks ids i + d2t[i]."""
+    from draftkit.selection.vocab import VocabMap
+
+    head, ids = make_head(tiny_target_dir, draft_vocab_size=4)
+    vm = VocabMap.from_ids(torch.tensor([1, 3, 4, 8]), 320)
+    head.set_vocab(vm.d2t, vm.t2d)
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids, drop=("t2d",))
+    t = load_file(str(export_checkpoint(ckpt, "vllm", tmp_path / "out") / "model.safetensors"))
+    assert t["d2t"].tolist() == [1, 2, 2, 5]
+    assert torch.nonzero(t["t2d"]).flatten().tolist() == [1, 3, 4, 8] and t["t2d"].shape == (320,)
+
+
 def test_unexpected_head_tensor_is_refused(tiny_target_dir, tmp_path):
     head, ids = make_head(tiny_target_dir)
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids,
