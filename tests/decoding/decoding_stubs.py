@@ -26,13 +26,14 @@ class MarkovTarget:
     """Stub target session: the next-token distribution depends only on the current token.
 
     ``log_probs`` is a (V, V) table; row t holds log p(next | t). Aux states are the token ids as floats,
-    shape (T, 1). Records every verify length so that tests can check the forwards.
+    shape (T, 1). Records every forward's input ids (``inputs``) and length so that tests can check them.
     """
 
     def __init__(self, log_probs: torch.Tensor) -> None:
         self.log_probs = log_probs
         self.seq: list[int] = []
         self.forward_lengths: list[int] = []
+        self.inputs: list[list[int]] = []
         self.weight_bytes = 1000
         self.max_length = 1 << 20
 
@@ -47,6 +48,7 @@ class MarkovTarget:
         ids = input_ids.tolist()
         self.seq += ids
         self.forward_lengths.append(len(ids))
+        self.inputs.append(ids)
         logits = self.log_probs[input_ids]  # (T, V)
         aux = input_ids.float()[:, None]  # (T, 1)
         return (logits[-1:] if last_only else logits), aux
@@ -68,11 +70,13 @@ class ScriptedDrafter:
     """Stub drafter: proposes the target's greedy chain with a scripted number of correct tokens.
 
     Round r proposes ``pattern[r % len(pattern)]`` correct tokens (following ``next_of``) and then
-    wrong ones (correct + 1) up to k.
+    wrong ones (correct + 1) up to k. With ``logits`` (k, V_d) and ``t2d`` (V,) every draft reports those
+    fixed draft logits (for KL).
     """
 
-    def __init__(self, next_of, pattern: list[int], vocab: int) -> None:
+    def __init__(self, next_of, pattern: list[int], vocab: int, logits=None, t2d=None) -> None:
         self.next_of, self.pattern, self.vocab = next_of, pattern, vocab
+        self.logits, self.t2d = logits, t2d
         self.round = 0
         self.commits: list[int] = []
 
@@ -93,7 +97,7 @@ class ScriptedDrafter:
             nxt = self.next_of(last)
             ids.append(nxt if i < good else (nxt + 1) % self.vocab)
             last = ids[-1]
-        return Draft(torch.tensor(ids))
+        return Draft(torch.tensor(ids), None, None if self.logits is None else self.logits[:k], self.t2d)
 
 
 class MarkovDrafter:

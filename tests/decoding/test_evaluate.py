@@ -9,12 +9,14 @@ from decoding_stubs import make_head
 
 from draftkit.decoding.evaluate import (
     Prompt,
+    _first_diff,
     check_head_matches_target,
     evaluate_head,
     load_prompts,
     main,
 )
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+from draftkit.models.target import FrozenTarget, load_target
 
 ISSUE_KEYS = {
     "num_prompts", "k", "temperature", "tau", "acceptance_per_position", "acceptance_rate", "kl_per_position",
@@ -94,6 +96,49 @@ def test_evaluate_head_token_ids_and_bytes(tiny, tiny_head):
     assert report["bytes_per_token"]["speculative"] == pytest.approx(
         report["rounds"] * (target_bytes + draft_round) / decode_tokens)
     assert tiny_head.training is False
+
+
+class LossyVerifyTarget(FrozenTarget):
+    """A deliberately lossy target: in multi-row (verify) forwards, the row that predicts absolute position
+    ``at`` puts all its mass on ``wrong``; single-token (plain decoding) forwards are exact."""
+
+    def __init__(self, model, at: int, wrong: int) -> None:
+        super().__init__(model)
+        self.at, self.wrong = at, wrong
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                compute_logits=True):
+        start = 0 if cache is None else cache.get_seq_length()
+        out = super().forward(input_ids, attention_mask, position_ids, cache, use_cache, compute_logits)
+        row = self.at - 1 - start
+        if compute_logits and input_ids.shape[1] > 1 and 0 <= row < input_ids.shape[1]:
+            out.logits[0, row, self.wrong] = 1e4
+        return out
+
+
+def test_greedy_equal_flags_a_lossy_decoder(tiny_dir, tiny_head):
+    """Speculative output that differs from plain greedy at new token 3 of prompt 0 is reported as not
+    equal, at position 3 with the plain top-2 gap there; prompt 1 never reaches the lossy position."""
+    long, short = [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8], [256, 1, 2, 3]
+    model, _ = load_target(str(tiny_dir), "float32")
+    plain = evaluate_head(tiny_head, FrozenTarget(model), None, [long], k=3, max_new_tokens=8, eos_token_ids=[],
+                          prompt_lookup=False, warmup=False, collect_kl=False)
+    assert plain["greedy_equal"] == 1
+    lossy = LossyVerifyTarget(model, at=len(long) + 3, wrong=300)
+    report = evaluate_head(tiny_head, lossy, None, [long, short], k=3, max_new_tokens=8, eos_token_ids=[],
+                           prompt_lookup=False, warmup=False, collect_kl=False)
+    assert report["greedy_equal"] == 1
+    first, second = report["per_prompt"]
+    assert (first["equal"], first["first_diff"]) == (False, 3)
+    assert first["top2_gap"] > 0 and second["top2_gap"] is None
+    assert (second["equal"], second["first_diff"]) == (True, None)
+
+
+def test_first_diff_counts_a_length_difference():
+    assert _first_diff([1, 2, 3], [1, 2, 3]) is None
+    assert _first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert _first_diff([1, 2, 3], [1, 2]) == 2 and _first_diff([1], [1, 2, 3]) == 1
+    assert _first_diff([], [4]) == 0
 
 
 def test_sampled_report(tiny, tiny_head):

@@ -145,3 +145,61 @@ def test_sampled_speculative_output_distribution_stub():
         counts[out[0], out[1], out[2]] += 1
     exact = p_table[2][:, None, None] * p_table[:, :, None] * p_table[None, :, :]  # p(t1|2) p(t2|t1) p(t3|t2)
     assert chi2_pvalue(counts.flatten(), n * exact.flatten()) > 1e-3
+
+
+def test_kl_per_position_pairs_draft_step_i_with_target_row_i():
+    """KL(target || draft) of draft position i uses the verify row that predicts d_i (the row of x_L for
+    i = 1): checked against a direct computation on a target whose rows differ from token to token."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(V, V, generator=g) * 3  # target logits after each token: every row different
+    t2d = torch.ones(V, dtype=torch.bool)
+    t2d[[2, 5]] = False  # KL over a draft vocab of 9 ids
+    draft_logits = torch.randn(4, V - 2, generator=g) * 3  # fixed draft logits per position
+    target = MarkovTarget(table)
+    drafter = ScriptedDrafter(lambda t: int(table[t].argmax()), [2, 4, 0], V, draft_logits, t2d)
+    spec = generate_speculative(target, drafter, torch.tensor([5, 2, 7]), 4, DecodeConfig(max_new_tokens=12),
+                                collect_kl=True)
+    verifies = target.inputs[1:]  # [x_L, d_1..d_4] per round
+    assert len(verifies) == spec.stats.rounds == 4
+    expected = []
+    for i in range(4):
+        kls = []
+        for row in verifies:
+            log_p = table[row[i]][t2d].log_softmax(-1)
+            log_q = draft_logits[i].log_softmax(-1)
+            kls.append(float((log_p.exp() * (log_p - log_q)).sum()))
+        expected.append(sum(kls) / len(kls))
+    assert spec.stats.kl_per_position() == pytest.approx(expected, rel=1e-5)
+
+
+def test_bonus_token_comes_from_the_row_after_the_last_draft():
+    """Every draft accepted (p(d_i) = 1): the bonus token is drawn from row k, here one-hot at 2."""
+    p = torch.eye(3)  # row i is one-hot at i
+    assert rejection_verify(torch.tensor([0, 1]), None, p, torch.Generator().manual_seed(0)) == (2, 2)
+    q = torch.tensor([[0.9, 0.05, 0.05], [0.05, 0.9, 0.05]])
+    assert rejection_verify(torch.tensor([0, 1]), q, p, torch.Generator().manual_seed(0)) == (2, 2)
+
+
+def test_sampled_speculative_distribution_with_bonus_tokens():
+    """Sampled speculative decoding over whole rounds (k = 2, 1 + 3 tokens): the 4-token outputs follow the
+    target's joint distribution, bonus tokens included (about half of the rounds accept both drafts)."""
+    torch.manual_seed(1)
+    vocab = 3
+    p_table = torch.rand(vocab, vocab) ** 3 + 0.03
+    p_table /= p_table.sum(-1, keepdim=True)
+    q_table = (p_table + 0.1 * torch.rand(vocab, vocab)).clamp_min(0.01)  # close to p: drafts are often accepted
+    q_table /= q_table.sum(-1, keepdim=True)
+    target = MarkovTarget(p_table.log())
+    cfg = DecodeConfig(max_new_tokens=4, temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    counts = torch.zeros((vocab,) * 4)
+    bonus_rounds = 0
+    for _ in range(n):
+        out = generate_speculative(target, MarkovDrafter(q_table), torch.tensor([2]), 2, cfg, g)
+        counts[tuple(out.tokens)] += 1
+        bonus_rounds += out.stats.accepted[0] == 2
+    assert bonus_rounds > n // 3
+    p1 = p_table[2]
+    exact = p1[:, None, None, None] * p_table[:, :, None, None] * p_table[None, :, :, None] * p_table[None, None, :, :]
+    assert chi2_pvalue(counts.flatten(), n * exact.flatten()) > 1e-3
