@@ -23,8 +23,10 @@ The opt-in test ``DRAFTKIT_MUTATION=1 pytest -m mutation`` runs the whole check 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,93 +60,102 @@ def M(name: str, original: str, replacement: str, *tests: str, issue: str = "") 
     return Mutant(name, original, replacement, tests, issue)
 
 
-MODULE_TESTS = ("tests/models/test_eagle3_module.py",)
-STUBS = ("tests/decoding/test_speculative_stubs.py",)
-TINY = ("tests/decoding/test_speculative_tiny.py",)
+MODULE = "tests/models/test_eagle3_module.py"
+STUBS = "tests/decoding/test_speculative_stubs.py"
+TINY = "tests/decoding/test_speculative_tiny.py"
+EVALUATE = "tests/decoding/test_evaluate.py"
+CHAT = "tests/data/test_chat.py"
+ROUNDTRIP = "tests/export/test_export_roundtrip.py"
+METRICS = "tests/decoding/test_decoding_metrics.py"
 
-# module path -> its mutants; selections are kept to one or two test files (a few seconds each)
+# module path -> its mutants; each selection is the few tests that guard the line (seconds each)
 MUTANTS: dict[str, list[Mutant]] = {
     "draftkit/models/eagle3.py": [
         M("acc-one-row-early", "teacher_argmax[rows + offset]", "teacher_argmax[rows + offset - 1]",
-          *MODULE_TESTS, issue="17.1"),
+          MODULE, "-k", "accuracy", issue="17.1"),
         M("acc-counts-mismatches", "correct = (logits.argmax(-1) == teacher_argmax)",
-          "correct = (logits.argmax(-1) != teacher_argmax)", *MODULE_TESTS, issue="17.2"),
+          "correct = (logits.argmax(-1) != teacher_argmax)", MODULE, "-k", "soft_ce or accuracy", issue="17.2"),
         M("entropy-key-offset", "key_offset=-1, downweight=cfg.downweight", "key_offset=1, downweight=cfg.downweight",
-          *MODULE_TESTS, issue="17.3"),
+          MODULE, "-k", "entropy", issue="17.3"),
         M("lr-constant-after-warmup",
           "return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))",
-          "return 1.0", *MODULE_TESTS, issue="17.4"),
-        M("init-from-target-ignored", "if self.hparams.init_from_target:", "if False:", *MODULE_TESTS, issue="17.11"),
-        M("ttt-ids-shift", "ids = _shift(input_ids, 1 + step)", "ids = _shift(input_ids, step)", *MODULE_TESTS),
-        M("loss-mask-shift", "weight = _shift(weights, 2 + step)", "weight = _shift(weights, 1 + step)", *MODULE_TESTS),
-        M("in-draft-shift", "* _shift(in_draft, 1 + step)", "* _shift(in_draft, 2 + step)", *MODULE_TESTS),
-        M("ttt-decay-power", "(self.ttt.decay ** k) * loss_sum", "(self.ttt.decay ** (k + 1)) * loss_sum", *MODULE_TESTS),
-        M("ttt-positions", "positions + k, ttt_cache", "positions, ttt_cache", *MODULE_TESTS),
-        M("soft-ce-mean", "(teacher_probs * logits).sum(-1)", "(teacher_probs * logits).mean(-1)", *MODULE_TESTS),
-        M("tau-sim-sum", "        total += prod\n", "        total += a\n", *MODULE_TESTS),
+          "return 1.0", MODULE, "-k", "lr", issue="17.4"),
+        M("init-from-target-ignored", "if self.hparams.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
+          issue="17.11"),
+        M("ttt-ids-shift", "ids = _shift(input_ids, 1 + step)", "ids = _shift(input_ids, step)", MODULE, "-k", "ttt"),
+        M("loss-mask-shift", "weight = _shift(weights, 2 + step)", "weight = _shift(weights, 1 + step)",
+          MODULE, "-k", "ttt"),
+        M("in-draft-shift", "* _shift(in_draft, 1 + step)", "* _shift(in_draft, 2 + step)", MODULE, "-k", "ttt"),
+        M("ttt-decay-power", "(self.ttt.decay ** k) * loss_sum", "(self.ttt.decay ** (k + 1)) * loss_sum",
+          MODULE, "-k", "reference"),
+        M("ttt-positions", "positions + k, ttt_cache", "positions, ttt_cache", MODULE, "-k", "reference"),
+        M("soft-ce-mean", "(teacher_probs * logits).sum(-1)", "(teacher_probs * logits).mean(-1)", MODULE, "-k", "soft_ce"),
+        M("tau-sim-sum", "        total += prod\n", "        total += a\n", MODULE, "-k", "tau_sim"),
     ],
     "draftkit/heads/eagle3_llama.py": [
         M("attention-input-order", "u = torch.cat([self.input_layernorm(emb), g], dim=-1)",
-          "u = torch.cat([g, self.input_layernorm(emb)], dim=-1)", "tests/heads/test_eagle3_llama.py"),
+          "u = torch.cat([g, self.input_layernorm(emb)], dim=-1)", ROUNDTRIP, "-k", "independent_reference"),
         M("residual-variant-swapped", "residual = g if self.norm_before_residual else feature",
-          "residual = feature if self.norm_before_residual else g", "tests/heads/test_eagle3_llama.py"),
+          "residual = feature if self.norm_before_residual else g", ROUNDTRIP, "-k", "independent_reference"),
         M("logits-without-norm", "return self.lm_head(self.norm(h))", "return self.lm_head(h)",
-          "tests/heads/test_eagle3_llama.py"),
+          ROUNDTRIP, "-k", "independent_reference"),
     ],
     "draftkit/selection/vocab.py": [
-        M("d2t-absolute-ids", "d2t = used - torch.arange(used.numel())", "d2t = used", "tests/selection/test_vocab_layers.py"),
+        M("d2t-absolute-ids", "d2t = used - torch.arange(used.numel())", "d2t = used",
+          "tests/selection/test_vocab_layers.py", "-k", "d2t"),
     ],
     "draftkit/data/chat.py": [
         M("truncation-keeps-mask", "ids, mask = ids[:max_length], mask[:max_length]", "ids, mask = ids[:max_length], mask",
-          "tests/data/test_chat.py", issue="17.5"),
+          CHAT, "-k", "truncation", issue="17.5"),
         M("mask-span-trailing-whitespace", "spans.append((len(prefix), len(upto.rstrip())))",
-          "spans.append((len(prefix), len(upto)))", "tests/data/test_chat.py"),
+          "spans.append((len(prefix), len(upto)))", CHAT, "-k", "loss_mask"),
     ],
     "draftkit/data/module.py": [
         M("cache-key-without-code", '"chat-v1", tokenization_fingerprint(), self._data_fingerprint(path)',
-          '"chat-v1", self._data_fingerprint(path)', "tests/data/test_chat.py"),
+          '"chat-v1", self._data_fingerprint(path)', CHAT, "-k", "cache_key"),
     ],
     "draftkit/export/common.py": [
         M("t2d-without-d2t-offset", "ids = torch.arange(vm.numel()) + vm", "ids = torch.arange(vm.numel())",
-          "tests/export/test_export_roundtrip.py", issue="17.6"),
+          ROUNDTRIP, "-k", "t2d", issue="17.6"),
     ],
     "draftkit/export/sglang.py": [
         M("sglang-ids-unshifted", "if rule == PLUS_ONE:\n        return [i - 1 for i in ids]",
-          "if rule == PLUS_ONE:\n        return ids", "tests/export/test_layer_ids.py"),
+          "if rule == PLUS_ONE:\n        return ids", "tests/export/test_layer_ids.py", "-k", "worked_examples"),
     ],
     "draftkit/export/trtllm.py": [
-        M("trtllm-ids-unshifted", "else [i - 1 for i in ids]", "else ids", "tests/export/test_layer_ids.py"),
+        M("trtllm-ids-unshifted", "else [i - 1 for i in ids]", "else ids", "tests/export/test_layer_ids.py",
+          "-k", "worked_examples"),
     ],
     "draftkit/decoding/speculative.py": [
         M("kl-next-target-row", "kl_target_draft(logits[:kd], draft.logits", "kl_target_draft(logits[1:kd + 1], draft.logits",
-          *STUBS, issue="17.7"),
+          STUBS, "-k", "kl", issue="17.7"),
         M("bonus-from-last-draft-row", "return a, int(sample_from_probs(target_probs[k], generator))",
-          "return a, int(sample_from_probs(target_probs[k - 1], generator))", *STUBS, issue="17.10"),
+          "return a, int(sample_from_probs(target_probs[k - 1], generator))", STUBS, "-k", "bonus", issue="17.10"),
         M("greedy-verify-not-prefix", "a = int((draft_ids == best[:k]).int().cumprod(0).sum()) if k else 0",
-          "a = int((draft_ids == best[:k]).int().sum()) if k else 0", *STUBS),
-        M("greedy-verify-next-row", "return a, int(best[a])", "return a, int(best[max(a - 1, 0)])", *STUBS),
-        M("rejection-accept-ignores-q", "accept = u * q < p", "accept = u < p", *STUBS),
+          "a = int((draft_ids == best[:k]).int().sum()) if k else 0", STUBS, "-k", "greedy_verify"),
+        M("greedy-verify-next-row", "return a, int(best[a])", "return a, int(best[max(a - 1, 0)])",
+          STUBS, "-k", "greedy_verify"),
+        M("rejection-accept-ignores-q", "accept = u * q < p", "accept = u < p", STUBS, "-k", "rejection_sampling"),
         M("rejection-residual-is-p", "residual = (target_probs[a] - draft_probs[a]).clamp_min(0)",
-          "residual = target_probs[a].clone()", *STUBS),
-        M("target-cache-no-rollback", "target.crop(L + a + 1)", "target.crop(L + kd + 1)", *TINY),
-        M("drafter-commit-rows", "drafter.commit(aux[:a + 1])", "drafter.commit(aux[:a])", *STUBS, *TINY),
+          "residual = target_probs[a].clone()", STUBS, "-k", "rejection_sampling"),
+        M("target-cache-no-rollback", "target.crop(L + a + 1)", "target.crop(L + kd + 1)", TINY, "-k", "controlled"),
+        M("drafter-commit-rows", "drafter.commit(aux[:a + 1])", "drafter.commit(aux[:a])", STUBS, "-k", "exact_tau"),
         M("draft-chain-position", "z, h = self._step(t.view(1), h, p0 + m + j)",
-          "z, h = self._step(t.view(1), h, p0 + m + j + 1)", *TINY),
+          "z, h = self._step(t.view(1), h, p0 + m + j + 1)", TINY, "-k", "drafter_chain"),
         M("drafter-ignores-d2t", "torch.arange(cfg.draft_vocab_size, device=self.device) + head.d2t",
-          "torch.arange(cfg.draft_vocab_size, device=self.device)", *TINY),
+          "torch.arange(cfg.draft_vocab_size, device=self.device)", TINY, "-k", "d2t"),
     ],
     "draftkit/decoding/metrics.py": [
         M("tau-without-bonus", "return sum(a + 1 for a in accepted) / len(accepted)",
-          "return sum(a for a in accepted) / len(accepted)", "tests/decoding/test_decoding_metrics.py"),
-        M("alpha-strict", "sum(a >= i for a in accepted)", "sum(a > i for a in accepted)",
-          "tests/decoding/test_decoding_metrics.py"),
+          "return sum(a for a in accepted) / len(accepted)", METRICS),
+        M("alpha-strict", "sum(a >= i for a in accepted)", "sum(a > i for a in accepted)", METRICS),
         M("kl-reversed", "return (log_p.exp() * (log_p - log_q)).sum(-1)", "return (log_q.exp() * (log_q - log_p)).sum(-1)",
-          "tests/decoding/test_decoding_metrics.py"),
+          METRICS),
     ],
     "draftkit/decoding/evaluate.py": [
         M("first-diff-ignores-length", "return None if len(a) == len(b) else min(len(a), len(b))", "return None",
-          "tests/decoding/test_evaluate.py", issue="17.8"),
-        M("greedy-equal-always", "equal += diff is None", "equal += 1", "tests/decoding/test_evaluate.py", issue="17.9"),
+          EVALUATE, "-k", "first_diff", issue="17.8"),
+        M("greedy-equal-always", "equal += diff is None", "equal += 1", EVALUATE, "-k", "greedy_equal", issue="17.9"),
     ],
 }
 
@@ -180,18 +191,63 @@ def _copy_tree(dest: Path, rev: str | None) -> None:
             shutil.copy2(src, dest / name)
 
 
-def _pytest(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, float]:
-    """(exit status or None on timeout, seconds) of the selection run in ``root`` on one thread."""
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "-m", "not slow and not gpu", *tests]
+PRELOAD = ("torch", "transformers", "lightning.pytorch", "datasets", "torchmetrics", "safetensors.torch", "pytest")
+"""Third-party libraries imported once by the check and shared by every forked pytest run (their import is
+most of a short run's cost); draftkit itself is never imported by the parent, so each run imports the copy."""
+
+
+def _preload() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: F401  (transformers imports lazily)
+
+    if any(name == "draftkit" or name.startswith("draftkit.") for name in sys.modules):
+        raise RuntimeError("draftkit was imported by the check itself; forked runs would not see the mutant")
+
+
+def _forked(root: Path, timeout: float, work) -> tuple[int | None, float]:
+    """Run ``work()`` (returns an exit status) in a forked child with cwd and sys.path[0] = ``root``, output
+    discarded; returns (status or None on timeout, seconds)."""
     t0 = time.perf_counter()
-    try:
-        rc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = None
-    return rc, time.perf_counter() - t0
+    pid = os.fork()
+    if pid == 0:
+        rc = 3
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.chdir(root)
+            sys.path.insert(0, str(root))
+            rc = int(work())
+        finally:
+            os._exit(rc)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None, time.perf_counter() - t0
+        time.sleep(0.05)
+
+
+def _pytest(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, float]:
+    """(pytest exit status or None on timeout, seconds) of the selection run in ``root`` on one thread."""
+    import pytest
+
+    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not slow and not gpu", *tests]
+    return _forked(root, timeout, lambda: pytest.main(args))
+
+
+def _imports_from(root: Path) -> bool:
+    def work() -> int:
+        import draftkit
+
+        return 0 if draftkit.__file__.startswith(str(root)) else 1
+
+    return _forked(root, 120.0, work)[0] == 0
 
 
 def _say(line: str) -> None:
@@ -202,15 +258,14 @@ def run(mutants: list[tuple[str, Mutant]], rev: str | None = None, timeout: floa
     """Run the check; returns ``{"killed": n, "total": n, "score": float, "results": [...]}``.
 
     Raises:
-        RuntimeError: if the scratch copy would import draftkit from somewhere else.
+        RuntimeError: if a run in the scratch copy would import draftkit from somewhere else.
     """
     with tempfile.TemporaryDirectory(prefix="draftkit-mutants-") as tmp:
         root = Path(tmp)
         _copy_tree(root, rev)
-        where = subprocess.run([sys.executable, "-c", "import draftkit; print(draftkit.__file__)"], cwd=root,
-                               env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True).stdout
-        if not where.strip().startswith(str(root)):
-            raise RuntimeError(f"the scratch copy imports draftkit from {where.strip()!r}, not from {root}")
+        _preload()
+        if not _imports_from(root):
+            raise RuntimeError(f"a run in the scratch copy {root} imports draftkit from elsewhere")
         for problem in check_snippets(root):
             out(f"list: {problem}")
         broken = {}

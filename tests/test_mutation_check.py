@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,12 +29,13 @@ def test_every_mutant_applies_exactly_once():
     assert len({(path, m.name) for path, m in mutants}) == len(mutants)
     for _, m in mutants:
         assert m.original != m.replacement
-        assert all((REPO / t).is_file() for t in m.tests if not t.startswith("-")), m.name
+        assert all((REPO / t.split("::")[0]).is_file() for t in m.tests if t.startswith("tests/")), m.name
 
 
 @pytest.mark.mutation
-@pytest.mark.skipif(not os.environ.get("DRAFTKIT_MUTATION"), reason="opt-in: set DRAFTKIT_MUTATION=1 (~5 min on 2 cores)")
+@pytest.mark.skipif(not os.environ.get("DRAFTKIT_MUTATION"), reason="opt-in: set DRAFTKIT_MUTATION=1 (a few minutes)")
 def test_mutation_score():
-    report = _module().run(_module().all_mutants())
-    survivors = [f"{r['module']}::{r['name']}: {r['status']}" for r in report["results"] if not r["status"].startswith("killed")]
-    assert report["score"] >= 0.95, survivors
+    """The whole check in its own process (it must import draftkit only inside its scratch copies)."""
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "mutation_check.py"), "--min-score", "0.95"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
