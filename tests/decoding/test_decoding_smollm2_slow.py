@@ -35,6 +35,8 @@ def test_smollm2_random_head_greedy_equal():
         # float32: equal, or the first difference is a genuine near-tie of the target's top-2 logits
         assert row["equal"] or row["top2_gap"] < 1e-4, row
     assert report["greedy_equal"] + report["greedy_near_ties"] == 2
-    assert 1.0 <= report["tau"] <= 6.0
-    assert len(report["kl_per_position"]) == 5
+    # a random head is almost never accepted: tau near 1 (an inverted acceptance count would give ~6)
+    assert 1.0 <= report["tau"] < 1.5
+    assert report["tau"] == pytest.approx(1 + sum(report["acceptance_per_position"]))  # chain identity
+    assert len(report["kl_per_position"]) == 5 and all(x > 0 for x in report["kl_per_position"])
     assert report["bytes_per_token"]["plain"] == pytest.approx(4 * sum(p.numel() for p in model.parameters()))
