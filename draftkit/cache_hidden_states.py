@@ -58,7 +58,7 @@ def cache_hidden_states(
     from draftkit.artifacts import cache_dir
     from draftkit.cli import DraftkitCLI
     from draftkit.data.offline import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
-    from draftkit.models.target import FrozenTarget
+    from draftkit.target.frozen import FrozenTarget
 
     args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])
     cli = DraftkitCLI(args=args, run=False)

@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     config = LayerAnalysisConfig(**{k: v for k, v in vars(args.analysis).items() if not k.startswith("__")})
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     t0 = time.perf_counter()
     model, tokenizer = load_target(args.target, args.target_dtype)

@@ -93,7 +93,7 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
 
     from draftkit.artifacts import resolve_model_dir
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
 
     torch_dtype = getattr(torch, dtype)
     meta = {}
@@ -101,7 +101,7 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
     if checkpoint:
         from draftkit.decoding.evaluate import load_head
 
-        head, meta = load_head(checkpoint)
+        head, meta = load_head(checkpoint, target_ref or None)
         target_ref = target_ref or meta["target"]
     if random_weights:
         path = resolve_model_dir(target_ref)

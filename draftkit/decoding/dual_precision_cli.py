@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -329,14 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--target {args.target}: {err}")
     t_load = time.perf_counter() - t_load
 
-    def encode(text: str) -> list[int]:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-        return tokenizer(chat, add_special_tokens=False)["input_ids"]
+    from draftkit.target.tokens import encode_chat, stop_token_ids
 
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else ({gen_eos} if gen_eos is not None else set())
+    def encode(text: str) -> list[int]:
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+
+    eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
     is_correct = None
     if all(r.answer is not None for r in evaluation):
@@ -345,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             return got is not None and got == _final_number(str(evaluation[i].answer))
 
     report = evaluate_dual_precision(
-        lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, sorted(eos), is_correct
+        lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, eos, is_correct
     )
     report["target"] = args.target
     report["dtype"] = args.dtype

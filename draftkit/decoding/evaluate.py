@@ -35,6 +35,7 @@ import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
 from draftkit.jsonio import write_json_atomic
+from draftkit.target.tokens import encode_chat, stop_token_ids
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -188,11 +189,7 @@ def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]
         return list(prompt.ids)
     if tokenizer is None:
         raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
-    # render then tokenize without extra specials, exactly as the training data is tokenized
-    text = tokenizer.apply_chat_template(
-        prompt.messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, prompt.messages, chat_template)
 
 
 # -- heads --------------------------------------------------------------------------------------------------
@@ -223,8 +220,12 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
         )
 
 
-def load_head(checkpoint: str | Path):
+def load_head(checkpoint: str | Path, target: str | None = None):
     """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
+
+    Args:
+        checkpoint: the ``.ckpt`` or export directory.
+        target: a target reference overriding the recorded one (checked against the checkpoint).
 
     Returns:
         (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
@@ -238,17 +239,12 @@ def load_head(checkpoint: str | Path):
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
     if path.is_dir():
-        try:
-            from draftkit.export import load_exported_head
-        except ImportError as exc:
-            raise ValueError(
-                f"--checkpoint: {path} is a directory, but this draftkit has no draftkit.export.load_exported_head "
-                "to read exported heads; pass the training .ckpt instead"
-            ) from exc
-        return load_exported_head(path)
-    from draftkit.heads.io import head_from_checkpoint
+        from draftkit.export import load_exported_head
 
-    return head_from_checkpoint(path)
+        return load_exported_head(path)
+    from draftkit.heads.checkpoint import head_from_checkpoint
+
+    return head_from_checkpoint(path, target)
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -295,7 +291,8 @@ def evaluate_drafter(
         max_new_tokens: per prompt.
         seed: prompt i samples with a generator seeded ``seed + i`` (the same for all three decoders).
         chat_template: a Jinja template, or None for the tokenizer's own.
-        eos_token_ids: stop ids (None = the tokenizer's EOS).
+        eos_token_ids: stop ids (None = ``draftkit.target.tokens.stop_token_ids``: the tokenizer's EOS and the
+            target generation config's EOS ids).
         baseline: run plain decoding (needed for speedup and ``greedy_equal``).
         prompt_lookup: run the prompt-lookup baseline.
         collect_kl: record KL(target || draft) per draft position.
@@ -315,8 +312,7 @@ def evaluate_drafter(
     if not prompts:
         raise ValueError("no prompts to evaluate: the prompt list is empty")
     if eos_token_ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_token_ids = stop_token_ids(tokenizer, getattr(target, "generation_config", None))
     cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
     session = TargetSession(target)
     device = next(target.parameters()).device
@@ -555,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         prompts = load_prompts(args.prompts, args.num_prompts)
-        head, meta = load_head(args.checkpoint)
-        from draftkit.models.target import FrozenTarget, load_target
+        head, meta = load_head(args.checkpoint, args.target)
+        from draftkit.target.frozen import FrozenTarget, load_target
 
         target_ref = args.target or meta["target"]
         model, tokenizer = load_target(target_ref, args.dtype)

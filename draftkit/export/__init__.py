@@ -9,9 +9,10 @@ Shapes: H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, N ta
 """
 
 from draftkit.export.cli import main
-from draftkit.export.common import DTYPES, ENGINES, HeadSource, read_checkpoint
+from draftkit.export.common import DTYPES, ENGINES
 from draftkit.export.exporter import export_checkpoint, verify_export
 from draftkit.export.load import load_exported_head, reference_forward
+from draftkit.heads.checkpoint import HeadSource, read_checkpoint
 
 __all__ = [
     "DTYPES",

@@ -30,15 +30,14 @@ from draftkit.export.common import (
     DTYPES,
     ENGINES,
     SIDECAR,
-    HeadSource,
     head_config_dict,
-    read_checkpoint,
     serving_tensors,
     validate_tensors,
     vocab_fingerprint,
     write_directory,
 )
 from draftkit.export.load import load_exported_head, read_export, reference_forward
+from draftkit.heads.checkpoint import HeadSource, read_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
 
 __all__ = ["ENGINE_MODULES", "export_checkpoint", "export_head_source", "verify_export"]

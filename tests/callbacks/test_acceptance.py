@@ -15,7 +15,7 @@ from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 @pytest.fixture(scope="module")
 def tiny_parts(tmp_path_factory):
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.testing import build_tiny_target
 
     model, tokenizer = load_target(str(build_tiny_target(tmp_path_factory.mktemp("acc") / "tiny")), "float32")

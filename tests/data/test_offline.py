@@ -16,7 +16,7 @@ from draftkit.cli import DraftkitCLI
 from draftkit.data.offline import (
     HiddenStateCache, OfflineDataset, bytes_per_token, collate_offline, plan_shards, write_hidden_states,
 )
-from draftkit.models.teacher import TargetLMHead
+from draftkit.target.lm_head import TargetLMHead
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-debug.yaml"

@@ -19,7 +19,7 @@ def test_mt_bench_first_turns():
 
 def test_smollm2_random_head_greedy_equal():
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.selection.vocab import VocabMap
 
     model, tokenizer = load_target(SMOLLM2, "float32")

@@ -149,7 +149,7 @@ def dp_tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_lm(dp_tiny_dir):
     """DualPrecisionLM of the tiny Llama in float64 (exact enough that kernel numerics never flip a tie)."""
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, _ = load_target(str(dp_tiny_dir), "float64")
     return DualPrecisionLM(model)
@@ -299,7 +299,7 @@ def test_config_bad_input():
 
 
 def test_no_quantizable_linears(dp_tiny_dir):
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, _ = load_target(str(dp_tiny_dir), "float32")
     with pytest.raises(ValueError, match="no quantizable linears"):
@@ -407,7 +407,7 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
 @pytest.mark.slow
 def test_smollm2_verified_equals_all_high():
     from draftkit.decoding.dual_precision_cli import SMOLLM2_REF, load_prompts
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2_REF, "float32")
     lm = DualPrecisionLM(model)
