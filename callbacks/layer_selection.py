@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from draftkit.analysis.collect import LayerAnalysisConfig
 from draftkit.selection.layers import validate_aux_layer_ids
+from draftkit.target.tokens import ids_to_skip
 
 __all__ = ["LayerSelection"]
 
@@ -117,9 +118,7 @@ class LayerSelection(Callback):
         batches = dm.train_dataloader()
         if self.max_batches is not None:
             batches = itertools.islice(batches, self.max_batches)
-        exclude = []
-        if tokenizer is not None and tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id:
-            exclude = [tokenizer.bos_token_id]
+        exclude = ids_to_skip(tokenizer)
         device = trainer.strategy.root_device
         start_device = next(model.parameters()).device
         writer = getattr(trainer.logger, "experiment", None) if trainer.logger is not None else None

@@ -2,7 +2,7 @@
 
 Runs the recipe's frozen target once over its tokenized train and val splits and stores the aux hidden
 states and the last hidden state (bf16), with ``input_ids`` and ``loss_mask``, as sharded safetensors files
-plus ``index.json`` (format: ``draftkit.data.offline``). Before writing it prints the disk it will need
+plus ``index.json`` (format: ``draftkit.data.hidden_cache``). Before writing it prints the disk it will need
 (bytes per token x tokens) and stops if the disk is short. Rerunning the same command finishes an
 interrupted cache: complete shards are kept. Then train with ``--data.hidden_states_cache DIR``.
 
@@ -57,7 +57,7 @@ def cache_hidden_states(
     """
     from draftkit.artifacts import cache_dir
     from draftkit.cli import DraftkitCLI
-    from draftkit.data.offline import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
+    from draftkit.data.hidden_cache import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
     from draftkit.target.frozen import FrozenTarget
 
     args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])

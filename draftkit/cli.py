@@ -33,7 +33,7 @@ class DraftkitCLI(LightningCLI):
     """LightningCLI with ``--recipe`` as the config flag and ``data.tokenizer`` linked to ``model.target``."""
 
     def __init__(self, *args, **kwargs) -> None:
-        from draftkit.data.module import ChatDataModule
+        from draftkit.data.datamodule import ChatDataModule
         from draftkit.models.eagle3 import Eagle3Module
 
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})

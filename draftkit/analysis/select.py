@@ -242,11 +242,12 @@ def chat_batches(data: str, tokenizer, chat_template: str | None = None, max_len
     """
     from draftkit.artifacts import resolve_artifact
     from draftkit.data.chat import TemplateError, read_conversations, tokenize_conversation
-    from draftkit.data.module import collate
+    from draftkit.data.collate import collate
+    from draftkit.target.tokens import pad_token_id
 
     conversations, summary = read_conversations(resolve_artifact(data, "data"), max_records=max_conversations)
     log.info("%s", summary)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_token_id(tokenizer)
     rows, skipped = [], 0
     for messages in conversations:
         try:
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
     from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import ids_to_skip
 
     t0 = time.perf_counter()
     model, tokenizer = load_target(args.target, args.target_dtype)
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = model.config.num_hidden_layers
     if config.k > num_layers - 1:
         raise ValueError(f"--k {config.k} exceeds the {num_layers - 1} candidate layers (ids 1..{num_layers - 1})")
-    exclude = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id else []
+    exclude = ids_to_skip(tokenizer)
     batches = chat_batches(args.data, tokenizer, args.chat_template, args.max_length, args.batch_size, args.max_conversations)
     output = Path(args.output)
     writer = None

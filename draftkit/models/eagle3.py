@@ -248,7 +248,7 @@ class Eagle3Module(pl.LightningModule):
             return
         cache = getattr(dm, "hidden_states", None) if dm is not None else None
         if cache is not None:
-            from draftkit.data.offline import config_fingerprint
+            from draftkit.data.hidden_cache import config_fingerprint
             from draftkit.target.lm_head import load_target_lm_head
 
             self.target = load_target_lm_head(self.hparams.target, self.hparams.target_dtype, self.hparams.aux_layer_ids)

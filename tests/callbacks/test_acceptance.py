@@ -9,7 +9,8 @@ import torch
 from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
 from lightning.pytorch.loggers import CSVLogger
 
-from draftkit.decoding.evaluate import evaluate_head, load_prompts
+from draftkit.data.prompts import load_prompts
+from draftkit.decoding.evaluate import evaluate_head
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 

@@ -131,7 +131,7 @@ def test_bad_options_and_a_bad_report(tiny_dir, tmp_path):
 def test_with_the_eagle3_module_and_chat_datamodule(tiny_dir, tmp_path, monkeypatch):
     """Integration with the lead's Eagle3Module / ChatDataModule hook points (skipped if they are absent)."""
     eagle3 = pytest.importorskip("draftkit.models.eagle3")
-    module_mod = pytest.importorskip("draftkit.data.module")
+    module_mod = pytest.importorskip("draftkit.data.datamodule")
     monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
     rng = random.Random(0)
     data = tmp_path / "chat.jsonl"

@@ -383,7 +383,8 @@ def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
 
 
 def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
-    from draftkit.decoding.dual_precision_cli import load_prompts, main, split_prompts
+    from draftkit.data.prompts import load_prompts, split_prompts
+    from draftkit.decoding.dual_precision_cli import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(5)])
     calib = _write_prompts(tmp_path / "c.jsonl", ["q1", "q3", "other"])
@@ -397,7 +398,7 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
     assert json.loads((tmp_path / "r.json").read_text())["prompts"]["overlap"] == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"answer": "42"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: no prompt text"):
+    with pytest.raises(ValueError, match=r"bad.jsonl record 2 has no prompt text"):
         load_prompts(str(bad))
 
 
@@ -406,7 +407,8 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
 
 @pytest.mark.slow
 def test_smollm2_verified_equals_all_high():
-    from draftkit.decoding.dual_precision_cli import SMOLLM2_REF, load_prompts
+    from draftkit.data.prompts import load_prompts
+    from draftkit.decoding.dual_precision_cli import SMOLLM2_REF
     from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2_REF, "float32")
