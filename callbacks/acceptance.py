@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from draftkit.data.prompts import load_prompts
-from draftkit.decoding.evaluate import check_head_matches_target, evaluate_drafter
+from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
 from draftkit.decoding.speculative import Eagle3Drafter
 
 __all__ = ["AcceptanceLengthMonitor"]

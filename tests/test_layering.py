@@ -83,14 +83,12 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
     return [(m, line) for m, line in found if m == "draftkit" or m.startswith("draftkit.")]
 
 
-@pytest.mark.xfail(reason="issue 12: the move is in progress", strict=False)
 def test_every_module_has_a_floor():
     assert len(MODULES) > 40
     for name, _ in MODULES:
         floor_of(name)
 
 
-@pytest.mark.xfail(reason="issue 12: the move is in progress", strict=False)
 @pytest.mark.parametrize("name, path", MODULES, ids=[m for m, _ in MODULES])
 def test_imports_stay_on_or_below_the_floor(name, path):
     own = floor_of(name)

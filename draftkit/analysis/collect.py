@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,14 @@ class LayerAnalysisConfig:
     """Fewest rows that must survive the filters."""
     seed: int = 0
     """Seed of the minibatch shuffle and the reservoir."""
+
+    @classmethod
+    def merged(cls, options: "LayerAnalysisConfig | dict | None" = None, **fields) -> "LayerAnalysisConfig":
+        """``options`` (a config, its dict, or None for the defaults) with ``fields`` set over it: how the
+        ``LayerSelection`` callback combines its own arguments with its ``options``."""
+        base = options if options is not None else cls()
+        base = cls(**base) if isinstance(base, dict) else base
+        return dataclasses.replace(base, **fields)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:

@@ -35,7 +35,6 @@ from draftkit.target.frozen import DTYPES
 
 __all__ = [
     "DTYPES",
-    "ENGINES",
     "SIDECAR",
     "llama_config_fields",
     "norm_flags",
@@ -45,9 +44,6 @@ __all__ = [
     "vocab_fingerprint",
     "write_directory",
 ]
-
-ENGINES = ("vllm", "speculators", "sglang", "trtllm")
-"""Export targets accepted by ``draftkit export --to``."""
 
 SIDECAR = "draftkit_export.json"
 """Sidecar file name; engines ignore it."""

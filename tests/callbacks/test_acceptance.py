@@ -10,7 +10,7 @@ from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from draftkit.data.prompts import load_prompts
-from draftkit.decoding.evaluate import evaluate_head
+from draftkit.decoding.harness import evaluate_head
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 

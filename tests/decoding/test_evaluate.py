@@ -7,11 +7,13 @@ import pytest
 import torch
 from decoding_stubs import make_head
 
-from draftkit.decoding.evaluate import (
-    check_head_matches_target,
-    evaluate_head,
-    main,
-)
+from draftkit.commands import main as draftkit_main
+from draftkit.decoding.harness import check_head_matches_target, evaluate_head
+
+
+def main(args):
+    return draftkit_main(["evaluate", *args])
+
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 ISSUE_KEYS = {

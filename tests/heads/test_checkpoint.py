@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 
 from export_helpers import make_head, save_tiny_target, write_checkpoint  # noqa: E402
 
-from draftkit.decoding.evaluate import load_head  # noqa: E402
+from draftkit.export.load import load_head  # noqa: E402
 from draftkit.export import export_checkpoint  # noqa: E402
 from draftkit.heads.checkpoint import head_from_checkpoint, read_checkpoint  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``python -m draftkit cache-hidden-states --recipe R [--output DIR]``: write a recipe's offline cache.
+"""``draftkit cache-hidden-states --recipe R [--output DIR]``: write a recipe's offline cache.
 
 Runs the recipe's frozen target once over its tokenized train and val splits and stores the aux hidden
 states and the last hidden state (bf16), with ``input_ids`` and ``loss_mask``, as sharded safetensors files
@@ -6,47 +6,55 @@ plus ``index.json`` (format: ``draftkit.data.hidden_cache``). Before writing it 
 (bytes per token x tokens) and stops if the disk is short. Rerunning the same command finishes an
 interrupted cache: complete shards are kept. Then train with ``--data.hidden_states_cache DIR``.
 
-Extra ``--section.key value`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
+Extra ``--model.*``, ``--data.*`` and ``--trainer.*`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
 One process writes the whole cache; the forward runs under the recipe's precision (bf16 autocast for
 ``bf16-mixed``), so the cached states equal the ones online training computes.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-__all__ = ["cache_hidden_states", "main"]
+__all__ = ["cache_hidden_states"]
 
 log = logging.getLogger(__name__)
 
 
+def _print_plan(plan: dict) -> None:
+    print(
+        f"draftkit cache-hidden-states: {plan['output']}\n"
+        f"  needs {plan['bytes_needed'] / 1e9:.3f} GB = {plan['bytes_per_token']} bytes/token x {plan['tokens']} "
+        f"tokens ({plan['shards_todo']} shards to write, {plan['shards_done']} already complete); "
+        f"{plan['bytes_free'] / 1e9:.1f} GB free",
+        flush=True,
+    )
+
+
 def cache_hidden_states(
-    recipes: list[str],
-    output: str | None = None,
-    overrides: list[str] | None = None,
-    batch_size: int | None = None,
+    recipe: list[str],
+    output: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+    batch_size: Optional[int] = None,
     shard_mb: float = 512.0,
     dry_run: bool = False,
     device: str = "auto",
-    on_plan=None,
 ) -> dict:
-    """Write (or finish) the hidden-state cache of a recipe.
+    """Write (or finish) the offline hidden-state cache of a recipe; train from it with --data.hidden_states_cache.
 
     Args:
-        recipes: recipe YAML paths, stacked in order.
-        output: cache directory; None = the recipe's ``data.hidden_states_cache`` if set, else
-            ``<draftkit cache>/hidden-states/<fingerprint>``.
-        overrides: extra LightningCLI arguments.
-        batch_size: sequences per target forward (None = ``data.batch_size``).
+        recipe: recipe YAML paths, stacked in order (old spelling -r).
+        output: cache directory (old spelling -o); default: the recipe's data.hidden_states_cache, else
+            <draftkit cache>/hidden-states/<fingerprint>.
+        overrides: more recipe arguments (--model.*, --data.*, --trainer.* given after the verb land here).
+        batch_size: sequences per target forward (default: data.batch_size).
         shard_mb: target shard size in MB (1e6 bytes).
-        dry_run: only plan and check the disk.
-        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
-        on_plan: callback receiving the plan before anything is written (see ``write_hidden_states``).
+        dry_run: only print the plan and check the disk.
+        device: auto (CUDA when available), cpu or cuda.
 
     Returns:
         The plan and write statistics of ``write_hidden_states``, plus ``output``.
@@ -60,7 +68,7 @@ def cache_hidden_states(
     from draftkit.data.hidden_cache import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
     from draftkit.target.frozen import FrozenTarget
 
-    args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])
+    args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])
     cli = DraftkitCLI(args=args, run=False)
     model, dm, trainer = cli.model, cli.datamodule, cli.trainer
     configured = dm.hparams.hidden_states_cache
@@ -89,38 +97,14 @@ def cache_hidden_states(
         out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
         len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
         shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
-        on_plan=on_plan,
+        on_plan=_print_plan,
     )
-    return {**result, "output": str(out_dir), "precision": precision, "device": device}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit cache-hidden-states``."""
-    parser = argparse.ArgumentParser(prog="draftkit cache-hidden-states", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-r", "--recipe", action="append", required=True, help="recipe YAML (repeatable)")
-    parser.add_argument("-o", "--output", help="cache directory (default: data.hidden_states_cache or the draftkit cache)")
-    parser.add_argument("--batch-size", type=int, help="sequences per target forward (default: data.batch_size)")
-    parser.add_argument("--shard-mb", type=float, default=512.0, help="target shard size in MB (default 512)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and check the disk only")
-    args, overrides = parser.parse_known_args(argv)
-
-    def show_plan(plan: dict) -> None:
+    result = {**result, "output": str(out_dir), "precision": precision, "device": device}
+    if not dry_run:
         print(
-            f"draftkit cache-hidden-states: {plan['output']}\n"
-            f"  needs {plan['bytes_needed'] / 1e9:.3f} GB = {plan['bytes_per_token']} bytes/token x {plan['tokens']} "
-            f"tokens ({plan['shards_todo']} shards to write, {plan['shards_done']} already complete); "
-            f"{plan['bytes_free'] / 1e9:.1f} GB free",
-            flush=True,
+            f"  wrote {result['tokens_written']} tokens, {result['bytes_written'] / 1e6:.1f} MB in "
+            f"{result['seconds']:.1f} s ({result['tokens_per_s']:.0f} tokens/s, {result['mb_per_s']:.1f} MB/s; "
+            f"{result['device']}, {result['precision']})\n"
+            f"  train from it with: --data.hidden_states_cache {result['output']}"
         )
-
-    r = cache_hidden_states(args.recipe, args.output, overrides, args.batch_size, args.shard_mb, args.dry_run,
-                            args.device, on_plan=show_plan)
-    if not args.dry_run:
-        print(
-            f"  wrote {r['tokens_written']} tokens, {r['bytes_written'] / 1e6:.1f} MB in {r['seconds']:.1f} s "
-            f"({r['tokens_per_s']:.0f} tokens/s, {r['mb_per_s']:.1f} MB/s; {r['device']}, {r['precision']})\n"
-            f"  train from it with: --data.hidden_states_cache {r['output']}"
-        )
-    return 0
+    return result

@@ -1,4 +1,5 @@
-"""``python -m draftkit evaluate``: acceptance length and speedup of a draft head on MT-bench or a prompt file.
+"""The evaluation harness behind ``draftkit evaluate`` and the ``AcceptanceLengthMonitor`` callback: acceptance
+length and speedup of a drafter on prompts.
 
 For every prompt (chat template applied, ``add_generation_prompt=True``) the same harness runs, one after
 the other so that machine load hits all alike:
@@ -24,14 +25,13 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftkit.data.prompts import Prompt, load_prompts
+from draftkit.data.prompts import Prompt
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
@@ -43,7 +43,6 @@ from draftkit.decoding.speculative import (
     generate_plain,
     generate_speculative,
 )
-from draftkit.jsonio import write_json_atomic
 from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
@@ -51,8 +50,6 @@ __all__ = [
     "evaluate_drafter",
     "evaluate_head",
     "format_summary",
-    "load_head",
-    "main",
     "write_tensorboard",
 ]
 
@@ -114,33 +111,6 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
             f"{head_name} does not match {target_name}: " + "; ".join(problems)
             + ". Evaluate a head with the target it was trained for."
         )
-
-
-def load_head(checkpoint: str | Path, target: str | None = None):
-    """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
-
-    Args:
-        checkpoint: the ``.ckpt`` or export directory.
-        target: a target reference overriding the recorded one (checked against the checkpoint).
-
-    Returns:
-        (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
-        ``aux_layer_ids``, ``chat_template``).
-
-    Raises:
-        FileNotFoundError: if the path does not exist.
-        ValueError: if it cannot be read as a checkpoint or export.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
-    if path.is_dir():
-        from draftkit.export import load_exported_head
-
-        return load_exported_head(path)
-    from draftkit.heads.checkpoint import head_from_checkpoint
-
-    return head_from_checkpoint(path, target)
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -402,77 +372,3 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         fig.tight_layout()
         writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
         plt.close(fig)
-
-
-# -- command ------------------------------------------------------------------------------------------------
-def _parser():
-    from jsonargparse import ArgumentParser
-
-    p = ArgumentParser(prog="draftkit evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", type=str, required=True, help="training .ckpt or exported head directory")
-    p.add_argument("--prompts", type=str, default="mt-bench", help="mt-bench (80 first turns), a .jsonl or a .json file")
-    p.add_argument("--output", type=str, required=True, help="report JSON path (written atomically)")
-    p.add_argument("--k", type=int, default=5, help="draft tokens per round (chain)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="per prompt")
-    p.add_argument("--num_prompts", type=int | None, default=None, help="first N prompts (default: all)")
-    p.add_argument("--dtype", type=str, default="float32", help="target dtype: float32 (lossless check), bfloat16, float16")
-    p.add_argument("--draft_dtype", type=str | None, default=None, help="head dtype (default: --dtype)")
-    p.add_argument("--target", type=str | None, default=None, help="target reference (default: the checkpoint's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--baseline", type=bool, default=True, help="also run plain decoding (speedup, greedy_equal)")
-    p.add_argument("--prompt_lookup", type=bool, default=True, help="also run prompt-lookup drafting")
-    p.add_argument("--tensorboard", type=str | None, default=None, help="write TensorBoard scalars and plot here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m draftkit evaluate --checkpoint PATH --prompts mt-bench --output report.json``.
-
-    Returns:
-        0 on success, 2 on bad input (the message names the option or file).
-    """
-    args = _parser().parse_args(argv)
-    try:
-        if args.k < 1:
-            raise ValueError(f"--k must be >= 1, got {args.k}")
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        for opt in ("dtype", "draft_dtype"):
-            value = getattr(args, opt)
-            if value is not None and value not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"--{opt} must be float32, bfloat16 or float16, got {value!r}")
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        prompts = load_prompts(args.prompts, args.num_prompts)
-        head, meta = load_head(args.checkpoint, args.target)
-        from draftkit.target.frozen import FrozenTarget, load_target
-
-        target_ref = args.target or meta["target"]
-        model, tokenizer = load_target(target_ref, args.dtype)
-        target = FrozenTarget(model, meta.get("aux_layer_ids"))
-        check_head_matches_target(head, target, f"head {args.checkpoint}", f"target {target_ref}")
-        head.load_embedding(target.input_embeddings().float())
-        head.to(getattr(torch, args.draft_dtype or args.dtype))
-        report = evaluate_head(
-            head, target, tokenizer, prompts, k=args.k, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            chat_template=meta.get("chat_template"), baseline=args.baseline, prompt_lookup=args.prompt_lookup,
-        )
-    except (OSError, ValueError) as exc:  # missing/unreadable files, bad options, head/target mismatch
-        print(f"draftkit evaluate: error: {exc}", file=sys.stderr)
-        return 2
-    report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
-                           draft_dtype=args.draft_dtype or args.dtype)
-    write_json_atomic(args.output, report)
-    if args.tensorboard:
-        write_tensorboard(report, args.tensorboard)
-    print(format_summary(report))
-    print(f"report: {args.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
