@@ -4,7 +4,9 @@
 step (target forward + K TTT steps + backward + optimizer step) to the target's forward alone on the same
 batch, both timed in the same run after warm-up. With ``--cache DIR`` (a hidden-state cache of the same
 recipe) it also times offline training (cached states + target LM head only) on the same batches and prints
-online and offline tokens/s side by side.
+online and offline tokens/s side by side. ``--dtypes`` times the recipe once per compute dtype (target dtype and
+head precision together; ``auto`` = the precision policy, ``draftkit.precision``) in one run and prints them
+side by side; without it the recipe's own settings are timed.
 
 ``bench decode --target REF [--checkpoint HEAD]`` times plain decoding, chain speculation with the head, and
 speculation at a scripted acceptance (``draftkit.decoding.bench``).
@@ -20,12 +22,32 @@ from typing import Optional
 
 import torch
 
-__all__ = ["decode", "measure_train", "train"]
+__all__ = ["decode", "dtype_overrides", "measure_train", "train"]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+LIGHTNING_PRECISION = {"bfloat16": "bf16-mixed", "float32": "32-true", "float16": "16-mixed"}
+"""Head precision (Lightning) that goes with a compute dtype."""
+
+
+def dtype_overrides(dtype: str) -> list[str]:
+    """LightningCLI arguments running a recipe in ``dtype``: target dtype and head precision together.
+
+    Args:
+        dtype: ``auto`` (both left to the precision policy), ``bfloat16``, ``float32`` or ``float16``.
+
+    Raises:
+        ValueError: on another name.
+    """
+    if dtype == "auto":
+        return ["--model.target_dtype=auto", "--trainer.precision=null"]
+    if dtype not in LIGHTNING_PRECISION:
+        raise ValueError(f"--dtypes: unknown dtype {dtype!r}; choose from auto, {', '.join(LIGHTNING_PRECISION)}")
+    return [f"--model.target_dtype={dtype}", f"--trainer.precision={LIGHTNING_PRECISION[dtype]}"]
 
 
 def measure_train(
@@ -43,8 +65,9 @@ def measure_train(
         ``tokens_per_step`` (real tokens, padding excluded),
         ``load_s`` (fetching and collating one batch; reading the shards offline), ``train_step_s``,
         ``train_tokens_per_s`` (tokens / train_step_s), ``end_to_end_tokens_per_s``
-        (tokens / (load_s + train_step_s)), ``precision``, ``threads``; online also ``target_forward_s``,
-        ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
+        (tokens / (load_s + train_step_s)), ``precision`` (head), ``target_dtype``, ``precision_policy``
+        (``DraftkitCLI.precision``: requested, resolved, the policy's choice and reason), ``threads``; online also
+        ``target_forward_s``, ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
     """
     from draftkit.cli import DraftkitCLI
 
@@ -97,6 +120,8 @@ def measure_train(
         "load_s": sum(load[warmup:]) / steps,
         "train_step_s": sum(step) / steps,
         "precision": precision,
+        "target_dtype": model.hparams.target_dtype,
+        "precision_policy": cli.precision,
         "threads": torch.get_num_threads(),
         "device": str(device),
     }
@@ -110,7 +135,7 @@ def measure_train(
 
 
 def train(
-    recipe: list[str], steps: int = 5, warmup: int = 1, cache: Optional[str] = None,
+    recipe: list[str], steps: int = 5, warmup: int = 1, cache: Optional[str] = None, dtypes: Optional[str] = None,
     overrides: Optional[list[str]] = None,
 ) -> dict:
     """Training throughput of a recipe: tokens/s, and one training step against the target forward alone.
@@ -120,14 +145,39 @@ def train(
         steps: timed training steps.
         warmup: untimed warm-up steps.
         cache: hidden-state cache directory: also time offline training, side by side.
+        dtypes: comma-separated compute dtypes to time side by side, e.g. auto,bfloat16,float32 (default: the
+            recipe's own settings; not with cache).
         overrides: more recipe arguments (--model.*, --data.*, --trainer.* given after the verb land here).
 
     Returns:
-        The online measurement (see :func:`measure_train`), with the offline one under ``offline``.
+        The online measurement (see :func:`measure_train`), with the offline one under ``offline``; with
+        ``dtypes``, {dtype: measurement}.
+
+    Raises:
+        ValueError: on an unknown dtype, or dtypes together with cache.
     """
+    overrides = list(overrides or [])
+    if dtypes:
+        if cache:
+            raise ValueError("--dtypes and --cache: time one comparison at a time")
+        runs = {d: dtype_overrides(d) for d in (x.strip() for x in dtypes.split(",")) if d}
+        results = {d: measure_train(recipe, steps, warmup, overrides + extra) for d, extra in runs.items()}
+        first = next(iter(results.values()))
+        lines = [
+            f"draftkit bench train ({first['device']}, {first['threads']} threads, "
+            f"auto: {first['precision_policy']['auto']['reason']})",
+            f"  {'dtype':10}{'head':>12}{'target':>10}{'tokens/step':>13}{'fwd s/step':>12}{'train s/step':>14}"
+            f"{'tokens/s':>10}",
+        ]
+        for d, r in results.items():
+            lines.append(f"  {d:10}{r['precision']:>12}{r['target_dtype']:>10}{r['tokens_per_step']:13.0f}"
+                         f"{r['target_forward_s']:12.3f}{r['train_step_s']:14.3f}{r['train_tokens_per_s']:10.0f}")
+        print("\n".join(lines))
+        return results
     r = measure_train(recipe, steps, warmup, overrides)
     lines = [
-        f"draftkit bench train ({r['device']}, {r['precision']}, {r['threads']} threads, {r['tokens_per_step']:.0f} tokens/step)",
+        f"draftkit bench train ({r['device']}, {r['precision']}, target {r['target_dtype']}, {r['threads']} threads, "
+        f"{r['tokens_per_step']:.0f} tokens/step; auto: {r['precision_policy']['auto']['reason']})",
         f"  target forward alone : {r['target_forward_s']:.3f} s/step  ({r['target_tokens_per_s']:.0f} tokens/s)",
         f"  full training step   : {r['train_step_s']:.3f} s/step  ({r['train_tokens_per_s']:.0f} tokens/s)",
         f"  ratio step / forward : {r['ratio']:.2f}",
@@ -168,7 +218,8 @@ def decode(
         target: target reference.
         checkpoint: head .ckpt or export directory (default: a random-init head).
         random_weights: build the target from its config with random weights (timing does not depend on them).
-        dtype: target dtypes to time, e.g. [float32, bfloat16] (the default).
+        dtype: target dtypes to time, e.g. [float32, bfloat16] (the default); auto: the precision policy's
+            choice on this CPU.
         draft_dtype: head dtype (default: the target's).
         draft_vocab_size: V_d of the random-init head.
         k: draft tokens per round.
@@ -185,6 +236,7 @@ def decode(
         ValueError: if k < 1 or a pattern entry is outside [0, k].
     """
     from draftkit.decoding.bench import bench_decode, load_for_bench, prompt_ids
+    from draftkit.precision import precision_record
 
     if threads:
         torch.set_num_threads(threads)
@@ -199,6 +251,7 @@ def decode(
         t0 = time.perf_counter()
         result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
         result["wall_s"] = time.perf_counter() - t0
+        result["precision"] = precision_record(name, "cpu")
         results.append(result)
         print(json.dumps(result))
     if output:

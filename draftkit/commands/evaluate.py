@@ -23,7 +23,7 @@ def evaluate(
     top_p: float = 1.0,
     max_new_tokens: int = 128,
     num_prompts: Optional[int] = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
     draft_dtype: Optional[str] = None,
     target: Optional[str] = None,
     seed: int = 0,
@@ -44,7 +44,8 @@ def evaluate(
         top_p: nucleus sampling; 1 = off.
         max_new_tokens: generated tokens per prompt.
         num_prompts: first N prompts (default: all).
-        dtype: target dtype: float32 (lossless check), bfloat16 or float16.
+        dtype: target dtype: auto (bfloat16 where this CPU computes it fast, else float32), float32 (the exact
+            lossless check), bfloat16 or float16.
         draft_dtype: head dtype (default: dtype).
         target: target reference (default: the checkpoint's).
         seed: sampling seed (prompt i uses seed + i).
@@ -66,7 +67,8 @@ def evaluate(
     from draftkit.decoding.sampling import check_sampling
     from draftkit.export.load import load_head
     from draftkit.jsonio import write_json_atomic
-    from draftkit.target.frozen import DTYPES, FrozenTarget, load_target
+    from draftkit.precision import DTYPES, precision_record, resolve_dtype
+    from draftkit.target.frozen import FrozenTarget, load_target
 
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
@@ -74,6 +76,9 @@ def evaluate(
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
             raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
+    precision = precision_record(dtype, "cpu")  # the target and head run on the CPU
+    dtype = precision["dtype"]
+    draft_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype
     if threads is not None:
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
@@ -83,14 +88,14 @@ def evaluate(
     frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
     check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
     head.load_embedding(frozen.input_embeddings().float())
-    head.to(DTYPES[draft_dtype or dtype])
+    head.to(getattr(torch, draft_dtype))
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
         prompt_lookup=prompt_lookup,
     )
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
-                           draft_dtype=draft_dtype or dtype)
+                           draft_dtype=draft_dtype, precision=precision)
     write_json_atomic(output, report)
     if tensorboard:
         write_tensorboard(report, tensorboard)

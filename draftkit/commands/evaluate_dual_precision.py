@@ -117,7 +117,7 @@ def _summary(report: dict) -> str:
 
 def evaluate_dual_precision(
     target: str = SMOLLM2_REF,
-    dtype: str = "float32",
+    dtype: str = "auto",
     prompts: str = "mt-bench",
     num_prompts: Optional[int] = None,
     calibration_prompts: Union[int, str] = 20,
@@ -141,7 +141,8 @@ def evaluate_dual_precision(
 
     Args:
         target: target reference (local dir, hub id, pypi:).
-        dtype: compute dtype of the simulation: float32, bfloat16 or float16 (both integer grids are exact in all three).
+        dtype: compute dtype of the simulation: auto (bfloat16 where this device computes it fast, else float32),
+            float32, bfloat16 or float16 (both integer grids are exact in all three).
         prompts: mt-bench (first turns) or a prompt file (.jsonl, .json, .txt), read as evaluate reads it.
         num_prompts: evaluation prompts (default: all left after calibration).
         calibration_prompts: a count split off --prompts (disjoint), or a separate prompt file / mt-bench.
@@ -170,8 +171,9 @@ def evaluate_dual_precision(
 
     from draftkit.decoding.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
     from draftkit.decoding.dual_precision import evaluate_dual_precision as run
+    from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
-    from draftkit.target.frozen import DTYPES, load_target
+    from draftkit.target.frozen import load_target
     from draftkit.target.tokens import encode_chat, stop_token_ids
 
     if dtype not in DTYPES:
@@ -200,8 +202,9 @@ def evaluate_dual_precision(
         )
     if threads:
         torch.set_num_threads(threads)
+    precision = precision_record(dtype, "cpu")
     t_load = time.perf_counter()
-    model, tokenizer = load_target(target, dtype)
+    model, tokenizer = load_target(target, precision["dtype"])
     try:
         lm = DualPrecisionLM(model, quant)
     except ValueError as err:
@@ -220,7 +223,8 @@ def evaluate_dual_precision(
         config, eos, is_correct,
     )
     report["target"] = target
-    report["dtype"] = dtype
+    report["dtype"] = precision["dtype"]
+    report["precision"] = precision
     report["quant"] = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
                        "slicing": quant.slicing, "scheme": quant.scheme, "num_quantized_linears": len(lm.layers)}
     report["prompts"] = {

@@ -68,7 +68,8 @@ def select_layers(
             data.path, data.chat_template, data.max_length and a LayerSelection callback's options supply what
             is not given here.
         target: target reference (model.target).
-        target_dtype: bfloat16 (default), float32 or float16.
+        target_dtype: auto (the default: bfloat16 where this device computes it fast, else float32), bfloat16,
+            float32 or float16.
         data: chat data reference (data.path).
         chat_template: Jinja chat template (default: the tokenizer's).
         max_length: tokens per sequence (default 2048).
@@ -90,6 +91,7 @@ def select_layers(
     import torch
 
     from draftkit.analysis.report import chat_batches, run_layer_analysis
+    from draftkit.precision import precision_record
     from draftkit.target.frozen import load_target
     from draftkit.target.tokens import ids_to_skip
 
@@ -105,14 +107,15 @@ def select_layers(
     if not values.get("target") or not values.get("data"):
         raise ValueError("give --target and --data, or a --recipe with model.target and data.path")
     target, data = values["target"], values["data"]
-    target_dtype = values.get("target_dtype") or "bfloat16"
+    target_dtype = values.get("target_dtype") or "auto"
     max_length = values.get("max_length") or 2048
     if num_threads:
         torch.set_num_threads(num_threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
+    precision = precision_record(target_dtype, torch.device(device).type)
     t0 = time.perf_counter()
-    model, tokenizer = load_target(target, target_dtype)
+    model, tokenizer = load_target(target, precision["dtype"])
     model.to(device)
     num_layers = model.config.num_hidden_layers
     if config.k > num_layers - 1:
@@ -125,7 +128,8 @@ def select_layers(
 
         writer = SummaryWriter(log_dir=tensorboard_dir or str(output.parent / "tb"))
     meta = {
-        "target": target, "target_dtype": target_dtype, "data": data, "max_length": max_length,
+        "target": target, "target_dtype": precision["dtype"], "precision": precision, "data": data,
+        "max_length": max_length,
         "device": str(device), "num_threads": torch.get_num_threads(), "load_s": round(time.perf_counter() - t0, 2),
     }
     try:

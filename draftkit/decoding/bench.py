@@ -88,8 +88,10 @@ def load_for_bench(target_ref: str, dtype: str, random_weights: bool, checkpoint
 
     from draftkit.artifacts import resolve_model_dir
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+    from draftkit.precision import resolve_dtype
     from draftkit.target.frozen import FrozenTarget, load_target
 
+    dtype = resolve_dtype(dtype, "cpu", "--dtype")
     torch_dtype = getattr(torch, dtype)
     meta = {}
     head = None
@@ -114,7 +116,7 @@ def load_for_bench(target_ref: str, dtype: str, random_weights: bool, checkpoint
         torch.manual_seed(0)
         head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, draft_vocab_size))
     head.load_embedding(target.input_embeddings().float())
-    head = head.to(getattr(torch, draft_dtype or dtype)).eval()
+    head = head.to(getattr(torch, resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype)).eval()
     return target, tokenizer, head, target_ref
 
 

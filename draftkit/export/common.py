@@ -31,7 +31,6 @@ import torch
 from draftkit.heads.checkpoint import expected_tensor_specs
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.vocab import VocabMap
-from draftkit.target.frozen import DTYPES
 
 __all__ = [
     "DTYPES",
@@ -44,6 +43,9 @@ __all__ = [
     "vocab_fingerprint",
     "write_directory",
 ]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+"""Weight dtypes an export may be written in (bf16 is the default; §7.1)."""
 
 SIDECAR = "draftkit_export.json"
 """Sidecar file name; engines ignore it."""

@@ -1,12 +1,11 @@
 """The frozen target: loading (``frozen``), the one layer hook, the offline LM head (``lm_head``) and the
 tokenizer facts every verb shares (``tokens``). Layer ids are HF ``hidden_states`` indices."""
 
-from draftkit.target.frozen import DTYPES, FrozenTarget, TargetOutput, capture_hidden_states, load_target
+from draftkit.target.frozen import FrozenTarget, TargetOutput, capture_hidden_states, load_target
 from draftkit.target.lm_head import TargetLMHead, load_target_lm_head
 from draftkit.target.tokens import encode_chat, ids_to_skip, pad_token_id, stop_token_ids
 
 __all__ = [
-    "DTYPES",
     "FrozenTarget",
     "TargetLMHead",
     "TargetOutput",
