@@ -38,19 +38,6 @@ def ckpt(tmp_path, tiny, tiny_dir):
     return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_dir)
 
 
-@pytest.fixture()
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
-        {"prompt": "abc abc abc abc"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     out = tmp_path / "sub" / "report.json"
     tb = tmp_path / "tb"
