@@ -2,14 +2,19 @@
 
 import pytest
 import torch
-from decoding_stubs import chi2_pvalue
+from decoding_stubs import (
+    TINY_PROMPTS,
+    StatelessDrafter,
+    chi2_pvalue,
+    greedy_references,
+    joint_pvalue,
+    target_joint,
+)
 
-from draftkit.decoding.sampling import probs_from_logits
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Eagle3Drafter,
     TargetSession,
-    generate_plain,
     generate_speculative,
 )
 from draftkit.decoding.tree import (
@@ -23,7 +28,7 @@ from draftkit.decoding.tree import (
     tree_rejection_accept,
 )
 
-PROMPTS = [[256, 10, 72, 101, 108, 108, 111, 257, 10], [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8]]
+PROMPTS = TINY_PROMPTS
 # hand-made 2-level tree: root -> n0, n1; n0 -> n2, n3; n1 -> n4
 PARENTS = torch.tensor([-1, -1, 0, 0, 1])
 DEPTHS = torch.tensor([1, 1, 2, 2, 2])
@@ -136,28 +141,21 @@ def test_draft_tree_scores_equal_a_chain_along_each_path(tiny, tiny_head):
 
 @pytest.mark.parametrize("shape", [(5, 4, 32), (4, 3, 10), (3, 2, 3)])
 def test_greedy_tree_equals_plain(tiny, tiny_head, shape):
-    target, _ = tiny
-    session = TargetSession(target)
-    cfg = DecodeConfig(max_new_tokens=40)
-    for prompt in PROMPTS:
-        ids = torch.tensor(prompt)
-        plain = generate_plain(session, ids, cfg)
+    session, cfg, refs = greedy_references(tiny[0], 40)
+    for ids, plain in refs:
         tree = generate_tree(session, Eagle3TreeDrafter(tiny_head), ids, TreeConfig(*shape), cfg)
-        assert tree.tokens == plain.tokens
+        assert tree.tokens == plain
         assert tree.stats.rounds == tree.target_forwards
         assert all(d == shape[2] for d in tree.stats.drafted)
-        assert sum(a + 1 for a in tree.stats.accepted) == len(plain.tokens) - 1
+        assert sum(a + 1 for a in tree.stats.accepted) == len(plain) - 1
 
 
 def test_tree_with_topk_1_is_the_chain(tiny, tiny_head):
-    target, _ = tiny
-    session = TargetSession(target)
-    cfg = DecodeConfig(max_new_tokens=40)
-    for prompt in PROMPTS:
-        ids = torch.tensor(prompt)
+    session, cfg, refs = greedy_references(tiny[0], 40)
+    for ids, plain in refs:
         chain = generate_speculative(session, Eagle3Drafter(tiny_head), ids, 4, cfg)
         tree = generate_tree(session, Eagle3TreeDrafter(tiny_head), ids, TreeConfig.chain(4), cfg)
-        assert tree.tokens == chain.tokens
+        assert tree.tokens == chain.tokens == plain
         assert tree.stats.accepted == chain.stats.accepted
         assert tree.stats.drafted == chain.stats.drafted
         assert tree.weight_bytes == chain.weight_bytes
@@ -192,21 +190,12 @@ def test_tree_rejection_sampling_reproduces_target_stub():
     assert chi2_pvalue(counts.flatten()[possible], n * expected.flatten()[possible]) > 1e-3
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(StatelessDrafter):
     """Stub tree drafter on the real target: root children [2nd best, an off-support token, best],
     and the best child gets children [2nd best, best] of its own (all from the target's raw logits)."""
 
     def __init__(self, target) -> None:
         self.target = target
-
-    def reset(self, prompt_ids, aux) -> None:
-        pass
-
-    def commit(self, aux) -> None:
-        pass
-
-    def round_bytes(self, drafted: int) -> int:
-        return 0
 
     def propose_tree(self, tokens, tree) -> DraftTree:
         top = self.target(tokens[None]).logits[0, -1].topk(3).indices  # (3,)
@@ -222,32 +211,15 @@ def test_tree_sampling_distribution_tiny_target(tiny):
     """Tree rejection sampling with the real cached target and compaction gives the target's (top-k
     warped) joint distribution of the first three new tokens (two of them from one tree round)."""
     target, _ = tiny
-    prompt = torch.tensor(PROMPTS[0])
     cfg = DecodeConfig(max_new_tokens=3, temperature=1.0, top_k=2)
-    session = TargetSession(target)
+    session, drafter = TargetSession(target), OracleTreeDrafter(target)
     g = torch.Generator().manual_seed(0)
-    n = 500
-    counts: dict[tuple, int] = {}
-    drafter = OracleTreeDrafter(target)
-    for _ in range(n):
-        out = tuple(generate_tree(session, drafter, prompt, TreeConfig(2, 3, 5), cfg, g).tokens)
-        counts[out] = counts.get(out, 0) + 1
+    prompt = torch.tensor(PROMPTS[0])
 
-    def p_next(seq):
-        return probs_from_logits(target(torch.tensor(seq)[None]).logits[0, -1], 1.0, 2)
+    def run():
+        return generate_tree(session, drafter, prompt, TreeConfig(2, 3, 5), cfg, g).tokens
 
-    cells, expected = [], []
-    p1 = p_next(prompt.tolist())
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = p_next(prompt.tolist() + [t1])
-        for t2 in p2.nonzero()[:, 0].tolist():
-            p3 = p_next(prompt.tolist() + [t1, t2])
-            for t3 in p3.nonzero()[:, 0].tolist():
-                cells.append((t1, t2, t3))
-                expected.append(float(p1[t1] * p2[t2] * p3[t3]) * n)
-    assert set(counts) <= set(cells)
-    observed = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
-    assert chi2_pvalue(observed, torch.tensor(expected)) > 1e-3
+    assert joint_pvalue(run, 500, target_joint(target, PROMPTS[0], 3, 2)) > 1e-3
 
 
 def test_tree_greedy_accept_walks_the_matching_path():
