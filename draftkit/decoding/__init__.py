@@ -8,7 +8,8 @@
 - ``cost``: the cost model that picks chain k or tree (depth, top-k, N) from measured costs and a greedy
   calibration, or plain decoding when nothing pays (``evaluate --k auto`` / ``--tree auto``).
 - ``metrics``: acceptance length tau, per-position acceptance, acceptance rate, KL(target || draft).
-- ``evaluate``: ``python -m draftkit evaluate`` and :func:`~draftkit.decoding.evaluate.evaluate_head`.
-- ``bench``: decode-speed benchmark (per-round costs, speedup at a scripted acceptance).
-- ``dual_precision``: gated dual-precision drafting (see its module).
+- ``harness``: :func:`~draftkit.decoding.harness.evaluate_head`, the harness of ``draftkit evaluate`` and the
+  ``AcceptanceLengthMonitor`` callback.
+- ``bench``: decode-speed measurement behind ``draftkit bench decode`` (per-round costs, speedup at a scripted
+  acceptance).
 """

@@ -7,13 +7,13 @@ import pytest
 import torch
 from decoding_stubs import make_head
 
-from draftkit.decoding.evaluate import (
-    Prompt,
-    check_head_matches_target,
-    evaluate_head,
-    load_prompts,
-    main,
-)
+from draftkit.commands import main as draftkit_main
+from draftkit.decoding.harness import check_head_matches_target, evaluate_head
+
+
+def main(args):
+    return draftkit_main(["evaluate", *args])
+
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 ISSUE_KEYS = {
@@ -103,29 +103,6 @@ def test_sampled_report(tiny, tiny_head):
                            max_new_tokens=6, warmup=False)
     assert report["greedy_equal"] is None and report["temperature"] == 0.7
     assert 1 <= report["tau"] <= 3
-
-
-def test_load_prompts_formats(tmp_path, prompts_file):
-    prompts = load_prompts(str(prompts_file))
-    assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])
-    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert len(load_prompts(str(prompts_file), num_prompts=2)) == 2
-    array = tmp_path / "p.json"
-    array.write_text(json.dumps(["one", {"conversations": [{"from": "human", "value": "two"}]}]))
-    assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
-
-
-def test_prompt_file_errors(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
-        load_prompts(str(bad))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="holds no prompt"):
-        load_prompts(str(empty))
-    with pytest.raises(FileNotFoundError):
-        load_prompts(str(tmp_path / "missing.jsonl"))
 
 
 def test_bad_input_errors(tiny, tiny_head):
