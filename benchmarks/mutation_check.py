@@ -114,11 +114,11 @@ MUTANTS: dict[str, list[Mutant]] = {
         M("mask-span-trailing-whitespace", "spans.append((len(prefix), len(upto.rstrip())))",
           "spans.append((len(prefix), len(upto)))", CHAT, "-k", "loss_mask"),
     ],
-    "draftkit/data/module.py": [
+    "draftkit/data/datamodule.py": [
         M("cache-key-without-code", '"chat-v1", tokenization_fingerprint(), self._data_fingerprint(path)',
           '"chat-v1", self._data_fingerprint(path)', CHAT, "-k", "cache_key"),
     ],
-    "draftkit/export/common.py": [
+    "draftkit/heads/checkpoint.py": [
         M("t2d-without-d2t-offset", "ids = torch.arange(vm.numel()) + vm", "ids = torch.arange(vm.numel())",
           ROUNDTRIP, "-k", "t2d", issue="17.6"),
     ],
@@ -144,8 +144,8 @@ MUTANTS: dict[str, list[Mutant]] = {
           "residual = target_probs[a].clone()", STUBS, "-k", "rejection_sampling"),
         M("target-cache-no-rollback", "target.crop(L + a + 1)", "target.crop(L + kd + 1)", TINY, "-k", "controlled"),
         M("drafter-commit-rows", "drafter.commit(aux[:a + 1])", "drafter.commit(aux[:a])", STUBS, "-k", "exact_tau"),
-        M("draft-chain-position", "z, h = self._step(t.view(1), h, p0 + m + j)",
-          "z, h = self._step(t.view(1), h, p0 + m + j + 1)", TINY, "-k", "drafter_chain"),
+        M("draft-chain-position", "z, h = self._step(t.view(1), h, L + j)",
+          "z, h = self._step(t.view(1), h, L + j + 1)", TINY, "-k", "drafter_chain"),
         M("drafter-ignores-d2t", "torch.arange(cfg.draft_vocab_size, device=self.device) + head.d2t",
           "torch.arange(cfg.draft_vocab_size, device=self.device)", TINY, "-k", "d2t"),
     ],
@@ -156,7 +156,7 @@ MUTANTS: dict[str, list[Mutant]] = {
         M("kl-reversed", "return (log_p.exp() * (log_p - log_q)).sum(-1)", "return (log_q.exp() * (log_q - log_p)).sum(-1)",
           METRICS),
     ],
-    "draftkit/decoding/evaluate.py": [
+    "draftkit/decoding/harness.py": [
         M("first-diff-ignores-length", "return None if len(a) == len(b) else min(len(a), len(b))", "return None",
           EVALUATE, "-k", "first_diff", issue="17.8"),
         M("greedy-equal-always", "equal += diff is None", "equal += 1", EVALUATE, "-k", "greedy_equal", issue="17.9"),

@@ -66,7 +66,7 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     ckpt = next((full / "ckpt").glob("*step=3*.ckpt"))
     assert ckpt.exists() and (full / "ckpt" / "last.ckpt").exists()
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert saved["draftkit"]["aux_layer_ids"] == [2, 4, 5]
+    assert saved["draftkit"]["head_config"]["aux_layer_ids"] == [2, 4, 5] and "aux_layer_ids" not in saved["draftkit"]
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)), "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)
@@ -103,7 +103,8 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     accs = [float(val_row[f"val/acc_{k}"]) for k in range(7)]
     assert float(metrics["val/tau_sim"]) == pytest.approx(1 + sum(math.prod(accs[:i + 1]) for i in range(7)), rel=1e-5)
     assert float(metrics["val/tau_sim_k5"]) == pytest.approx(1 + sum(math.prod(accs[:i + 1]) for i in range(5)), rel=1e-5)
-    from draftkit.decoding.evaluate import evaluate_head, load_prompts
+    from draftkit.data.prompts import load_prompts
+    from draftkit.decoding.harness import evaluate_head
 
     report = evaluate_head(head, cli.model.target, cli.datamodule.load_tokenizer(), load_prompts("mt-bench", 3), k=5,
                            max_new_tokens=24, chat_template=cli.model.chat_template, baseline=False,

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from draftkit.data.chat import TemplateError, read_conversations, tokenize_conversation
-from draftkit.data.module import ChatDataModule, ResumableLoader, collate
+from draftkit.data.collate import collate
+from draftkit.data.datamodule import ChatDataModule
+from draftkit.data.sampler import ResumableLoader
 
 
 def _write_sharegpt(path, records, cut=False):
@@ -106,7 +108,7 @@ def test_cache_key_covers_what_changes_tokenization(tiny_target_dir, tiny_chat_j
     and max_length, and only then."""
     import draftkit
     import draftkit.data.chat as chat
-    import draftkit.data.module as module
+    import draftkit.data.datamodule as datamodule
 
     def key(**kwargs) -> str:
         return ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), **kwargs).fingerprint()
@@ -115,7 +117,7 @@ def test_cache_key_covers_what_changes_tokenization(tiny_target_dir, tiny_chat_j
     assert key() == base
     assert key(max_length=64) != base
     assert key(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}") != base
-    monkeypatch.setattr(module, "tokenization_fingerprint", lambda: "0" * 16)  # the tokenization code changed
+    monkeypatch.setattr(datamodule, "tokenization_fingerprint", lambda: "0" * 16)  # the tokenization code changed
     assert key() != base
     monkeypatch.undo()
     assert key() == base
