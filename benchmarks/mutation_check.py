@@ -10,7 +10,7 @@ is killed / applied; a mutant whose snippet is not in the tree (``--rev`` of an 
 not applied and left out of it.
 
 Usage (from the repository root, in the project's environment):
-    python benchmarks/mutation_check.py                  # all mutants on the working tree (~5 min on 2 cores)
+    python benchmarks/mutation_check.py                  # all mutants on the working tree (~6 min, 2 busy cores)
     python benchmarks/mutation_check.py --rev 7b3ee2e    # on a committed tree (e.g. the tests before a change)
     python benchmarks/mutation_check.py -k speculative   # mutants whose module or name contains a word
     python benchmarks/mutation_check.py --list           # print the list and check every snippet matches once
