@@ -196,8 +196,8 @@ class NestedInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         groups = "per-channel" if self.num_groups == 1 else f"groups={self.num_groups}x{self.group_width}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {groups}, " \
-            f"precision={self._precision}"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, {groups}, precision={self._precision}"
 
 
 def select_linears(model: nn.Module, config: QuantConfig | None = None) -> dict[str, nn.Module]:
