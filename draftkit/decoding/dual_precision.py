@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftkit.decoding.sampling import check_sampling, probs_from_logits, sample, sample_from_probs
+from draftkit.decoding.speculative import greedy_verify, rejection_verify
 from draftkit.quant import (
     COST_MODELS,
     QuantConfig,
@@ -394,15 +396,20 @@ def greedy_decode(
     precision: str = "high",
     gate: Gate | None = None,
     keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
 ) -> Trajectory:
-    """Greedy decoding at one precision, or gated (dual-precision.md §3-4).
+    """Greedy (or sampled) decoding at one precision, or gated (dual-precision.md §3-4).
 
     Gated step (``gate`` given; ``precision`` ignored):
     1. run the step's tokens (the prompt at step 0, else the last token) at 4 bits; its K/V enter the cache;
-    2. score p_lo with the gate;
+    2. score p_lo with the gate (on the untempered softmax, the scale the thresholds are calibrated on);
     3. if score > tau: crop those tokens from the cache and re-run the step at 8 bits, which overwrites
        its K/V, and take the 8-bit logits;
-    4. emit the argmax; stop at EOS or after ``max_new_tokens``.
+    4. emit the argmax, or at ``temperature`` > 0 a draw from the warped distribution of the step's final
+       logits (``draftkit.decoding.sampling``); stop at EOS or after ``max_new_tokens``.
 
     Args:
         lm: the two-precision target.
@@ -412,14 +419,19 @@ def greedy_decode(
         precision: ``high`` or ``low`` for single-precision decoding.
         gate: the escalation gate, or None.
         keep_logits: keep the (n, V) logits in the trajectory.
+        temperature: 0 = greedy; > 0 samples (one draw per step from ``generator``).
+        top_p: nucleus cut of the sampled distribution (1 = off).
+        top_k: top-k cut of the sampled distribution (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory`.
 
     Raises:
-        ValueError: if ``max_new_tokens`` < 1.
+        ValueError: if ``max_new_tokens`` < 1 or a sampling option is out of range.
     """
     _check_new_tokens(max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
     eos = set(eos_ids)
     first = "low" if gate is not None else precision
     cache = lm.new_cache()
@@ -439,7 +451,7 @@ def greedy_decode(
                 traj.high_forwards += 1
             traj.scores.append(score)
             traj.escalated.append(escalate)
-        token = int(logits.argmax())
+        token = int(sample(logits, temperature, top_k, top_p, generator))
         traj.tokens.append(token)
         if keep_logits:
             kept.append(logits)
@@ -459,16 +471,24 @@ def verified_decode(
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
     keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
 ) -> Trajectory:
-    """Greedy verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
+    """Verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
 
-    Steps (Leviathan et al. arXiv 2211.17192, greedy case; shared-weight drafter as in QSpec arXiv 2410.11305):
-    0. prefill the prompt at 8 bits; emit its argmax (one A read, one token);
-    1. draft: k 4-bit forwards from the last emitted token give d_1..d_k (stop early at EOS), writing 4-bit
-       K/V that step 2 discards;
-    2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 argmaxes t_0..t_k;
-    3. accept the longest prefix with d_i = t_{i-1}, emit it plus t_n (the correction, or the bonus token),
-       and crop the K/V of rejected drafts; the cache stays all 8-bit, so the output is the all-high output.
+    Steps (Leviathan et al. arXiv 2211.17192; shared-weight drafter as in QSpec arXiv 2410.11305):
+    0. prefill the prompt at 8 bits; emit its argmax, or a draw from its warped distribution p_hi (one A read,
+       one token);
+    1. draft: k 4-bit forwards from the last emitted token give d_1..d_k, each the argmax or a draw from the
+       warped 4-bit distribution q_i (stop early at EOS), writing 4-bit K/V that step 2 discards;
+    2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 distributions p_0..p_k;
+    3. accept: greedy (``temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
+       first mismatch or the bonus token (``draftkit.decoding.speculative.greedy_verify``); sampled,
+       rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)), else draw from
+       norm(max(0, p - q)) (``rejection_verify``). Crop the K/V of rejected drafts; the cache stays all
+       8-bit, so greedy output is the all-high output and sampled output is distributed as all-high sampling.
 
     Args:
         lm: the two-precision target.
@@ -477,26 +497,36 @@ def verified_decode(
         max_new_tokens: n_max >= 1.
         eos_ids: ids that end generation.
         keep_logits: keep the (n, V) verify logits each token was chosen from.
+        temperature: 0 = greedy; > 0 samples drafts and verifies by rejection sampling.
+        top_p: nucleus cut applied to both p and q (1 = off).
+        top_k: top-k cut applied to both p and q (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory` with ``rounds`` = [(drafted, accepted), ...] (the prefill is not a round).
 
     Raises:
-        ValueError: if k < 1 or ``max_new_tokens`` < 1.
+        ValueError: if k < 1, ``max_new_tokens`` < 1 or a sampling option is out of range.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     _check_new_tokens(max_new_tokens)
-    eos = set(eos_ids)
+    check_sampling(temperature, top_k, top_p)
+    eos, warp = set(eos_ids), (temperature, top_k, top_p)
     cache = lm.new_cache()
     logits = lm.forward(list(prompt_ids), cache, "high")[-1]  # (V,)
-    traj = Trajectory(tokens=[int(logits.argmax())], high_forwards=1)
+    traj = Trajectory(tokens=[int(sample(logits, *warp, generator))], high_forwards=1)
     kept = [logits]
     while len(traj.tokens) < max_new_tokens and traj.tokens[-1] not in eos:
         k_round = min(k, max_new_tokens - len(traj.tokens) - 1)  # drafts + 1 correction/bonus fit the limit
-        drafts, x = [], traj.tokens[-1]
+        drafts, q_rows, x = [], [], traj.tokens[-1]
         for _ in range(k_round):
-            x = int(lm.forward([x], cache, "low")[-1].argmax())
+            z = lm.forward([x], cache, "low")[-1]  # (V,)
+            if temperature == 0:
+                x = int(z.argmax())
+            else:
+                q_rows.append(probs_from_logits(z, *warp))  # (V,)
+                x = int(sample_from_probs(q_rows[-1], generator))
             drafts.append(x)
             traj.low_forwards += 1
             if x in eos:
@@ -504,13 +534,15 @@ def verified_decode(
         cache = lm.rollback(cache, len(drafts))
         verify = lm.forward([traj.tokens[-1], *drafts], cache, "high", logits_to_keep=len(drafts) + 1)  # (m+1, V)
         traj.high_forwards += 1
-        targets = verify.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=verify.device)  # (m,)
+        if temperature == 0:
+            accepted, last = greedy_verify(draft_ids, verify)
+        else:
+            q = torch.stack(q_rows) if q_rows else verify.new_zeros(0, verify.shape[-1])  # (m, V)
+            accepted, last = rejection_verify(draft_ids, q, probs_from_logits(verify, *warp), generator)
         cache = lm.rollback(cache, len(drafts) - accepted)
         traj.rounds.append((len(drafts), accepted))
-        for j, token in enumerate([*drafts[:accepted], targets[accepted]]):
+        for j, token in enumerate([*drafts[:accepted], last]):
             traj.tokens.append(token)
             kept.append(verify[j])
             if token in eos:

@@ -136,6 +136,84 @@ def test_gated_stub_escalates_by_score():
     assert lm.calls[-2:] == [("low", 1), ("high", 1)]  # each step: 4-bit pass, then the 8-bit re-run
 
 
+# ---------------------------------------------------------------------------------------------- sampled
+
+
+class MarkovDualLM:
+    """Two precisions of a first-order Markov chain over V tokens: logits = log table[precision][last token]."""
+
+    def __init__(self, high: torch.Tensor, low: torch.Tensor):
+        self.tables = {"high": high.log(), "low": low.log()}
+        self.bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
+
+    def new_cache(self):
+        return []
+
+    def rollback(self, cache, n):
+        del cache[len(cache) - n:]
+        return cache
+
+    def forward(self, ids, cache, precision, logits_to_keep=1):
+        seq = (list(cache) if cache is not None else []) + list(ids)
+        if cache is not None:
+            cache.extend(ids)
+        return self.tables[precision][torch.tensor(seq[-logits_to_keep:])]  # (logits_to_keep, V)
+
+
+def _markov_tables(vocab=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    high = torch.rand(vocab, vocab, generator=g) ** 2 + 0.02
+    low = torch.rand(vocab, vocab, generator=g) + 0.1  # a different distribution: drafts get rejected
+    return high / high.sum(-1, keepdim=True), low / low.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_verified_reproduces_the_8bit_distribution(temperature, top_p):
+    from decoding_stubs import chi2_pvalue
+
+    from draftkit.decoding.sampling import probs_from_logits
+
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    p = probs_from_logits(high.log(), temperature, 0, top_p)  # (V, V) the warped 8-bit chain
+    g = torch.Generator().manual_seed(0)
+    n, counts, rounds = 3000, torch.zeros(4, 4, 4), []
+    for _ in range(n):
+        traj = verified_decode(lm, [2], 2, 3, temperature=temperature, top_p=top_p, generator=g)
+        counts[tuple(traj.tokens)] += 1
+        rounds += traj.rounds
+    exact = (p[2][:, None, None] * p[:, :, None] * p[None, :, :]).flatten()  # p(t1|2) p(t2|t1) p(t3|t2)
+    support = exact > 0
+    assert (counts.flatten()[~support] == 0).all()  # nothing outside the 8-bit nucleus is ever emitted
+    assert chi2_pvalue(counts.flatten()[support], n * exact[support]) > 1e-3
+    accepted = sum(a for d, a in rounds) / sum(d for d, a in rounds)
+    assert 0.2 < accepted < 0.95  # drafts are both accepted and rejected: the residual path is exercised
+    # the low chain alone is far from the 8-bit one, so the test can tell them apart
+    q = probs_from_logits(low.log(), temperature, 0, top_p)
+    wrong = (q[2][:, None, None] * q[:, :, None] * q[None, :, :]).flatten()
+    assert chi2_pvalue(counts.flatten()[wrong > 0], n * wrong[wrong > 0]) < 1e-6
+
+
+def test_sampled_gates_follow_the_sampled_path():
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    kwargs = dict(temperature=1.0, top_p=0.9)
+    ref = greedy_decode(lm, [2], 12, precision="high", generator=torch.Generator().manual_seed(5), **kwargs)
+    # every step escalates: the same draws from the same 8-bit distributions give the all-high sample
+    always = greedy_decode(lm, [2], 12, gate=Gate("margin", -2.0), generator=torch.Generator().manual_seed(5),
+                           **kwargs)
+    assert always.tokens == ref.tokens and always.escalated == [True] * 12 and always.high_forwards == 12
+    never = greedy_decode(lm, [2], 12, gate=Gate("margin", 2.0), generator=torch.Generator().manual_seed(5),
+                          **kwargs)
+    low_ref = greedy_decode(lm, [2], 12, precision="low", generator=torch.Generator().manual_seed(5), **kwargs)
+    assert never.tokens == low_ref.tokens and never.high_forwards == 0
+    # the gate scored the 4-bit distribution of each sampled prefix
+    assert never.scores == pytest.approx([float(gate_scores(lm.tables["low"][t])["margin"])
+                                          for t in [2, *never.tokens[:-1]]])
+    with pytest.raises(ValueError, match="top_p"):
+        greedy_decode(lm, [2], 3, temperature=1.0, top_p=0.0)
+
+
 # ---------------------------------------------------------------------------------------------- tiny model
 
 
