@@ -27,7 +27,7 @@ import inspect
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -726,17 +726,24 @@ class DualPrecisionConfig:
         bootstrap_samples: prompt resamples for 95 % intervals (0 = none).
         seed: bootstrap seed.
         methods: methods of the live comparison, a subset of :data:`METHODS` (``all_high`` always runs).
+        temperature: 0 = greedy (default); > 0 samples every method, verified speculation by rejection
+            sampling. Each prompt's methods share one seed (``seed``, prompt index).
+        top_p: nucleus cut when sampling (1 = off).
+        top_k: top-k cut when sampling (0 = off).
     """
 
     budget: float | None = None
     entropy_threshold: float | None = None
     margin_threshold: float | None = None
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     k: int = 3
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     bootstrap_samples: int = 1000
     seed: int = 0
     methods: tuple[str, ...] = METHODS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         fixed = self.entropy_threshold is not None or self.margin_threshold is not None
@@ -757,6 +764,7 @@ class DualPrecisionConfig:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
@@ -767,6 +775,32 @@ class DualPrecisionConfig:
     def calibrate(self) -> bool:
         """Whether thresholds come from a budget on calibration prompts."""
         return self.budget is not None
+
+    def sampling(self, seed: int) -> dict:
+        """Keyword arguments of the decoding loops for one prompt: the warping and a generator at ``seed``."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "generator": torch.Generator().manual_seed(seed)}
+
+
+def _traj_row(traj: Trajectory) -> dict:
+    """A trajectory without its logits, as JSON (the per-prompt record)."""
+    return {f.name: getattr(traj, f.name) for f in fields(Trajectory) if f.name != "logits"}
+
+
+def _steps_row(steps: ReplaySteps) -> dict:
+    return {"flip": steps.flip.tolist(), **{kind: v.tolist() for kind, v in steps.scores.items()}}
+
+
+def _steps_from_row(row: dict) -> ReplaySteps:
+    return ReplaySteps(torch.tensor(row["flip"], dtype=torch.bool), {kind: torch.tensor(row[kind]) for kind in GATES})
+
+
+def _progress(what: str, done: int, total: int, started: float, resumed: int) -> None:
+    """Log one finished prompt with the elapsed time and an estimate of what is left (resumed ones excluded)."""
+    elapsed = time.perf_counter() - started
+    fresh = done - resumed
+    eta = elapsed / fresh * (total - done) if fresh else float("nan")
+    log.info("%s %d/%d done (%.0f s elapsed, ~%.0f s left)", what, done, total, elapsed, eta)
 
 
 def _method_entry(trajs: list[Trajectory], kls: list[torch.Tensor], agree: list[torch.Tensor],
@@ -801,39 +835,57 @@ def evaluate_dual_precision(
     config: DualPrecisionConfig | None = None,
     eos_ids: Sequence[int] = (),
     is_correct: Callable[[int, list[int]], bool] | None = None,
+    record: str | None = None,
+    record_header: dict | None = None,
 ) -> dict:
     """Calibrate gates, replay all-8-bit trajectories and compare the methods live (dual-precision.md §4-7).
 
     Steps:
-    1. calibration (when ``config.budget`` is set): all-high greedy decode of each calibration prompt,
-       replay, thresholds = (1 - B) quantiles of the pooled scores;
+    1. calibration (when ``config.budget`` is set): all-high decode of each calibration prompt, replay,
+       thresholds = (1 - B) quantiles of the pooled scores;
     2. per evaluation prompt: all-high decode -> replay (flip labels, scores) and the teacher-forced 8-bit
        logits; then all-low, entropy gate, margin gate and verified speculation decodes; for each, a
        teacher-forced 8-bit forward over its own trajectory gives KL(high || method) and argmax agreement;
     3. aggregate: replay metrics with prompt-bootstrap intervals, the method table (bytes under cost
        models i/ii/iii for gates), exact McNemar tests on per-prompt labels.
 
+    Decoding is greedy, or sampled at ``config.temperature`` > 0 (each prompt's methods share one seed; the
+    replay's flip label stays the argmax flip on the sampled all-high trajectory). Each finished calibration
+    and evaluation prompt is appended to ``record`` (JSONL), so a rerun with the same config and prompts
+    resumes where an interrupted one stopped.
+
     Args:
         lm: the two-precision target.
-        eval_prompts: P prompts as token ids (chat template applied).
+        eval_prompts: P prompts as token ids (template applied).
         calib_prompts: calibration prompts as token ids, disjoint from ``eval_prompts``; unused when the
             thresholds are given.
         config: :class:`DualPrecisionConfig`.
         eos_ids: ids that end generation.
         is_correct: optional per-prompt task label, (prompt index, generated ids) -> bool; adds
             ``accuracy`` per method and McNemar tests on it.
+        record: per-prompt JSONL record path (``draftkit.jsonio.ResumableRecord``), or None.
+        record_header: what else the results depend on (target, quantization), stored in the record header.
 
     Returns:
         The report dict: ``weight_bytes``, ``thresholds``, ``calibration``, ``replay``, ``methods``,
         ``mcnemar``, ``timing_s``, ``sizes``.
 
     Raises:
-        ValueError: on no evaluation prompts, or too few calibration steps for a budget.
+        ValueError: on no evaluation prompts, too few calibration steps for a budget, or a ``record`` of a
+            different run.
     """
+    from draftkit.jsonio import ResumableRecord
+
     config = config or DualPrecisionConfig()
     if not eval_prompts:
         raise ValueError("no evaluation prompts")
     wb, n_max = lm.bytes, config.max_new_tokens
+    run = {k: v for k, v in asdict(config).items() if k not in ("budgets", "bootstrap_samples")}
+    header = {"config": run, "weight_bytes": wb.to_dict(), "eos_ids": sorted(eos_ids), **(record_header or {}),
+              "eval_prompts": [list(x) for x in eval_prompts], "calib_prompts": [list(x) for x in calib_prompts]}
+    rec = ResumableRecord(record, header)
+    if rec.done:
+        log.info("resuming from %s: %d prompts already done", record, len(rec.done))
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -843,11 +895,16 @@ def evaluate_dual_precision(
     if config.calibrate and run_gates:
         if not calib_prompts:
             raise ValueError("a budget needs calibration prompts (disjoint from the evaluation prompts)")
-        calib_steps = []
+        calib_steps, resumed = [], sum(rec.get(f"calibration/{i}") is not None for i in range(len(calib_prompts)))
         for i, prompt in enumerate(calib_prompts):
-            traj = greedy_decode(lm, prompt, n_max, eos_ids, "high", keep_logits=False)
-            calib_steps.append(replay_steps(lm, prompt, traj.tokens)[0])
-            log.info("calibration prompt %d/%d: %d tokens", i + 1, len(calib_prompts), len(traj.tokens))
+            row = rec.get(f"calibration/{i}")
+            if row is None:
+                sampling = config.sampling(config.seed * 100_003 + 50_000 + i)
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, "high", keep_logits=False, **sampling)
+                row = _steps_row(replay_steps(lm, prompt, traj.tokens)[0])
+                rec.add(f"calibration/{i}", row)
+                _progress("calibration prompt", i + 1, len(calib_prompts), t0, resumed)
+            calib_steps.append(_steps_from_row(row))
         gates = calibrate_thresholds(calib_steps, config.budget)
         calibration = replay_metrics(calib_steps, config.budgets, 0, config.seed, list(gates.values()))
         calibration = {
@@ -863,44 +920,59 @@ def evaluate_dual_precision(
     timing["calibration"] = time.perf_counter() - t0
     methods = [m for m in config.methods if not (m.endswith("_gate") and m[: -len("_gate")] not in gates)]
 
-    # 2. evaluation prompts
-    per: dict[str, dict[str, list]] = {m: {"trajs": [], "kl": [], "agree": [], "exact": []} for m in methods}
-    replay: list[ReplaySteps] = []
-    t_methods = {m: 0.0 for m in methods}
-    t_replay = 0.0
+    # 2. evaluation prompts, one record row each: {"replay": steps, "methods": {m: trajectory + kl/agree/exact}}
+    t_eval = time.perf_counter()
+    resumed = sum(rec.get(f"evaluation/{i}") is not None for i in range(len(eval_prompts)))
     for i, prompt in enumerate(eval_prompts):
+        if rec.get(f"evaluation/{i}") is not None:
+            continue
+        row: dict = {"methods": {}, "timing_s": {}}
+        seed = config.seed * 100_003 + i
         t = time.perf_counter()
-        high = greedy_decode(lm, prompt, n_max, eos_ids, "high")
-        t_methods["all_high"] += time.perf_counter() - t
+        high = greedy_decode(lm, prompt, n_max, eos_ids, "high", **config.sampling(seed))
+        row["timing_s"]["all_high"] = time.perf_counter() - t
         t = time.perf_counter()
         steps, tf_high = replay_steps(lm, prompt, high.tokens)
-        replay.append(steps)
-        t_replay += time.perf_counter() - t
+        row["replay"] = _steps_row(steps)
+        row["timing_s"]["replay"] = time.perf_counter() - t
         for m in methods:
             t = time.perf_counter()
             if m == "all_high":
                 traj = high
             elif m == "all_low":
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, "low")
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, "low", **config.sampling(seed))
             elif m == "verified":
-                traj = verified_decode(lm, prompt, config.k, n_max, eos_ids)
+                traj = verified_decode(lm, prompt, config.k, n_max, eos_ids, **config.sampling(seed))
             else:
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, gate=gates[m[: -len("_gate")]])
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, gate=gates[m[: -len("_gate")]],
+                                     **config.sampling(seed))
             exact = traj.tokens == high.tokens
             ref = tf_high if exact else teacher_forced_logits(lm, prompt, traj.tokens, "high")  # (n, V)
-            rec = per[m]
-            rec["trajs"].append(traj)
-            rec["kl"].append(kl_per_step(ref, traj.logits).cpu())
-            rec["agree"].append((ref.argmax(-1) == traj.logits.argmax(-1)).cpu())
-            rec["exact"].append(exact)
-            traj.logits = None  # (n, V) per method is not kept past the prompt
-            t_methods[m] += time.perf_counter() - t
-        log.info(
-            "evaluation prompt %d/%d: %d tokens, %d flips in replay",
-            i + 1, len(eval_prompts), len(high.tokens), int(replay[-1].flip.sum()),
-        )
-    timing["replay"] = t_replay
-    timing.update({f"method/{m}": v for m, v in t_methods.items()})
+            row["methods"][m] = {
+                **_traj_row(traj),
+                "kl": kl_per_step(ref, traj.logits).tolist(),
+                "agree": (ref.argmax(-1) == traj.logits.argmax(-1)).tolist(),
+                "exact": exact,
+            }
+            if m != "all_high":
+                row["timing_s"][m] = time.perf_counter() - t
+        rec.add(f"evaluation/{i}", row)
+        log.info("evaluation prompt %d/%d: %d tokens, %d flips in replay", i + 1, len(eval_prompts),
+                 len(high.tokens), int(steps.flip.sum()))
+        _progress("evaluation prompt", i + 1, len(eval_prompts), t_eval, resumed)
+    rows = [rec.get(f"evaluation/{i}") for i in range(len(eval_prompts))]
+    replay = [_steps_from_row(r["replay"]) for r in rows]
+    per: dict[str, dict[str, list]] = {m: {"trajs": [], "kl": [], "agree": [], "exact": []} for m in methods}
+    for r in rows:
+        for m in methods:
+            got = r["methods"][m]
+            per[m]["trajs"].append(Trajectory(**{f.name: got[f.name] for f in fields(Trajectory)
+                                                 if f.name != "logits"}))
+            per[m]["kl"].append(torch.tensor(got["kl"]))
+            per[m]["agree"].append(torch.tensor(got["agree"], dtype=torch.bool))
+            per[m]["exact"].append(got["exact"])
+    timing["replay"] = sum(r["timing_s"]["replay"] for r in rows)
+    timing.update({f"method/{m}": sum(r["timing_s"].get(m, 0.0) for r in rows) for m in methods})
 
     # 3. aggregate
     replay_report = replay_metrics(replay, config.budgets, config.bootstrap_samples, config.seed, list(gates.values()))
@@ -960,6 +1032,7 @@ def evaluate_dual_precision(
             "max_new_tokens": n_max,
             "k": config.k,
         },
+        "sampling": {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k},
         "config": asdict(config),
         "weight_bytes": {**wb.to_dict(), "cost_models": list(COST_MODELS)},
         "thresholds": {

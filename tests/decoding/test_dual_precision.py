@@ -214,6 +214,48 @@ def test_sampled_gates_follow_the_sampled_path():
         greedy_decode(lm, [2], 3, temperature=1.0, top_p=0.0)
 
 
+def _without_timing(report):
+    return {k: v for k, v in report.items() if k != "timing_s"}
+
+
+def test_evaluation_resumes_from_the_per_prompt_record(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    evaluation, calibration = [[0, 3], [0, 7, 1], [0, 9, 2, 4]], [[0, 1, 1, 1, 1], [0, 2, 2, 2, 2, 2]]
+    config = DualPrecisionConfig(budget=0.3, max_new_tokens=8, k=2, bootstrap_samples=0)
+    full_lm = StubLM(disagree_at={5, 11})
+    full = evaluate_dual_precision(full_lm, evaluation, calibration, config, record=str(path))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 2 + 3  # header, 2 calibration prompts, 3 evaluation prompts
+    path.write_text("\n".join(lines[:4]) + '\n{"key": "evaluation/1", "va')  # killed during prompt 2
+    lm = StubLM(disagree_at={5, 11})
+    resumed = evaluate_dual_precision(lm, evaluation, calibration, config, record=str(path))
+    assert _without_timing(resumed) == _without_timing(full)
+    # calibration and evaluation prompt 1 came from the record: the first forward is prompt 2's prefill
+    assert full_lm.calls[0] == ("high", 5) and lm.calls[0] == ("high", 3)
+    assert len(lm.calls) < len(full_lm.calls)
+    other = DualPrecisionConfig(budget=0.3, max_new_tokens=9, k=2, bootstrap_samples=0)
+    with pytest.raises(ValueError, match="a record of a different run"):
+        evaluate_dual_precision(lm, evaluation, calibration, other, record=str(path))
+
+
+def test_sampled_evaluation_verified_is_exact_in_distribution():
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    from draftkit.decoding.dual_precision import top2_margin
+
+    margins = top2_margin(low.log()).sort().values  # (V,) one 4-bit margin per last token
+    config = DualPrecisionConfig(margin_threshold=float(margins[1:3].mean()), max_new_tokens=16, k=2,
+                                 bootstrap_samples=0, temperature=1.0, top_p=0.95, seed=3)  # 2 of 4 escalate
+    report = evaluate_dual_precision(lm, [[2], [1], [0]], [], config)
+    assert report["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0}
+    methods = report["methods"]
+    assert methods["verified"]["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # every token from the 8-bit p
+    assert methods["all_low"]["kl_mean"] > 0.05
+    assert 0.0 < methods["margin_gate"]["escalation_rate"] < 1.0
+    again = evaluate_dual_precision(lm, [[2], [1], [0]], [], config)
+    assert _without_timing(again) == _without_timing(report)  # seeded per prompt: reproducible
+
+
 # ---------------------------------------------------------------------------------------------- tiny model
 
 
