@@ -1,10 +1,13 @@
-"""``python -m draftkit bench train --recipe R [--cache DIR]``: training throughput of a recipe on this machine.
+"""``python -m draftkit bench train --recipe R [--cache DIR] [--dtypes auto,bfloat16,float32]``: training
+throughput of a recipe on this machine.
 
 Prints training tokens/s (all tokens of the batch, padding excluded) and the ratio of one full training
 step (target forward + K TTT steps + backward + optimizer step) to the target's forward alone on the same
 batch, both timed in the same run after warm-up. With ``--cache DIR`` (a hidden-state cache of the same
 recipe) it also times offline training (cached states + target LM head only) on the same batches and prints
-online and offline tokens/s side by side.
+online and offline tokens/s side by side. ``--dtypes`` times the recipe once per compute dtype (target dtype and
+head precision together; ``auto`` = the precision policy, ``draftkit.precision``) in one run and prints them
+side by side; without it the recipe's own settings are timed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,32 @@ from contextlib import nullcontext
 
 import torch
 
-__all__ = ["main", "bench_train"]
+__all__ = ["main", "bench_train", "dtype_overrides"]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+LIGHTNING_PRECISION = {"bfloat16": "bf16-mixed", "float32": "32-true", "float16": "16-mixed"}
+"""Head precision (Lightning) that goes with a compute dtype."""
+
+
+def dtype_overrides(dtype: str) -> list[str]:
+    """LightningCLI arguments running a recipe in ``dtype``: target dtype and head precision together.
+
+    Args:
+        dtype: ``auto`` (both left to the precision policy), ``bfloat16``, ``float32`` or ``float16``.
+
+    Raises:
+        ValueError: on another name.
+    """
+    if dtype == "auto":
+        return ["--model.target_dtype=auto", "--trainer.precision=null"]
+    if dtype not in LIGHTNING_PRECISION:
+        raise ValueError(f"--dtypes: unknown dtype {dtype!r}; choose from auto, {', '.join(LIGHTNING_PRECISION)}")
+    return [f"--model.target_dtype={dtype}", f"--trainer.precision={LIGHTNING_PRECISION[dtype]}"]
 
 
 def bench_train(
@@ -38,8 +61,9 @@ def bench_train(
         ``tokens_per_step`` (real tokens, padding excluded),
         ``load_s`` (fetching and collating one batch; reading the shards offline), ``train_step_s``,
         ``train_tokens_per_s`` (tokens / train_step_s), ``end_to_end_tokens_per_s``
-        (tokens / (load_s + train_step_s)), ``precision``, ``threads``; online also ``target_forward_s``,
-        ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
+        (tokens / (load_s + train_step_s)), ``precision`` (head), ``target_dtype``, ``precision_policy``
+        (``DraftkitCLI.precision``: requested, resolved, the policy's choice and reason), ``threads``; online also
+        ``target_forward_s``, ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
     """
     from draftkit.cli import DraftkitCLI
 
@@ -92,6 +116,8 @@ def bench_train(
         "load_s": sum(load[warmup:]) / steps,
         "train_step_s": sum(step) / steps,
         "precision": precision,
+        "target_dtype": model.hparams.target_dtype,
+        "precision_policy": cli.precision,
         "threads": torch.get_num_threads(),
         "device": str(device),
     }
@@ -112,10 +138,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed training steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
     parser.add_argument("--cache", help="hidden-state cache directory: also time offline training, side by side")
+    parser.add_argument("--dtypes", help="comma-separated compute dtypes to time side by side, e.g. "
+                        "auto,bfloat16,float32 (default: the recipe's own settings)")
     args, overrides = parser.parse_known_args(argv)
+    if args.dtypes:
+        if args.cache:
+            parser.error("--dtypes and --cache: time one comparison at a time")
+        try:
+            names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+            runs = {d: dtype_overrides(d) for d in names}
+        except ValueError as err:
+            parser.error(str(err))
+        results = {d: bench_train(args.recipe, args.steps, args.warmup, overrides + extra) for d, extra in runs.items()}
+        first = next(iter(results.values()))
+        lines = [
+            f"draftkit bench train ({first['device']}, {first['threads']} threads, "
+            f"auto: {first['precision_policy']['auto']['reason']})",
+            f"  {'dtype':10}{'head':>12}{'target':>10}{'tokens/step':>13}{'fwd s/step':>12}{'train s/step':>14}"
+            f"{'tokens/s':>10}",
+        ]
+        for d, r in results.items():
+            lines.append(f"  {d:10}{r['precision']:>12}{r['target_dtype']:>10}{r['tokens_per_step']:13.0f}"
+                         f"{r['target_forward_s']:12.3f}{r['train_step_s']:14.3f}{r['train_tokens_per_s']:10.0f}")
+        print("\n".join(lines))
+        return 0
     r = bench_train(args.recipe, args.steps, args.warmup, overrides)
     lines = [
-        f"draftkit bench train ({r['device']}, {r['precision']}, {r['threads']} threads, {r['tokens_per_step']:.0f} tokens/step)",
+        f"draftkit bench train ({r['device']}, {r['precision']}, target {r['target_dtype']}, {r['threads']} threads, "
+        f"{r['tokens_per_step']:.0f} tokens/step; auto: {r['precision_policy']['auto']['reason']})",
         f"  target forward alone : {r['target_forward_s']:.3f} s/step  ({r['target_tokens_per_s']:.0f} tokens/s)",
         f"  full training step   : {r['train_step_s']:.3f} s/step  ({r['train_tokens_per_s']:.0f} tokens/s)",
         f"  ratio step / forward : {r['ratio']:.2f}",

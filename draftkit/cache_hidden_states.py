@@ -8,7 +8,8 @@ interrupted cache: complete shards are kept. Then train with ``--data.hidden_sta
 
 Extra ``--section.key value`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
 One process writes the whole cache; the forward runs under the recipe's precision (bf16 autocast for
-``bf16-mixed``), so the cached states equal the ones online training computes.
+``bf16-mixed``; unset = the precision policy, ``draftkit.precision``), so the cached states equal the ones
+online training computes.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def cache_hidden_states(
         shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
         on_plan=on_plan,
     )
-    return {**result, "output": str(out_dir), "precision": precision, "device": device}
+    return {**result, "output": str(out_dir), "precision": precision, "precision_policy": cli.precision, "device": device}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,11 @@
 ``--recipe`` (alias ``-r``, ``-c``, ``--config``) is the config-file flag; repeat it to stack recipes
 (later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks).
 
+Precision: ``trainer.precision`` left unset (null) and ``model.target_dtype: auto`` are resolved by the
+precision policy (``draftkit.precision``) for the trainer's accelerator before anything is instantiated
+(``bf16-mixed``/``bfloat16`` where the device computes bf16 fast, ``32-true``/``float32`` otherwise); an
+explicit value wins. The choice and its reason go to the logger's hparams and the end-of-fit summary.
+
 Verbs: fit, validate (LightningCLI); evaluate (``--decoding dual-precision`` for dual-precision decoding),
 select-layers, export, bench, cache-hidden-states (draftkit commands).
 """
@@ -12,10 +17,13 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import time
 
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
+
+from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 
 __all__ = ["DraftkitCLI", "main"]
 
@@ -29,8 +37,24 @@ VERBS = {
 }
 
 
+def _device_type(accelerator) -> str:
+    """Torch device type of a Lightning ``trainer.accelerator`` value (``auto`` -> the default device)."""
+    name = str(getattr(accelerator, "class_path", accelerator) or "auto").lower()
+    if name in ("auto", "none"):
+        return default_device()
+    if name in ("gpu", "cuda") or "cuda" in name:
+        return "cuda"
+    return "mps" if "mps" in name else "cpu"
+
+
 class DraftkitCLI(LightningCLI):
-    """LightningCLI with ``--recipe`` as the config flag and ``data.tokenizer`` linked to ``model.target``."""
+    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target``, and the
+    precision policy applied to ``trainer.precision`` and ``model.target_dtype`` (see the module docstring).
+
+    Attributes:
+        precision: after parsing, ``{"trainer_precision", "target_dtype", "requested": {...}, "auto": {...}}``,
+            the resolved values, what the recipe asked for, and the policy's choice with its reason.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         from draftkit.data.module import ChatDataModule
@@ -50,6 +74,24 @@ class DraftkitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        device = _device_type(config.trainer.accelerator)
+        requested = {"trainer_precision": config.trainer.precision, "target_dtype": config.model.target_dtype}
+        config.trainer.precision = resolve_trainer_precision(config.trainer.precision, device)
+        config.model.target_dtype = resolve_dtype(config.model.target_dtype, device, "model.target_dtype")
+        self.precision = {
+            "trainer_precision": str(config.trainer.precision), "target_dtype": config.model.target_dtype,
+            "requested": {k: (str(v) if v is not None else None) for k, v in requested.items()},
+            "auto": auto_precision(device).as_dict(),
+        }
+
+    def before_fit(self) -> None:
+        self._fit_started = time.monotonic()
+        self._start_step = self.trainer.global_step
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({"precision": self.precision})
+
     def after_fit(self) -> None:
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
@@ -57,8 +99,17 @@ class DraftkitCLI(LightningCLI):
         last = getattr(ckpt, "last_model_path", "") if ckpt else ""
         logdir = trainer.logger.log_dir if trainer.logger else trainer.default_root_dir
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        steps = trainer.global_step - self._start_step
+        seconds = time.monotonic() - self._fit_started
+        p, auto = self.precision, self.precision["auto"]
         rank_zero_info(
             "\ndraftkit fit finished.\n"
+            f"  trained: {trainer.global_step} optimizer steps ({steps} in this run, "
+            f"{seconds / max(1, steps):.2f} s/step wall incl. validation), "
+            f"{getattr(self.model, 'tokens_trained', 0):,} tokens\n"
+            f"  precision: head {p['trainer_precision']}, target {p['target_dtype']} "
+            f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
+            f"auto on this machine: {auto['reason']})\n"
             f"  best checkpoint: {best or '(none)'}\n  last checkpoint: {last or '(none)'}\n"
             f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
             f"  validation: {metrics}"

@@ -308,7 +308,8 @@ def _parser():
     p.add_argument("--recipe", type=str | None, default=None,
                    help="training recipe YAML (repeatable): model.target, data.* and a LayerSelection callback's options")
     p.add_argument("--target", type=str | None, default=None, help="target reference (model.target)")
-    p.add_argument("--target_dtype", type=str, default="bfloat16", help="bfloat16, float32 or float16")
+    p.add_argument("--target_dtype", type=str, default="auto",
+                   help="auto (bfloat16 where this device computes it fast, else float32), bfloat16, float32 or float16")
     p.add_argument("--data", type=str | None, default=None, help="chat data reference (data.path)")
     p.add_argument("--chat_template", type=str | None, default=None, help="Jinja chat template (default: the tokenizer's)")
     p.add_argument("--max_length", type=int, default=2048, help="tokens per sequence")
@@ -356,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
     from draftkit.models.target import load_target
+    from draftkit.precision import precision_record
 
+    precision = precision_record(args.target_dtype, torch.device(device).type)
     t0 = time.perf_counter()
-    model, tokenizer = load_target(args.target, args.target_dtype)
+    model, tokenizer = load_target(args.target, precision["dtype"])
     model.to(device)
     num_layers = model.config.num_hidden_layers
     if config.k > num_layers - 1:
@@ -372,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
         writer = SummaryWriter(log_dir=args.tensorboard_dir or str(output.parent / "tb"))
     meta = {
-        "target": args.target, "target_dtype": args.target_dtype, "data": args.data, "max_length": args.max_length,
+        "target": args.target, "target_dtype": precision["dtype"], "precision": precision, "data": args.data,
+        "max_length": args.max_length,
         "device": str(device), "num_threads": torch.get_num_threads(), "load_s": round(time.perf_counter() - t0, 2),
     }
     try:

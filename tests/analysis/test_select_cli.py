@@ -72,6 +72,7 @@ def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl,
     assert report["cka_method"] == "minibatch" and report["heuristic_rank"] is None  # k = 2
     assert report["filters"]["counts"]["candidates"] == 500
     assert report["meta"]["target_dtype"] == "float32"
+    assert report["meta"]["precision"]["requested"] == "float32" and report["meta"]["precision"]["dtype"] == "float32"
 
 
 def test_cli_bad_input_writes_nothing(tiny_llama_dir, chat_jsonl, tmp_path):

@@ -463,9 +463,10 @@ def _write_prompts(path, texts):
     return str(path)
 
 
-def test_cli_end_to_end(dp_tiny_dir, tmp_path):
+def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
     from draftkit.decoding.dual_precision_cli import main
 
+    choice = fake_precision("float32", 30.0)
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
     out, tb = tmp_path / "report.json", tmp_path / "tb"
     rc = main(["--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
@@ -476,6 +477,8 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path):
     assert report["sizes"] == {"calibration_prompts": 2, "evaluation_prompts": 3, "max_new_tokens": 6, "k": 2}
     assert not set(report["prompts"]["evaluation_ids"]) & set(report["prompts"]["calibration_ids"])
     assert report["methods"]["verified"]["exact_match"] == 1.0
+    assert report["dtype"] == "float32"  # the default: auto, here faked to float32
+    assert report["precision"] == {"requested": "auto", "dtype": "float32", "auto": choice.as_dict()}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb)).Reload()

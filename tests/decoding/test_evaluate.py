@@ -55,9 +55,11 @@ def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     out = tmp_path / "sub" / "report.json"
     tb = tmp_path / "tb"
     rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
-               "--max_new_tokens", "12", "--k", "4", "--tensorboard", str(tb)])
+               "--max_new_tokens", "12", "--k", "4", "--tensorboard", str(tb), "--dtype", "float32"])
     assert rc == 0
     report = json.loads(out.read_text())
+    assert report["setup"]["precision"]["requested"] == "float32" and report["setup"]["target_dtype"] == "float32"
+    assert set(report["setup"]["precision"]["auto"]) == {"device", "dtype", "reason", "bf16_slowdown"}
     assert ISSUE_KEYS <= set(report)
     assert report["num_prompts"] == 3 and report["k"] == 4 and report["temperature"] == 0.0
     assert report["greedy_equal"] == 3  # float32 greedy: lossless
@@ -174,7 +176,18 @@ def test_exported_head_directory(tmp_path, ckpt, prompts_file):
     directory = export.export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
     out = tmp_path / "report.json"
     rc = main(["--checkpoint", str(directory), "--prompts", str(prompts_file), "--output", str(out),
-               "--max_new_tokens", "6", "--num_prompts", "1", "--prompt_lookup", "false"])
+               "--max_new_tokens", "6", "--num_prompts", "1", "--prompt_lookup", "false", "--dtype", "float32"])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["greedy_equal"] == 1 and report["prompt_lookup_tau"] is None
+
+
+@pytest.mark.parametrize("policy", ["float32", "bfloat16"])
+def test_main_default_dtype_is_the_policy(tmp_path, ckpt, prompts_file, fake_precision, policy):
+    choice = fake_precision(policy, 0.5 if policy == "bfloat16" else None)
+    out = tmp_path / "report.json"
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+                 "--max_new_tokens", "4", "--num_prompts", "1", "--prompt_lookup", "false", "--baseline", "false"]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert setup["target_dtype"] == policy and setup["draft_dtype"] == policy
+    assert setup["precision"] == {"requested": "auto", "dtype": policy, "auto": choice.as_dict()}
