@@ -1,12 +1,16 @@
 """``draftkit evaluate --decoding dual-precision``: gate quality and bytes per token on a real target.
 
-Run (CPU, a small subset):
-    python -m draftkit evaluate --decoding dual-precision --prompts mt-bench --calibration_prompts 20 \
-        --num_prompts 40 --max_new_tokens 64 --output report.json --tensorboard tb/
+Run (CPU; the default size: 20 calibration + 60 evaluation MT-bench prompts, 128 new tokens, float32; a
+rerun with the same options resumes from ``report.prompts.jsonl``):
+    python -m draftkit evaluate --decoding dual-precision --group_size 32 --output report.json --tensorboard tb/
+Gemma 3 270M, a base model without a chat template (prompts go in as plain text), sampled:
+    python -m draftkit evaluate --decoding dual-precision --target chunks:gemma-3-270m-q4_k_m.gguf \
+        --temperature 0.7 --top_p 0.9 --output gemma.json
 
-The target's decoder linears are quantized to per-channel int8 (LM head kept 16-bit), the 4-bit model is the
-mid-point slice of the same codes; thresholds come from ``--budget`` on calibration prompts split off the
-same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
+The target's decoder linears are quantized to int8, per output channel or per ``--group_size`` inputs (LM
+head kept 16-bit), the 4-bit model is the mid-point (or ``--slicing``) slice of the same codes; thresholds
+come from ``--budget`` on calibration prompts split off the same source (disjoint), or are given with
+``--entropy_threshold``/``--margin_threshold``. See
 ``draftkit.decoding.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
@@ -223,12 +227,18 @@ def _parser():
     p.add_argument("--decoding", type=str, default="dual-precision", choices=["dual-precision"],
                    help="decoding mode (this command implements dual-precision)")
     p.add_argument("--target", type=str, default=SMOLLM2_REF, help="target reference (local dir, hub id, pypi:)")
-    p.add_argument("--dtype", type=str, default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype of the simulation (both integer grids are exact in all three); auto: "
-                   "bfloat16 where this device computes it fast, else float32")
+    p.add_argument("--dtype", type=str, default="float32", choices=["float32", "auto", "bfloat16", "float16"],
+                   help="compute dtype of the simulation (both integer grids are exact in all three; float32 keeps "
+                   "activation rounding from flipping near-ties); auto: bfloat16 where this device computes it "
+                   "fast, else float32")
+    p.add_argument("--template", type=str, default="auto", choices=["auto", "chat", "plain"],
+                   help="how a prompt becomes tokens: chat = the tokenizer's chat template, one user turn; plain = "
+                   "the text itself (with the tokenizer's BOS), for base models; auto = chat when the tokenizer "
+                   "has a template, else plain")
     p.add_argument("--prompts", type=str, default="mt-bench", help="'mt-bench' (first turns) or a prompt file")
     p.add_argument("--num_prompts", type=int | None, default=None,
-                   help="evaluation prompts (default: all left after calibration)")
+                   help="evaluation prompts (default: all left after calibration, 60 of MT-bench's 80 with the "
+                   "default 20 calibration prompts)")
     p.add_argument("--calibration_prompts", type=int | str, default=20,
                    help="a count split off --prompts (disjoint), or a separate prompt file / 'mt-bench'")
     p.add_argument("--budget", type=float | None, default=None,
@@ -237,17 +247,27 @@ def _parser():
                    help="fixed entropy threshold in nats (instead of --budget)")
     p.add_argument("--margin_threshold", type=float | None, default=None,
                    help="fixed top-2 probability-margin threshold (instead of --budget)")
-    p.add_argument("--max_new_tokens", type=int, default=64, help="generated tokens per prompt at most")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="generated tokens per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; > 0 samples every method (verified speculation by rejection sampling)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus cut when sampling (1 = off)")
+    p.add_argument("--top_k", type=int, default=0, help="top-k cut when sampling (0 = off)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per round of verified speculation")
     p.add_argument("--methods", type=list[str], default=list(METHODS),
                    help="live methods to compare (all_high always runs; 'all_high' alone = replay only)")
     p.add_argument("--slicing", type=str, default="midpoint", choices=["midpoint", "truncate", "round"],
                    help="4-bit slice of the int8 codes")
+    p.add_argument("--group_size", type=int | None, default=None,
+                   help="inputs per int8 scale (e.g. 32, 64, 128; fp16 scales counted in the bytes); None = one "
+                   "scale per output channel")
     p.add_argument("--quantize_lm_head", type=bool, default=False, help="also quantize the LM head")
     p.add_argument("--bootstrap_samples", type=int, default=1000, help="prompt resamples for 95%% intervals")
     p.add_argument("--seed", type=int, default=0, help="prompt split and bootstrap seed")
     p.add_argument("--threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output", type=str | None, default=None, help="report JSON path (written atomically)")
+    p.add_argument("--record", type=str | None, default=None,
+                   help="per-prompt JSONL record; a rerun with the same options resumes from it (default: "
+                   "OUTPUT with .prompts.jsonl for .json when --output is given, else none)")
     p.add_argument("--tensorboard", type=str | None, default=None, help="TensorBoard log directory")
     return p
 
@@ -295,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap_samples=args.bootstrap_samples,
             seed=args.seed,
             methods=tuple(args.methods),
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
         )
-        quant = QuantConfig(quantize_lm_head=args.quantize_lm_head, slicing=args.slicing)
+        quant = QuantConfig(quantize_lm_head=args.quantize_lm_head, slicing=args.slicing, group_size=args.group_size)
         source = load_prompts(args.prompts)
         calib_arg = args.calibration_prompts
         if isinstance(calib_arg, str) and calib_arg.strip().isdigit():
@@ -332,7 +355,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--target {args.target}: {err}")
     t_load = time.perf_counter() - t_load
 
+    template = args.template
+    if template == "auto":
+        template = "chat" if getattr(tokenizer, "chat_template", None) else "plain"
+        log.info("--template auto: %s (the tokenizer %s a chat template)", template,
+                 "has" if template == "chat" else "has no")
+    elif template == "chat" and not getattr(tokenizer, "chat_template", None):
+        parser.error(f"--template chat: the tokenizer of {args.target} has no chat template (a base model); use "
+                     "--template plain or auto")
+
     def encode(text: str) -> list[int]:
+        if template == "plain":
+            return tokenizer(text)["input_ids"]  # with the tokenizer's BOS, as the base model was trained
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
         return tokenizer(chat, add_special_tokens=False)["input_ids"]
@@ -347,14 +381,26 @@ def main(argv: list[str] | None = None) -> int:
             got = _final_number(tokenizer.decode(tokens, skip_special_tokens=True))
             return got is not None and got == _final_number(str(evaluation[i].answer))
 
-    report = evaluate_dual_precision(
-        lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, sorted(eos), is_correct
-    )
+    quant_report = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
+                    "slicing": quant.slicing, "scheme": quant.scheme, "group_size": quant.group_size,
+                    "num_quantized_linears": len(lm.layers)}
+    record = args.record
+    if record is None and args.output:
+        record = str(Path(args.output).with_suffix(".prompts.jsonl"))
+    try:
+        report = evaluate_dual_precision(
+            lm, [encode(r.text) for r in evaluation], [encode(r.text) for r in calib], config, sorted(eos),
+            is_correct, record=record,
+            record_header={"target": args.target, "dtype": precision["dtype"], "quant": quant_report},
+        )
+    except ValueError as err:  # e.g. a record of another run
+        parser.error(f"--record: {err}" if record and str(record) in str(err) else str(err))
     report["target"] = args.target
     report["dtype"] = precision["dtype"]
     report["precision"] = precision
-    report["quant"] = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
-                       "slicing": quant.slicing, "scheme": quant.scheme, "num_quantized_linears": len(lm.layers)}
+    report["template"] = template
+    report["record"] = record
+    report["quant"] = quant_report
     report["prompts"] = {
         "source": args.prompts,
         "calibration_source": args.calibration_prompts if config.calibrate else None,

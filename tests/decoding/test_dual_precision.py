@@ -477,8 +477,11 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
     assert report["sizes"] == {"calibration_prompts": 2, "evaluation_prompts": 3, "max_new_tokens": 6, "k": 2}
     assert not set(report["prompts"]["evaluation_ids"]) & set(report["prompts"]["calibration_ids"])
     assert report["methods"]["verified"]["exact_match"] == 1.0
-    assert report["dtype"] == "float32"  # the default: auto, here faked to float32
-    assert report["precision"] == {"requested": "auto", "dtype": "float32", "auto": choice.as_dict()}
+    assert report["dtype"] == "float32"  # the default for dual precision (issue 16), whatever auto would pick
+    assert report["precision"] == {"requested": "float32", "dtype": "float32", "auto": choice.as_dict()}
+    assert report["template"] == "chat" and report["quant"]["group_size"] is None  # the tiny tokenizer: ChatML
+    assert report["record"] == str(tmp_path / "report.prompts.jsonl")
+    assert len((tmp_path / "report.prompts.jsonl").read_text().splitlines()) == 1 + 2 + 3
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb)).Reload()
@@ -503,6 +506,30 @@ def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_cli_plain_template_sampling_groups_and_resume(dp_tiny_dir, tmp_path, caplog, capsys):
+    from draftkit.decoding.dual_precision_cli import main
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(5)])
+    out = tmp_path / "r.json"
+    argv = ["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", "2", "--max_new_tokens",
+            "5", "--k", "2", "--bootstrap_samples", "0", "--template", "plain", "--group_size", "32",
+            "--temperature", "0.8", "--top_p", "0.9", "--output", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["template"] == "plain" and report["quant"]["group_size"] == 32
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert report["weight_bytes"]["scales"] == 8 * (2 * (64 + 32 + 32 + 64 + 128 + 128) + 4 * 64)
+    assert report["methods"]["verified"]["kl_mean"] == pytest.approx(0.0, abs=1e-5)
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0  # everything comes from the record
+    assert "resuming from" in caplog.text and "evaluation prompt 1/3" not in caplog.text
+    again = json.loads(out.read_text())
+    assert again["methods"] == report["methods"] and again["replay"] == report["replay"]
+    with pytest.raises(SystemExit):  # same record, another quantizer
+        main([*argv[:-2], "--group_size", "64", "--output", str(out)])
+    assert "r.prompts.jsonl: a record of a different run" in capsys.readouterr().err
 
 
 def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
