@@ -1,8 +1,9 @@
 """Dual-precision decoding: 4-bit slices of 8-bit weights, escalation gates and verified speculation.
 
 Definitions: shared/reference/dual-precision.md. Seed idea "precision on demand" (arXiv 2611.14418, claims
-only); gates from CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); verified speculation is greedy
-self-speculation with shared weights (QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424).
+only); gates from CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); verified speculation is
+self-speculation with shared weights (QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424), greedy or by
+rejection sampling (arXiv 2211.17192).
 
 Notable:
 - one target, two precisions: every quantized linear holds its int8 codes and their 4-bit slice and a step
@@ -17,6 +18,11 @@ Notable:
   argmax p_lo != argmax p_hi; AUC, PR-AUC, catch at budgets, bootstrap CIs over prompts
 - live comparison (§6): bytes per token (cost models i/ii/iii), KL(high || method) along the method's own
   trajectory, argmax agreement, exact match with all-high, McNemar exact test
+- sampling (T > 0, top-p/top-k, ``draftkit.decoding.sampling``): every method draws from the warped
+  distribution of the logits it ends a step with; gates score the untempered 4-bit softmax; verified
+  speculation accepts by rejection sampling, so its output is distributed as all-high sampling; each prompt's
+  methods share one seed (exact match with all-high is then a same-seed comparison, not a correctness test)
+- the evaluation appends each finished prompt to a JSONL record and resumes from it
 
 Shapes: T tokens, n generated tokens, V target vocab, P prompts.
 """
