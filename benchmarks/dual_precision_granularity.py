@@ -105,6 +105,34 @@ def main() -> None:
                      keys[slicing], entry["flip_rate"], entry["auc_entropy"], entry["auc_margin"],
                      c["margin"]["0.15"], c["entropy"]["0.15"], wb.rho, entry["verified_ratio_iid"]["2"])
         del lms, first
+    print(table(report))
+
+
+def table(report: dict) -> str:
+    """Markdown table of every entry: flip rate, AUCs with 95 % intervals, catch at the budgets, bytes."""
+    head = ("| config | steps | flip | AUC H [CI] | AUC -m [CI] | catch margin 5/10/15/20/30 % | catch entropy "
+            "5/10/15/20/30 % | oracle 15 % | rho | verified iid k=1/2/3 |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    budgets = ("0.05", "0.10", "0.15", "0.20", "0.30")
+
+    def ci(v):
+        return "-" if v is None else f"[{v[0]:.2f}, {v[1]:.2f}]"
+
+    def curve(by_budget):
+        return "/".join(f"{by_budget[b]:.2f}" for b in budgets)
+
+    for key, e in report["entries"].items():
+        c = e["catch_at_budget"]
+        oracle = c.get("oracle", {}).get("0.15", float("nan"))
+        ver = e["verified_ratio_iid"]
+        lines.append(
+            f"| {key} | {e['num_steps']} | {e['flip_rate']:.3f} | {e['auc_entropy']:.3f} {ci(e['auc_entropy_ci'])} "
+            f"| {e['auc_margin']:.3f} {ci(e['auc_margin_ci'])} | {curve(c['margin'])} "
+            f"| {curve(c['entropy'])} | {oracle:.2f} | {e['weight_bytes']['rho']:.3f} "
+            f"| {ver['1']:.3f}/{ver['2']:.3f}/{ver['3']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
