@@ -26,7 +26,8 @@ import torch
 
 from draftkit.artifacts import GEMMA3_270M_REF
 from draftkit.decoding.dual_precision import DualPrecisionLM, greedy_decode, replay_metrics, replay_steps
-from draftkit.decoding.dual_precision_cli import SMOLLM2_REF, load_prompts, split_prompts
+from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
+from draftkit.data.prompts import load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic
 from draftkit.quant import COST_MODELS, QuantConfig, expected_verified_ratio, gated_bytes_per_token
 
@@ -45,7 +46,8 @@ def main() -> None:
     p.add_argument("--output", type=str, required=True)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import encode_chat, stop_token_ids
 
     ref, chat = TARGETS[args.target]
     out_path = Path(args.output)
@@ -60,13 +62,10 @@ def main() -> None:
     prompts = []
     for r in evaluation[: args.num_prompts]:
         if chat:
-            text = tok.apply_chat_template([{"role": "user", "content": r.text}], add_generation_prompt=True,
-                                           tokenize=False)
-            prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            prompts.append(encode_chat(tok, r.messages))
         else:
             prompts.append(tok(r.text)["input_ids"])  # plain text after <bos>
-    gen_eos = model.generation_config.eos_token_id
-    eos = sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    eos = stop_token_ids(tok, model.generation_config)
     for group in args.groups.split(","):
         group_size = None if group == "none" else int(group)
         keys = {s: f"{args.target}/{group}/{s}" for s in args.slicings.split(",")}
