@@ -244,7 +244,8 @@ def evaluate_dual_precision(
                          "--template plain or auto")
     if template == "auto":
         template = "chat" if has_template else "plain"
-        log.info("--template auto: %s (the tokenizer %s a chat template)", template, "has" if has_template else "has no")
+        log.info("--template auto: %s (the tokenizer %s a chat template)", template,
+                 "has" if has_template else "has no")
 
     def encode(p) -> list[int]:
         if p.ids is not None:

@@ -512,9 +512,9 @@ def test_cli_plain_template_sampling_groups_and_resume(dp_tiny_dir, tmp_path, ca
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(5)])
     out = tmp_path / "r.json"
-    argv = ["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", "2", "--max_new_tokens",
-            "5", "--k", "2", "--bootstrap_samples", "0", "--template", "plain", "--group_size", "32",
-            "--temperature", "0.8", "--top_p", "0.9", "--output", str(out)]
+    argv = ["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts",
+            "2", "--max_new_tokens", "5", "--k", "2", "--bootstrap_samples", "0", "--template", "plain",
+            "--group_size", "32", "--temperature", "0.8", "--top_p", "0.9", "--output", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["template"] == "plain" and report["quant"]["group_size"] == 32
