@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from draftkit.decoding.metrics import AcceptanceStats, kl_target_draft
+from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
 from draftkit.decoding.sampling import (
     check_sampling,
     probs_from_logits,
@@ -485,7 +485,9 @@ def generate_speculative(
         k: draft tokens per round (>= 1).
         cfg: stop and sampling options.
         generator: RNG for sampling (draft draws, acceptance draws and corrections share it).
-        collect_kl: record KL(target || draft) per draft position (needs a drafter that returns logits).
+        collect_kl: record the distribution metrics per draft position (KL on the draft vocab, target mass
+            outside it, expected acceptance; ``decoding.metrics.distribution_metrics``); needs a drafter that
+            returns logits.
 
     Returns:
         :class:`GenerationResult` with ``stats`` filled.
@@ -531,9 +533,9 @@ def generate_speculative(
         t3 = time.perf_counter()
         t_verify += t3 - t2
         t_draft += t2 - t1
-        kl = None
+        dist = None
         if collect_kl and draft.logits is not None:
-            kl = kl_target_draft(logits[:kd], draft.logits, draft.t2d)
+            dist = distribution_metrics(logits[:kd], draft.logits, draft.t2d)
             t_metrics += time.perf_counter() - t3  # measurement, not decoding: kept out of the timings
         emitted = draft.ids[:a].tolist() + [nxt]
         counted = a
@@ -545,7 +547,7 @@ def generate_speculative(
             if len(tokens) >= cfg.max_new_tokens:
                 done = True
                 break
-        stats.update(counted, kd, kl)
+        stats.update(counted, kd, dist)
         seq[L + 1:L + 2 + a] = torch.tensor(emitted, dtype=seq.dtype, device=seq.device)
         L += a + 1
     seconds = time.perf_counter() - t0 - t_metrics
