@@ -173,8 +173,9 @@ class ResumableLoader(DataLoader):
     Lightning does not pre-fetch from loaders with a known length, so the batches yielded so far are the
     batches trained so far. Its sampler is rank-aware; every rank consumes the same number of batches, so
     rank 0's saved position is every rank's position. The state also records the sequences consumed and the
-    global batch (``batch_size * num_replicas``), so a resume on another number of processes or batch size
-    continues at the next unseen sequence of the epoch when the order allows it, or refuses.
+    global batch (``batch_size * num_replicas``): a resume with the same global batch on another number of
+    processes continues at the next unseen sequence; with another global batch it continues at an epoch
+    boundary and refuses mid-epoch (:meth:`load_state_dict`).
 
     Args:
         dataset: map-style dataset.
@@ -233,10 +234,12 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state: dict) -> None:
         """Continue after the saved position: at the next batch, or at epoch + 1 when the epoch was complete.
 
+        A mid-epoch resume needs the same global batch (``devices x data.batch_size``; the split over
+        processes may change): Lightning counts the epoch's remaining steps from the checkpoint's step count,
+        so another global batch would end the epoch early or late. At an epoch boundary any setting continues.
+
         Raises:
-            ValueError: when the saved global batch differs from this loader's and the next unseen sequence
-                cannot start a batch here (length bucketing, whose batches depend on the global batch, or a
-                position that is not a multiple of the new global batch); names both settings.
+            ValueError: on a mid-epoch resume with another global batch; names both settings.
         """
         epoch, consumed = int(state["epoch"]), int(state["consumed"])
         saved_g = int(state.get("global_batch", self.global_batch))
@@ -245,23 +248,15 @@ class ResumableLoader(DataLoader):
             self._resume = (epoch + 1, 0)
             return
         if saved_g != self.global_batch:
-            was = (f"world size {state.get('world_size')} x batch {saved_g // int(state.get('world_size') or 1)} "
-                   f"(global batch {saved_g})")
-            now = (f"world size {self._order.num_replicas} x batch {self._order.batch_size} "
-                   f"(global batch {self.global_batch})")
-            if self._order.bucket_window > 1 and self._order.shuffle:
-                raise ValueError(
-                    f"cannot resume mid-epoch: the checkpoint was trained with {was}, this run has {now}, and with "
-                    f"data.bucket_window={self._order.bucket_window} the batches depend on the global batch; resume "
-                    "with the same devices x data.batch_size, or from a checkpoint at an epoch boundary"
-                )
-            if sequences % self.global_batch:
-                raise ValueError(
-                    f"cannot resume mid-epoch: the checkpoint consumed {sequences} sequences of epoch {epoch} with "
-                    f"{was}; this run has {now}, which cannot start a batch at sequence {sequences}; resume with "
-                    "a global batch that divides it, or from a checkpoint at an epoch boundary"
-                )
-        self._resume = (epoch, sequences // self.global_batch)
+            world = int(state.get("world_size") or 1)
+            raise ValueError(
+                f"cannot resume mid-epoch (epoch {epoch}, after {sequences} sequences): the checkpoint was trained "
+                f"with world size {world} x batch {saved_g // world} (global batch {saved_g}), this run has world "
+                f"size {self._order.num_replicas} x batch {self._order.batch_size} (global batch "
+                f"{self.global_batch}); keep devices x data.batch_size = {saved_g} to resume here, or resume from a "
+                "checkpoint at an epoch boundary"
+            )
+        self._resume = (epoch, consumed)
 
 
 SKIP_KEYS = ("record", "reason", "detail")
