@@ -1,39 +1,61 @@
-"""``python -m draftkit``: LightningCLI for ``fit``/``validate`` plus draftkit's own verbs.
+"""``DraftkitCLI``: the LightningCLI behind ``draftkit fit`` and ``draftkit validate``, and :func:`load_recipe`.
 
 ``--recipe`` (alias ``-r``, ``-c``, ``--config``) is the config-file flag; repeat it to stack recipes
-(later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks).
+(later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks). The other verbs are in
+``draftkit.commands``; those that read a recipe read it through :func:`load_recipe` or ``DraftkitCLI(run=False)``.
 
-Verbs: fit, validate (LightningCLI); evaluate (``--decoding dual-precision`` for dual-precision decoding),
-select-layers, export, bench, cache-hidden-states (draftkit commands).
+Precision: ``trainer.precision`` left unset (null) and ``model.target_dtype: auto`` are resolved by the
+precision policy (``draftkit.precision``) for the trainer's accelerator before anything is instantiated
+(``bf16-mixed``/``bfloat16`` where the device computes bf16 fast, ``32-true``/``float32`` otherwise); an
+explicit value wins. The choice and its reason go to the logger's hparams and the end-of-fit summary.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import sys
+import time
 
 from jsonargparse import ActionConfigFile
+from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-__all__ = ["DraftkitCLI", "main"]
+from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 
-VERBS = {
-    "evaluate": "draftkit.decoding.evaluate",
-    "evaluate-dual-precision": "draftkit.decoding.dual_precision_cli",
-    "select-layers": "draftkit.analysis.select",
-    "export": "draftkit.export.cli",
-    "bench": "draftkit.bench",
-    "cache-hidden-states": "draftkit.cache_hidden_states",
-}
+__all__ = ["DraftkitCLI", "load_recipe"]
+
+
+def _device_type(accelerator) -> str:
+    """Torch device type of a Lightning ``trainer.accelerator`` value (``auto`` -> the default device)."""
+    name = str(getattr(accelerator, "class_path", accelerator) or "auto").lower()
+    if name in ("auto", "none"):
+        return default_device()
+    if name in ("gpu", "cuda") or "cuda" in name:
+        return "cuda"
+    return "mps" if "mps" in name else "cpu"
+
+
+class _LogHyperparams(Callback):
+    """Logs fixed hyperparameters to every logger once the loggers exist (``setup``, after ``prepare_data``)."""
+
+    def __init__(self, params: dict) -> None:
+        self.params = params
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.params)
 
 
 class DraftkitCLI(LightningCLI):
-    """LightningCLI with ``--recipe`` as the config flag and ``data.tokenizer`` linked to ``model.target``."""
+    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target``, and the
+    precision policy applied to ``trainer.precision`` and ``model.target_dtype`` (see the module docstring).
+
+    Attributes:
+        precision: after parsing, ``{"trainer_precision", "target_dtype", "requested": {...}, "auto": {...}}``,
+            the resolved values, what the recipe asked for, and the policy's choice with its reason.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
-        from draftkit.data.module import ChatDataModule
+        from draftkit.data.datamodule import ChatDataModule
         from draftkit.models.eagle3 import Eagle3Module
 
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -50,6 +72,24 @@ class DraftkitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        device = _device_type(config.trainer.accelerator)
+        requested = {"trainer_precision": config.trainer.precision, "target_dtype": config.model.target_dtype}
+        config.trainer.precision = resolve_trainer_precision(config.trainer.precision, device)
+        config.model.target_dtype = resolve_dtype(config.model.target_dtype, device, "model.target_dtype")
+        self.precision = {
+            "trainer_precision": str(config.trainer.precision), "target_dtype": config.model.target_dtype,
+            "requested": {k: (str(v) if v is not None else None) for k, v in requested.items()},
+            "auto": auto_precision(device).as_dict(),
+        }
+
+    def before_fit(self) -> None:
+        self._fit_started = time.monotonic()
+        self._start_step = self.trainer.global_step
+        # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
+        self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))
+
     def after_fit(self) -> None:
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
@@ -57,33 +97,42 @@ class DraftkitCLI(LightningCLI):
         last = getattr(ckpt, "last_model_path", "") if ckpt else ""
         logdir = trainer.logger.log_dir if trainer.logger else trainer.default_root_dir
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        steps = trainer.global_step - self._start_step
+        seconds = time.monotonic() - self._fit_started
+        p, auto = self.precision, self.precision["auto"]
         rank_zero_info(
             "\ndraftkit fit finished.\n"
+            f"  trained: {trainer.global_step} optimizer steps ({steps} in this run, "
+            f"{seconds / max(1, steps):.2f} s/step wall incl. validation), "
+            f"{getattr(self.model, 'tokens_trained', 0):,} tokens\n"
+            f"  precision: head {p['trainer_precision']}, target {p['target_dtype']} "
+            f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
+            f"auto on this machine: {auto['reason']})\n"
             f"  best checkpoint: {best or '(none)'}\n  last checkpoint: {last or '(none)'}\n"
             f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
             f"  validation: {metrics}"
         )
 
 
-def _option(args: list[str], name: str) -> str | None:
-    """Value of ``--name value`` or ``--name=value`` in an argument list, else None."""
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+class _RecipeReader(DraftkitCLI):
+    """DraftkitCLI that parses and stops: nothing is instantiated (no target, no logger directory)."""
+
+    def instantiate_classes(self) -> None:
+        """Reading a recipe instantiates nothing."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit`` and the ``draftkit`` script."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args and args[0] in VERBS:
-        verb = args[0]
-        if verb == "evaluate" and _option(args, "--decoding") == "dual-precision":
-            verb = "evaluate-dual-precision"
-        module = importlib.import_module(VERBS[verb])
-        return int(module.main(args[1:]) or 0)
-    DraftkitCLI(args=argv)
-    return 0
+def load_recipe(recipes: list[str], overrides: list[str] | None = None):
+    """The parsed config of stacked recipes, exactly as ``fit`` reads them (the only recipe reader).
+
+    Args:
+        recipes: recipe YAML paths, stacked in order (later files win for scalars; ``callbacks+`` appends).
+        overrides: more LightningCLI arguments (``--data.max_length 512``).
+
+    Returns:
+        A jsonargparse ``Namespace`` with ``model``, ``data``, ``trainer``, ... (class paths not instantiated).
+
+    Raises:
+        SystemExit: (status 2) on a recipe the parser refuses, with jsonargparse's message.
+    """
+    args = [x for r in recipes for x in ("--recipe", str(r))] + list(overrides or [])
+    return _RecipeReader(args=args, run=False).config

@@ -8,9 +8,33 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftkit import precision
 from draftkit.testing import build_tiny_target, tiny_llama_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_report_header(config) -> str:
+    """The precision policy's choice on this machine: the ``slow`` tests on the real SmolLM2 run in it."""
+    choice = precision.auto_precision("cpu")
+    return f"draftkit precision auto: {choice.reason} (torch {torch.__version__}, {torch.get_num_threads()} threads)"
+
+
+@pytest.fixture()
+def fake_precision(monkeypatch):
+    """Fake the policy's decision: ``fake_precision("float32", slowdown=30.0)``; the caches are cleared before
+    and after, so other tests see this machine's real choice."""
+
+    def install(dtype: str, slowdown: float | None = None, reason: str | None = None) -> precision.PrecisionChoice:
+        choice = precision.PrecisionChoice("cpu", dtype, reason or f"fake cpu -> {dtype}", slowdown)
+        monkeypatch.setattr(precision, "choose_precision", lambda device, **kw: choice)
+        precision._decide.cache_clear()
+        precision._warn_if_slow_bf16.cache_clear()
+        return choice
+
+    yield install
+    precision._decide.cache_clear()
+    precision._warn_if_slow_bf16.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -96,7 +96,7 @@ class TargetSession:
     """One decoding stream of a ``FrozenTarget`` over a Hugging Face KV cache.
 
     Args:
-        target: a ``draftkit.models.target.FrozenTarget``.
+        target: a ``draftkit.target.frozen.FrozenTarget``.
     """
 
     def __init__(self, target) -> None:

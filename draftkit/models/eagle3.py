@@ -11,7 +11,7 @@ unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4):
   count (the global count under DDP), total Σ_k decay^k L_k.
 
 Offline mode (the datamodule's ``hidden_states_cache``): batches carry the cached aux and last hidden states,
-the target forward is skipped and only the target's LM head is loaded (``draftkit.models.teacher``) to turn
+the target forward is skipped and only the target's LM head is loaded (``draftkit.target.lm_head``) to turn
 the last hidden state into teacher logits.
 
 Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, K TTT steps.
@@ -31,7 +31,8 @@ from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-from draftkit.heads.io import HEAD_PREFIX
+from draftkit.heads.checkpoint import HEAD_PREFIX
+from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
 __all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "ttt_targets", "soft_ce", "tau_sim"]
@@ -158,7 +159,10 @@ class Eagle3Module(pl.LightningModule):
 
     Args:
         target: target reference (local dir, hub id, ``pypi:...`` or a ``.gguf`` file).
-        target_dtype: dtype the frozen target runs in (``bfloat16`` halves its cost on CPUs with AVX512-BF16).
+        target_dtype: dtype the frozen target runs in: ``auto`` (default; ``draftkit.precision``: bfloat16 where
+            the device computes it fast, float32 otherwise), ``bfloat16``, ``float32`` or ``float16``. ``auto`` is
+            resolved when the target is loaded (``DraftkitCLI`` resolves it before instantiation), and the
+            checkpoint records the resolved dtype.
         aux_layer_ids: HF ``hidden_states`` indices (id k = input of decoder layer k); None = [2, N//2, N-3].
         draft_vocab_size: V_d, the most frequent assistant tokens (at most V).
         ttt: training-time test settings.
@@ -179,7 +183,7 @@ class Eagle3Module(pl.LightningModule):
     def __init__(
         self,
         target: str,
-        target_dtype: str = "bfloat16",
+        target_dtype: str = "auto",
         aux_layer_ids: list[int] | None = None,
         draft_vocab_size: int = 32000,
         ttt: TTTConfig = TTTConfig(),
@@ -192,8 +196,8 @@ class Eagle3Module(pl.LightningModule):
         super().__init__()
         if draft_vocab_size < 1:
             raise ValueError(f"model.draft_vocab_size must be >= 1, got {draft_vocab_size}")
-        if target_dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"model.target_dtype must be bfloat16, float32 or float16, got {target_dtype!r}")
+        if target_dtype not in DTYPES:
+            raise ValueError(f"model.target_dtype must be one of {', '.join(DTYPES)}, got {target_dtype!r}")
         self.save_hyperparameters()
         # LightningCLI and checkpoints may hand the groups over as plain dicts
         self.ttt = ttt if isinstance(ttt, TTTConfig) else TTTConfig(**ttt)
@@ -208,6 +212,11 @@ class Eagle3Module(pl.LightningModule):
         self.empty_batches = 0  # training batches without a trainable token (not optimizer steps)
         self._batch_empty = False
         self._epoch_batches = [0, 0]  # (updates, batches without a trainable token) in this epoch
+        self.tokens_trained = 0
+        """Real (non-padding) tokens of the training batches this rank stepped on, checkpointed."""
+        self.lr_horizon: int | None = None
+        """Optimizer step at which the cosine schedule ends, when fixed by a callback (``TimeBudget``) or a
+        checkpoint; None = ``trainer.estimated_stepping_batches``."""
         self.val_acc = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
         self.val_step_loss = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
         self.val_loss = MeanMetric()
@@ -220,12 +229,18 @@ class Eagle3Module(pl.LightningModule):
             raise RuntimeError("aux layers must be chosen before the head is built")
         self.hparams.aux_layer_ids = list(ids)
 
+    def resolve_target_dtype(self) -> str:
+        """Resolve ``target_dtype: auto`` for the trainer's device (no trainer: the default device), in place."""
+        device = self.trainer.strategy.root_device.type if self._trainer is not None else default_device()
+        self.hparams.target_dtype = resolve_dtype(self.hparams.target_dtype, device, "model.target_dtype")
+        return self.hparams.target_dtype
+
     def load_target_model(self):
         """(HF model, tokenizer) of the frozen target, loaded once."""
         if getattr(self, "_target_model", None) is None:
-            from draftkit.models.target import load_target
+            from draftkit.target.frozen import load_target
 
-            self._target_model = load_target(self.hparams.target, self.hparams.target_dtype)
+            self._target_model = load_target(self.hparams.target, self.resolve_target_dtype())
         return self._target_model
 
     def prepare_data(self) -> None:
@@ -261,16 +276,16 @@ class Eagle3Module(pl.LightningModule):
             return
         cache = getattr(dm, "hidden_states", None) if dm is not None else None
         if cache is not None:
-            from draftkit.data.offline import config_fingerprint
-            from draftkit.models.teacher import load_target_lm_head
+            from draftkit.data.hidden_cache import config_fingerprint
+            from draftkit.target.lm_head import load_target_lm_head
 
-            self.target = load_target_lm_head(self.hparams.target, self.hparams.target_dtype, self.hparams.aux_layer_ids)
+            self.target = load_target_lm_head(self.hparams.target, self.resolve_target_dtype(), self.hparams.aux_layer_ids)
             cache.check({
                 "target": self.hparams.target, "target_config": config_fingerprint(self.target.config),
                 "target_dtype": self.hparams.target_dtype, "aux_layer_ids": list(self.target.aux_layer_ids),
             })
         else:
-            from draftkit.models.target import FrozenTarget
+            from draftkit.target.frozen import FrozenTarget
 
             model, tokenizer = self.load_target_model()
             self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
@@ -344,16 +359,21 @@ class Eagle3Module(pl.LightningModule):
             "head_config": dataclasses.asdict(self.head.config),
             "target": self.hparams.target,
             "target_dtype": self.hparams.target_dtype,
-            "aux_layer_ids": list(self.head.config.aux_layer_ids),
             "chat_template": self.chat_template,
             "ttt": dataclasses.asdict(self.ttt),
+            "tokens_trained": self.tokens_trained,
+            "lr_horizon": self.lr_horizon,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("draftkit")
-        if meta and self.head is not None and list(meta["aux_layer_ids"]) != list(self.head.config.aux_layer_ids):
+        if meta:
+            self.tokens_trained = int(meta.get("tokens_trained", 0))
+            self.lr_horizon = meta.get("lr_horizon")
+        stored = (meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")) if meta else None
+        if stored and self.head is not None and list(stored) != list(self.head.config.aux_layer_ids):
             raise ValueError(
-                f"checkpoint aux layers {meta['aux_layer_ids']} differ from this run's "
+                f"checkpoint aux layers {list(stored)} differ from this run's "
                 f"{self.head.config.aux_layer_ids}; use the recipe the checkpoint was trained with"
             )
 
@@ -451,6 +471,7 @@ class Eagle3Module(pl.LightningModule):
             self.log("train/empty_batches", float(self.empty_batches), on_step=True)
             return None
         bs = batch["input_ids"].shape[0]
+        self.tokens_trained += int(batch["attention_mask"].sum())
         for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
             if float(w_sum) > 0:
                 self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)
@@ -535,12 +556,17 @@ class Eagle3Module(pl.LightningModule):
         cfg = self.optim
         params = [p for p in self.head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warm = min(cfg.warmup_steps, total)
+        estimated = self.trainer.estimated_stepping_batches
+        default_total = max(1, int(estimated)) if math.isfinite(estimated) else None
 
         def schedule(step: int) -> float:
+            # the horizon is read at every step: a TimeBudget callback fixes it after measuring s/step
+            total = self.lr_horizon or default_total
+            warm = min(cfg.warmup_steps, total) if total else cfg.warmup_steps
             if step < warm:
                 return (step + 1) / max(1, warm)
+            if total is None:  # no horizon yet (time budget still measuring): hold the peak
+                return 1.0
             progress = (step - warm) / max(1, total - warm)
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from draftkit.data.module import ChatDataModule, ResumableLoader, _EpochSampler, collate
+from draftkit.data.collate import collate
+from draftkit.data.datamodule import ChatDataModule
+from draftkit.data.sampler import EpochSampler, ResumableLoader
 
 
 class Recorder(pl.LightningModule):
@@ -74,7 +76,7 @@ def _fit(path, tok, root, ckpt=None, bucket_window=0, **limits):
 
 
 def _expected_epoch(size, seed, epoch, batch, lengths=None, window=0):
-    sampler = _EpochSampler(size, seed, True, batch, lengths=lengths, bucket_window=window)
+    sampler = EpochSampler(size, seed, True, batch, lengths=lengths, bucket_window=window)
     sampler.set_epoch(epoch)
     return sampler.global_batches()
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from draftkit.data.chat import describe_skips, read_conversations
-from draftkit.data.module import ChatDataModule
+from draftkit.data.datamodule import ChatDataModule
 
 CASE_LONE_SURROGATE = (
     '[{"id": "ok1", "conversations": [{"from": "human", "value": "What is 1 plus 1?"}, '

