@@ -90,11 +90,15 @@ def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]
 
 # -- heads --------------------------------------------------------------------------------------------------
 def check_head_matches_target(head, target, head_name: str = "head", target_name: str = "target") -> None:
-    """Check that a head can read this target's aux states and vocabulary.
+    """Check that a head can read this target's aux states and vocabulary, and that its weights are finite
+    (``heads.checkpoint.check_finite``; the tokenizer is checked where the head is loaded).
 
     Raises:
-        ValueError: naming the head's and the target's values for every mismatch.
+        ValueError: naming the head's and the target's values for every mismatch, or the non-finite tensors.
     """
+    from draftkit.heads.checkpoint import check_finite
+
+    check_finite(dict(head.named_parameters()), head_name)
     cfg = head.config
     width = len(target.aux_layer_ids) * target.hidden_size
     problems = []

@@ -245,6 +245,11 @@ class Eagle3Drafter:
         self.pending = None
         ids, logits, probs = [], [], []
         for j in range(k):
+            if not bool(torch.isfinite(z).all()):
+                raise ValueError(
+                    f"draft logits at draft position {j + 1} are not finite (NaN/inf): the head's weights or its "
+                    f"{self.dtype} arithmetic overflow; evaluate it in float32 or check the checkpoint"
+                )
             logits.append(z)
             if cfg.greedy:
                 d = z.argmax()

@@ -141,6 +141,8 @@ def export_head_source(
         "target": source.target,
         "target_path": source.target_path,
         "target_dtype": meta.get("target_dtype"),
+        "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+        "chat_template": meta.get("chat_template"),
         "target_num_layers": n_layers,
         "aux_layer_ids": aux,
         "aux_layer_ids_convention": "HF hidden_states index: id k = input of decoder layer k",

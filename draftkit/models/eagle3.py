@@ -209,6 +209,7 @@ class Eagle3Module(pl.LightningModule):
         self.target = None
         self.head: Eagle3LlamaHead | None = None
         self.chat_template = None
+        self.tokenizer_fingerprint: str | None = None  # target.tokens.tokenizer_identity of the training tokenizer
         self.empty_batches = 0  # training batches without a trainable token (not optimizer steps)
         self._batch_empty = False
         self._epoch_batches = [0, 0]  # (updates, batches without a trainable token) in this epoch
@@ -299,6 +300,10 @@ class Eagle3Module(pl.LightningModule):
         if counts is not None:
             vocab = VocabMap.from_counts(counts, self.hparams.draft_vocab_size)
             self.chat_template = dm.hparams.chat_template
+            if hasattr(dm, "load_tokenizer"):
+                from draftkit.target.tokens import tokenizer_identity
+
+                self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
         elif self.hparams.draft_vocab_size == vocab_size:
             vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
         else:
@@ -360,6 +365,7 @@ class Eagle3Module(pl.LightningModule):
             "target": self.hparams.target,
             "target_dtype": self.hparams.target_dtype,
             "chat_template": self.chat_template,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "ttt": dataclasses.asdict(self.ttt),
             "tokens_trained": self.tokens_trained,
             "lr_horizon": self.lr_horizon,
