@@ -52,6 +52,8 @@ class HeadSource:
         target_config: the target's Hugging Face text config.
         num_layers: N, the target's decoder layers.
         aux_layer_ids: HF ``hidden_states`` indices the head reads, validated against N.
+        target_name: the name a serving host loads the target by (set by export, see
+            ``draftkit.export.exporter.serving_target_name``); None = ``target_path``.
     """
 
     path: Path
@@ -63,6 +65,12 @@ class HeadSource:
     target_config: Any
     num_layers: int
     aux_layer_ids: list[int]
+    target_name: str | None = None
+
+    @property
+    def serving_name(self) -> str:
+        """What launch commands and engine configs name the target by."""
+        return self.target_name or self.target_path
 
     @property
     def default_aux(self) -> bool:
