@@ -8,7 +8,7 @@ Shapes: none (a command).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union
 
 __all__ = ["evaluate"]
 
@@ -17,7 +17,10 @@ def evaluate(
     checkpoint: str,
     output: str,
     prompts: str = "mt-bench",
-    k: int = 5,
+    k: Union[int, Literal["auto"]] = 5,
+    tree: Optional[str] = None,
+    calibration_prompts: int = 4,
+    calibration_tokens: int = 48,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -38,7 +41,12 @@ def evaluate(
         checkpoint: training .ckpt or exported head directory.
         output: report JSON path (written atomically).
         prompts: mt-bench (80 first turns), or a .jsonl / .json / .txt prompt file.
-        k: draft tokens per round (chain).
+        k: draft tokens per round (chain), or auto: the cost model (``decoding.cost``) picks k from measured
+            target/draft costs and a greedy calibration.
+        tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
+            auto: the cost model picks among chains and trees (or plain decoding when nothing pays).
+        calibration_prompts: auto: the first prompts used to calibrate.
+        calibration_tokens: auto: greedy tokens per calibration prompt.
         temperature: sampling temperature; 0 = greedy.
         top_k: top-k sampling; 0 = off.
         top_p: nucleus sampling; 1 = off.
@@ -70,8 +78,13 @@ def evaluate(
     from draftkit.precision import DTYPES, precision_record, resolve_dtype
     from draftkit.target.frozen import FrozenTarget, load_target
 
-    if k < 1:
-        raise ValueError(f"--k must be >= 1, got {k}")
+    from draftkit.decoding.tree import TreeConfig
+
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
+    auto = "tree" if tree == "auto" else ("k" if k == "auto" else None)
+    tree_config = TreeConfig.parse(tree) if tree not in (None, "auto") else None
+    k = 5 if k == "auto" else k
     check_sampling(temperature, top_k, top_p)
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
@@ -92,7 +105,8 @@ def evaluate(
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
-        prompt_lookup=prompt_lookup,
+        prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
+        calibration_tokens=calibration_tokens,
     )
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
                            draft_dtype=draft_dtype, precision=precision)

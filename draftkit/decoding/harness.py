@@ -35,17 +35,18 @@ from typing import Any
 import torch
 
 from draftkit.data.prompts import Prompt
+from draftkit.decoding import cost
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Drafter,
-    Eagle3Drafter,
     PromptLookupDrafter,
     TargetSession,
     generate_plain,
     generate_speculative,
 )
+from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
@@ -150,11 +151,15 @@ def evaluate_drafter(
     prompt_lookup: bool = True,
     collect_kl: bool = True,
     warmup: bool = True,
+    tree: TreeConfig | None = None,
+    auto: str | None = None,
+    calibration_prompts: int = 4,
+    calibration_tokens: int = 48,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
     Args:
-        drafter: any :class:`Drafter` (an :class:`Eagle3Drafter`, or another engineer's drafter).
+        drafter: any :class:`Drafter` (an ``Eagle3TreeDrafter``, or another engineer's drafter).
         target: a ``FrozenTarget``.
         tokenizer: the target's tokenizer (chat template, EOS); may be None when prompts are token ids and
             ``eos_token_ids`` is given.
@@ -169,18 +174,25 @@ def evaluate_drafter(
         baseline: run plain decoding (needed for speedup and ``greedy_equal``).
         prompt_lookup: run the prompt-lookup baseline.
         collect_kl: record the distribution metrics per draft position (``kl``, ``outside_mass``,
-            ``expected_accept``; ``decoding.metrics.distribution_metrics``).
+            ``expected_accept``; ``decoding.metrics.distribution_metrics``; chains).
         warmup: one short untimed run of each decoder first.
+        tree: draft a tree (``decoding.tree``; needs a drafter with ``propose_tree``) instead of a chain.
+        auto: ``"k"`` or ``"tree"``: choose the chain k (or also trees) with ``decoding.cost`` from a
+            greedy calibration on the first ``calibration_prompts`` prompts (``calibration_tokens`` each)
+            and measured costs, then evaluate the choice (chain k = 1 as reference when plain wins);
+            the report's ``auto`` holds the choice, its predicted and measured speedup and every prediction.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
 
     Raises:
-        ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, or a prompt
-            that does not fit the target's context window (names the prompt).
+        ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
+            ``auto``, or a prompt that does not fit the target's context window (names the prompt).
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    if auto not in (None, "k", "tree"):
+        raise ValueError(f"auto must be None, 'k' or 'tree', got {auto!r}")
     check_sampling(temperature, top_k, top_p)
     prompts = _as_prompts(prompts)
     if not prompts:
@@ -206,10 +218,26 @@ def evaluate_drafter(
     def gen(i: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed + i)
 
+    auto_report = None
+    if auto:
+        auto_report = _choose_topology(drafter, session, encoded, auto == "tree", calibration_prompts,
+                                       calibration_tokens, cfg.eos_token_ids)
+        tree = auto_report.pop("_tree")
+        k = tree.depth
+    if tree is not None and tree.is_chain and auto:
+        tree = None  # a chosen chain runs as the chain (the same drafts at T = 0)
+
+    def speculate(ids, run_cfg, g, kl=False):
+        if tree is not None:
+            return generate_tree(session, drafter, ids, tree, run_cfg, g)
+        return generate_speculative(session, drafter, ids, k, run_cfg, g, collect_kl=kl)
+
+    if tree is not None:
+        k = tree.depth
     if warmup:
         short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
         generate_plain(session, encoded[0], short, gen(0))
-        generate_speculative(session, drafter, encoded[0], k, short, gen(0))
+        speculate(encoded[0], short, gen(0))
 
     spec_stats, lookup_stats = AcceptanceStats(k), AcceptanceStats(k)
     rows = []
@@ -227,7 +255,7 @@ def evaluate_drafter(
             tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
             row["baseline_new_tokens"] = len(plain.tokens)
             row["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
-        spec = generate_speculative(session, drafter, ids, k, cfg, gen(i), collect_kl=collect_kl)
+        spec = speculate(ids, cfg, gen(i), collect_kl)
         spec_stats.extend(spec.stats)
         tot["spec_tokens"] += len(spec.tokens)
         tot["spec_s"] += spec.seconds
@@ -257,7 +285,10 @@ def evaluate_drafter(
     baseline_tps = _safe_div(tot["plain_tokens"], tot["plain_s"]) if baseline else None
     alpha = spec_stats.per_position()
     threads = torch.get_num_threads()
-    return {
+    if auto_report is not None:
+        auto_report["measured_speedup"] = 1.0 if auto_report["choice"] == "plain" else (
+            tokens_per_s / baseline_tps if baseline_tps else None)
+    report = {
         "num_prompts": len(prompts),
         "k": k,
         "temperature": temperature,
@@ -286,9 +317,13 @@ def evaluate_drafter(
         "draft_ms_per_round": 1000 * tot["spec_draft_s"] / max(1, spec_stats.rounds),
         "verify_ms_per_round": 1000 * tot["spec_verify_s"] / max(1, spec_stats.rounds),
         "plain_ms_per_token": _safe_div(1000 * tot["plain_decode_s"], tot["plain_decode_tokens"]) if baseline else None,
+        "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes},
+        "verified_tokens_per_round": 1 + sum(spec_stats.drafted) / max(1, spec_stats.rounds),
+        "accepted_length_histogram": [spec_stats.accepted.count(a) for a in range(k + 1)],
+        "auto": auto_report,
         "setup": {
             "engine": f"draftkit (torch {torch.__version__})",
-            "topology": f"chain k={k}",
+            "topology": f"chain k={k}" if tree is None else f"tree depth={tree.depth} topk={tree.topk} N={tree.num_nodes}",
             "batch_size": 1,
             "top_k": top_k,
             "top_p": top_p,
@@ -299,6 +334,29 @@ def evaluate_drafter(
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
         },
         "per_prompt": rows,
+    }
+    return report
+
+
+def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos) -> dict:
+    """Measure costs, calibrate tau and pick with ``decoding.cost``; the report's ``auto`` block."""
+    if prompts < 1 or tokens < 2:
+        raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
+    topologies = cost.candidate_topologies(tree)
+    rows = sorted({t.num_nodes + 1 for t in topologies})
+    costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
+    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos)
+    predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies), costs)
+    best = cost.choose(predictions)
+    log.info("auto: %s", "plain decoding" if best is None else f"{best.tree} (predicted {best.speedup:.3f}x)")
+    return {
+        "_tree": TreeConfig.chain(1) if best is None else best.tree,
+        "choice": "plain" if best is None else ("chain k=%d" % best.tree.depth if best.tree.is_chain else str(best.tree)),
+        "predicted_speedup": 1.0 if best is None else best.speedup,
+        "calibration": {"prompts": len(sequences), "tokens": tokens},
+        "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
+                     "draft_step": {w: 1000 * s for w, s in costs.step.items()}},
+        "predictions": [p.as_dict() for p in predictions],
     }
 
 
@@ -315,7 +373,7 @@ def evaluate_head(head, target, tokenizer, prompts, **kwargs) -> dict:
     was_training = head.training
     head.eval()
     try:
-        return evaluate_drafter(Eagle3Drafter(head), target, tokenizer, prompts, **kwargs)
+        return evaluate_drafter(Eagle3TreeDrafter(head), target, tokenizer, prompts, **kwargs)
     finally:
         head.train(was_training)
 
@@ -330,7 +388,7 @@ def format_summary(report: dict) -> str:
     alpha = report["acceptance_per_position"] or []
     kl = report["kl_per_position"] or []
     lines = [
-        (f"draftkit evaluate: {report['num_prompts']} prompts, chain k={report['k']}, T={report['temperature']}, "
+        (f"draftkit evaluate: {report['num_prompts']} prompts, {report['setup']['topology']}, T={report['temperature']}, "
          f"{report['setup']['target_dtype']}, {report['setup']['hardware']}"),
         f"  tau (bonus counted)        {_fmt(report['tau'])}",
         f"  acceptance rate            {_fmt(report['acceptance_rate'])}",
@@ -352,6 +410,11 @@ def format_summary(report: dict) -> str:
                      + "   (target mass outside the draft vocab)")
         lines.append("  E[acc]_i  " + " ".join(f"{_fmt(x):>7s}" for x in report["expected_accept_per_position"])
                      + "   (sum min(p, q) = 1 - TV, T = 1)")
+    lines.append(f"  verified tokens / round    {_fmt(report['verified_tokens_per_round'], '.2f')}")
+    auto = report.get("auto")
+    if auto:
+        lines.append(f"  auto choice                {auto['choice']}: predicted {_fmt(auto['predicted_speedup'])}x, "
+                     f"measured {_fmt(auto['measured_speedup'])}x")
     return "\n".join(lines)
 
 
@@ -386,3 +449,28 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         fig.tight_layout()
         writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
         plt.close(fig)
+        if report.get("auto"):
+            fig = _auto_figure(report["auto"], plt)
+            writer.add_figure(f"{prefix}/auto_tau_and_tokens_per_s", fig, step)
+            plt.close(fig)
+
+
+def _auto_figure(auto: dict, plt):
+    """Predicted tau and tokens/s against chain k, and against N for each tree (depth, top-k)."""
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), squeeze=False)
+    lines: dict[str, list] = defaultdict(list)
+    for p in auto["predictions"]:
+        d, tk, n = (int(x) for x in p["tree"].split(","))
+        lines["chain" if p["chain"] else f"depth {d} top-k {tk}"].append((d if p["chain"] else n, p))
+    for name, points in sorted(lines.items()):
+        points.sort(key=lambda x: x[0])
+        col = 0 if name == "chain" else 1
+        for row, key in enumerate(("tau", "tokens_per_s")):
+            axes[row][col].plot([x for x, _ in points], [p[key] for _, p in points], marker="o", label=name)
+    for col, xlabel in enumerate(("chain k", "tree N (verified nodes)")):
+        for row, ylabel in enumerate(("tau (predicted)", "tokens/s (predicted)")):
+            axes[row][col].set(xlabel=xlabel, ylabel=ylabel)
+        axes[0][col].legend(fontsize=6)
+    fig.suptitle(f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x")
+    fig.tight_layout()
+    return fig

@@ -154,7 +154,7 @@ class AcceptanceStats:
     :data:`DISTRIBUTION_METRICS` per position.
 
     Args:
-        k: draft tokens per round (the chain length the per-position lists are sized to).
+        k: longest acceptance per round (a chain's k, a tree's depth); the per-position lists have k entries.
     """
 
     def __init__(self, k: int) -> None:
@@ -170,12 +170,13 @@ class AcceptanceStats:
         """Record one round.
 
         Args:
-            accepted: a_r in [0, drafted].
-            drafted: k_r <= k (prompt lookup may draft fewer, or none).
+            accepted: a_r in [0, min(drafted, k)].
+            drafted: draft tokens verified: k_r <= k for a chain (prompt lookup may draft fewer, or none);
+                a tree verifies N nodes, more than its depth k.
             dist: :func:`distribution_metrics` of this round ((k_r,) each), or None.
         """
-        if not 0 <= accepted <= drafted <= self.k:
-            raise ValueError(f"need 0 <= accepted <= drafted <= k={self.k}, got {accepted}, {drafted}")
+        if not 0 <= accepted <= min(drafted, self.k):
+            raise ValueError(f"need 0 <= accepted <= drafted and accepted <= k={self.k}, got {accepted}, {drafted}")
         self.accepted.append(int(accepted))
         self.drafted.append(int(drafted))
         if dist is not None:

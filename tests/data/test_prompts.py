@@ -7,19 +7,6 @@ import pytest
 from draftkit.data.prompts import Prompt, load_prompts, split_prompts
 
 
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
-        {"prompt": "abc abc abc abc"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_load_prompts_formats(tmp_path, prompts_file):
     prompts = load_prompts(str(prompts_file))
     assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])

@@ -38,19 +38,6 @@ def ckpt(tmp_path, tiny, tiny_dir):
     return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_dir)
 
 
-@pytest.fixture()
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
-        {"prompt": "abc abc abc abc"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     out = tmp_path / "sub" / "report.json"
     tb = tmp_path / "tb"
@@ -162,6 +149,49 @@ def test_exported_head_directory(tmp_path, ckpt, prompts_file):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["greedy_equal"] == 1 and report["prompt_lookup_tau"] is None
+
+
+def test_main_tree_report(tmp_path, ckpt, prompts_file, capsys):
+    out = tmp_path / "tree.json"
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "12", "--tree", "3,2,6", "--prompt_lookup", "false"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert ISSUE_KEYS - {"prompt_lookup_tau"} <= set(report)
+    assert report["tree"] == {"depth": 3, "topk": 2, "num_nodes": 6} and report["k"] == 3
+    assert report["setup"]["topology"] == "tree depth=3 topk=2 N=6"
+    assert report["greedy_equal"] == 3
+    assert report["verified_tokens_per_round"] == 7.0
+    hist = report["accepted_length_histogram"]
+    assert len(hist) == 4 and sum(hist) == report["rounds"]
+    assert report["tau"] == pytest.approx(sum((a + 1) * c for a, c in enumerate(hist)) / report["rounds"])
+    assert report["kl_per_position"] is None and report["auto"] is None
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+                 "--tree", "3,2,99"]) == 2
+    assert "--tree: tree N=99 exceeds the 10 candidates" in capsys.readouterr().err
+
+
+def test_main_tree_auto(tmp_path, ckpt, prompts_file):
+    out = tmp_path / "auto.json"
+    tb = tmp_path / "tb"
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "8", "--tree", "auto", "--calibration_prompts", "1", "--calibration_tokens", "8",
+               "--prompt_lookup", "false", "--tensorboard", str(tb)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    auto = report["auto"]
+    preds = auto["predictions"]
+    assert len(preds) > 6 and any(not p["chain"] for p in preds)
+    assert preds == sorted(preds, key=lambda p: -p["tokens_per_s"])
+    best = preds[0]
+    if best["speedup"] > 1:
+        assert auto["predicted_speedup"] == best["speedup"]
+        assert auto["measured_speedup"] == pytest.approx(report["speedup"])
+    else:  # a random head on one thread: plain decoding usually wins
+        assert auto["choice"] == "plain" and auto["measured_speedup"] == 1.0
+    assert report["greedy_equal"] == 3
+    assert auto["costs_ms"]["verify"]["1"] > 0
+    assert list(tb.glob("events.out.tfevents.*"))
 
 
 @pytest.mark.parametrize("policy", ["float32", "bfloat16"])
