@@ -107,7 +107,7 @@ class DraftkitCLI(LightningCLI):
         rank_zero_info(
             "\ndraftkit fit finished.\n"
             f"  trained: {trainer.global_step} optimizer steps ({steps} in this run, "
-            f"{seconds / max(1, steps):.2f} s/step wall incl. validation), "
+            f"{seconds / max(1, steps):.2f} s/step overall with set-up and validation), "
             f"{getattr(self.model, 'tokens_trained', 0):,} tokens\n"
             f"  precision: head {p['trainer_precision']}, target {p['target_dtype']} "
             f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "

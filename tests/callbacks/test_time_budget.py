@@ -111,3 +111,25 @@ def test_arguments_and_process_clock():
     with pytest.raises(ValueError, match="measure_steps >= 1"):
         TimeBudget(measure_steps=0)
     assert 0.0 < process_seconds() < 24 * 3600 and math.isfinite(process_seconds())
+
+
+def test_recipe_with_budget_fits_and_summarises(tmp_path, monkeypatch, caplog):
+    """TimeBudget from YAML on the real clock, capped by max_steps; the end summary names steps, tokens,
+    precision and its reason, and the budget."""
+    import logging
+
+    monkeypatch.chdir(REPO)
+    recipe = yaml.safe_load(_recipe(tmp_path).read_text())
+    recipe["trainer"]["max_steps"] = 6
+    recipe["trainer"]["callbacks"].append({"class_path": "draftkit.callbacks.time_budget.TimeBudget",
+                                           "init_args": {"measure_steps": 2, "skip_steps": 1}})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    with caplog.at_level(logging.INFO):
+        cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(tmp_path / "r.yaml")])
+    assert cli.model.lr_horizon == 6 and cli.trainer.global_step == 6
+    text = caplog.text
+    assert f"trained: 6 optimizer steps (6 in this run, " in text
+    assert f"{cli.model.tokens_trained:,} tokens" in text and cli.model.tokens_trained > 0
+    auto = cli.precision["auto"]["reason"]
+    assert f"precision: head 32-true, target float32 (requested 32-true/float32; auto on this machine: {auto})" in text
+    assert "of the 600 s budget since process start" in text and "schedule horizon 6" in text
