@@ -143,7 +143,7 @@ class TimeBudget(Callback):
         self.horizon = pl_module.lr_horizon
         if self.horizon is not None and step >= self.horizon:
             trainer.should_stop = True
-        elif self.elapsed() + self._validation_s(trainer) + self.margin_s >= self.budget_s:
+        elif trainer.strategy.broadcast(self.elapsed() + self._validation_s(trainer) + self.margin_s >= self.budget_s):
             log.warning("TimeBudget: steps slower than measured; stopping at step %d before the budget ends", step)
             trainer.should_stop = True
 
@@ -161,6 +161,7 @@ class TimeBudget(Callback):
         horizon = step + max(0, math.floor(left / per_step))
         if trainer.max_steps > 0:
             horizon = min(horizon, trainer.max_steps)
+        horizon = trainer.strategy.broadcast(horizon)  # rank 0's plan: every rank must stop at the same step
         rank_zero_info(
             f"TimeBudget: {self.elapsed():.0f} s of {self.budget_s:.0f} s used at step {step}; {self.step_s:.2f} s/step, "
             f"{val:.1f} s per validation -> schedule ends at step {horizon}"
