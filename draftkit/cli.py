@@ -100,14 +100,17 @@ class DraftkitCLI(LightningCLI):
         steps = trainer.global_step - self._start_step
         seconds = time.monotonic() - self._fit_started
         p, auto = self.precision, self.precision["auto"]
+        timers = [cb for cb in trainer.callbacks if hasattr(cb, "summary") and hasattr(cb, "budget_s")]
+        budget = timers[0].summary() if timers else "none (add draftkit.callbacks.time_budget.TimeBudget)"
         rank_zero_info(
             "\ndraftkit fit finished.\n"
             f"  trained: {trainer.global_step} optimizer steps ({steps} in this run, "
-            f"{seconds / max(1, steps):.2f} s/step wall incl. validation), "
+            f"{seconds / max(1, steps):.2f} s/step overall with set-up and validation), "
             f"{getattr(self.model, 'tokens_trained', 0):,} tokens\n"
             f"  precision: head {p['trainer_precision']}, target {p['target_dtype']} "
             f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
             f"auto on this machine: {auto['reason']})\n"
+            f"  time budget: {budget}\n"
             f"  best checkpoint: {best or '(none)'}\n  last checkpoint: {last or '(none)'}\n"
             f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
             f"  validation: {metrics}"

@@ -65,7 +65,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50
-    """Optimizer steps of linear warmup from 0."""
+    """Optimizer steps of linear warmup from 0 (at most half the schedule's horizon)."""
     min_lr_ratio: float = 0.1
     """Cosine floor as a fraction of lr."""
 
@@ -568,7 +568,8 @@ class Eagle3Module(pl.LightningModule):
         def schedule(step: int) -> float:
             # the horizon is read at every step: a TimeBudget callback fixes it after measuring s/step
             total = self.lr_horizon or default_total
-            warm = min(cfg.warmup_steps, total) if total else cfg.warmup_steps
+            # warmup takes at most half the horizon, so that a short run still ends at the cosine floor
+            warm = min(cfg.warmup_steps, total // 2) if total else cfg.warmup_steps
             if step < warm:
                 return (step + 1) / max(1, warm)
             if total is None:  # no horizon yet (time budget still measuring): hold the peak
