@@ -115,8 +115,8 @@ MUTANTS: dict[str, list[Mutant]] = {
           "spans.append((len(prefix), len(upto)))", CHAT, "-k", "loss_mask"),
     ],
     "draftkit/data/datamodule.py": [
-        M("cache-key-without-code", '"chat-v1", tokenization_fingerprint(), self._data_fingerprint(path)',
-          '"chat-v1", self._data_fingerprint(path)', CHAT, "-k", "cache_key"),
+        M("cache-key-without-code", "tokenization_fingerprint(), self._data_fingerprint(path)",
+          "self._data_fingerprint(path)", CHAT, "-k", "cache_key"),
     ],
     "draftkit/heads/checkpoint.py": [
         M("t2d-without-d2t-offset", "ids = torch.arange(vm.numel()) + vm", "ids = torch.arange(vm.numel())",
@@ -131,7 +131,8 @@ MUTANTS: dict[str, list[Mutant]] = {
           "-k", "worked_examples"),
     ],
     "draftkit/decoding/speculative.py": [
-        M("kl-next-target-row", "kl_target_draft(logits[:kd], draft.logits", "kl_target_draft(logits[1:kd + 1], draft.logits",
+        M("kl-next-target-row", "distribution_metrics(logits[:kd], draft.logits",
+          "distribution_metrics(logits[1:kd + 1], draft.logits",
           STUBS, "-k", "kl", issue="17.7"),
         M("bonus-from-last-draft-row", "return a, int(sample_from_probs(target_probs[k], generator))",
           "return a, int(sample_from_probs(target_probs[k - 1], generator))", STUBS, "-k", "bonus", issue="17.10"),
