@@ -9,7 +9,7 @@ precision policy (``draftkit.precision``) for the trainer's accelerator before a
 explicit value wins. The choice and its reason go to the logger's hparams and the end-of-fit summary.
 
 Verbs: fit, validate (LightningCLI); evaluate (``--decoding dual-precision`` for dual-precision decoding),
-select-layers, export, bench, cache-hidden-states (draftkit commands).
+select-layers, export, bench, cache-hidden-states, generate (data regeneration) (draftkit commands).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ VERBS = {
     "export": "draftkit.export.cli",
     "bench": "draftkit.bench",
     "cache-hidden-states": "draftkit.cache_hidden_states",
+    "generate": "draftkit.decoding.regenerate",
 }
 
 

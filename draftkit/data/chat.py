@@ -11,6 +11,7 @@ Shapes: T tokens.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import warnings
@@ -49,6 +50,12 @@ class ReadSummary:
     usable: int = 0
     skipped: Counter = field(default_factory=Counter)
     cut_offset: int | None = None
+    ids: list[str] = field(default_factory=list)
+    """Source id of each kept conversation: the record's ``id`` field, else ``#<n>`` (n = array index of a
+    ``.json`` record, line number of a ``.jsonl`` one, row of a ``datasets`` source)."""
+    header: dict | None = None
+    """The ``header`` object of a chat JSONL whose first line is ``{"header": {...}}`` (written by
+    ``draftkit generate``), else None."""
 
     def __str__(self) -> str:
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
@@ -138,7 +145,8 @@ def _iter_json_array(path: Path, summary: ReadSummary):
 
 
 def _iter_jsonl(path: Path, summary: ReadSummary):
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -167,7 +175,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
 
     Args:
         ref: a local ``.json`` (array of ShareGPT or chat records; a file cut off mid-record is read up to the
-            cut with one warning), a local ``.jsonl`` (one record per line), or a ``datasets`` source (hub id,
+            cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first line
+            ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source (hub id,
             a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load).
         split: the ``datasets`` split.
         max_records: keep only the first this many usable conversations (None = all); the rest of the
@@ -184,14 +193,17 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     summary = ReadSummary(source=str(ref))
     if path.suffix == ".json" and path.is_file():
         records = _iter_json_array(path, summary)
-    elif path.suffix == ".jsonl" and path.is_file():
+    elif path.name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
         records = _iter_jsonl(path, summary)
-    elif path.suffix in (".json", ".jsonl") and not path.exists():
+    elif path.name.endswith((".json", ".jsonl", ".jsonl.gz")) and not path.exists():
         raise FileNotFoundError(f"data file {ref} does not exist; fix data.path in the recipe")
     else:
         records = _iter_datasets(ref, split)
     conversations = []
-    for _, record in records:
+    for n, (where, record) in enumerate(records):
+        if n == 0 and isinstance(record, dict) and set(record) == {"header"}:
+            summary.header = record["header"]
+            continue
         messages, reason = normalize_record(record)
         if messages is None:
             summary.skipped[reason] += 1
@@ -200,6 +212,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
         if max_records is None or summary.kept < max_records:
             conversations.append(messages)
             summary.kept += 1
+            rid = record.get("id") if isinstance(record, dict) else None
+            summary.ids.append(str(rid) if isinstance(rid, (str, int)) else f"#{where}")
     return conversations, summary
 
 
