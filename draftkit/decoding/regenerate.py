@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -137,12 +138,13 @@ def generate_batch(
     reason = ["length"] * b
     live = list(range(b))  # prompt index of each batch row still decoding
     cache = DynamicCache()
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T)
     step_ids = ids
     while True:
         logits = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-            use_cache=True, logits_to_keep=1,
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{cache_kw: cache}, logits_to_keep=1,
         ).logits[:, -1].float()  # (B', V)
         nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i]) for r, i in enumerate(live)])
         keep = []
@@ -378,6 +380,7 @@ def regenerate(
         index = None
     if index is None:
         index = {"settings": settings, "header": header, "shards": {}}
+        write_json_atomic(index_path, index)  # the settings are known before the first shard
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
     todo_records = sum(len(r) for i, r in enumerate(shards) if str(i) not in index["shards"])
     log.info(
