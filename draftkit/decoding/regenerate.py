@@ -367,7 +367,8 @@ def regenerate(
         "max_records": max_records,
         "shard_size": shard_size,
     }
-    settings = _sha16(header)
+    # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
+    settings = _sha16({k: v for k, v in header.items() if k != "max_records"})
     index_path = parts / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     if index is not None and index.get("settings") != settings:
@@ -382,7 +383,12 @@ def regenerate(
         index = {"settings": settings, "header": header, "shards": {}}
         write_json_atomic(index_path, index)  # the settings are known before the first shard
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
-    todo_records = sum(len(r) for i, r in enumerate(shards) if str(i) not in index["shards"])
+
+    def done(i: int) -> bool:
+        meta = index["shards"].get(str(i))
+        return meta is not None and meta["first"] == shards[i].start and meta["count"] == len(shards[i])
+
+    todo_records = sum(len(r) for i, r in enumerate(shards) if not done(i))
     log.info(
         "generate: %d conversations from %s (%s) in %d shards, %d left; target %s (%s), %s, max %d new tokens, T=%g",
         len(conversations), source, summary, len(shards), todo_records, target, dtype, cfg.turns,
@@ -390,14 +396,20 @@ def regenerate(
     )
     t0, new_tokens, records_done = time.perf_counter(), 0, 0
 
+    last_log = time.perf_counter()
+
     def progress(tokens: int) -> None:
-        nonlocal new_tokens
+        nonlocal new_tokens, last_log
         new_tokens += tokens
+        now = time.perf_counter()
+        if now - last_log > 30:
+            last_log = now
+            log.info("generate: %d new tokens this run, %.1f tokens/s", new_tokens, new_tokens / max(now - t0, 1e-9))
         if _after_batch is not None:
             _after_batch()
 
     for i, rows in enumerate(shards):
-        if str(i) in index["shards"]:
+        if done(i):
             continue
         items = [
             _Work(r, summary.ids[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
@@ -412,7 +424,7 @@ def regenerate(
         ]
         _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
         index["shards"][str(i)] = {
-            "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
+            "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
             "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
         }
         write_json_atomic(index_path, index)
@@ -427,6 +439,8 @@ def regenerate(
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]
+        if not done(i):
+            raise RuntimeError(f"{parts}: shard {i} is missing after the run")
         ids += meta["ids"]
         failed.update(meta["failed"])
         tokens += meta["new_tokens"]
