@@ -53,7 +53,7 @@ def draftkit_acceptance(export_dir: Path, prompts: list[list[int]], k: int, max_
     from draftkit.decoding.metrics import AcceptanceStats
     from draftkit.decoding.speculative import DecodeConfig, Eagle3Drafter, TargetSession, generate_speculative
     from draftkit.export import load_exported_head
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
 
     sidecar = json.loads((export_dir / "draftkit_export.json").read_text())
     model, tokenizer = load_target(sidecar["target_path"], target_dtype)

@@ -16,11 +16,8 @@ import logging
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from draftkit.decoding.evaluate import (
-    check_head_matches_target,
-    evaluate_drafter,
-    load_prompts,
-)
+from draftkit.data.prompts import load_prompts
+from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
 from draftkit.decoding.speculative import Eagle3Drafter
 
 __all__ = ["AcceptanceLengthMonitor"]
@@ -46,7 +43,7 @@ class AcceptanceLengthMonitor(Callback):
         k: draft tokens per round (chain).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 = greedy (the acceptance of a greedy chain).
-        prompts: ``mt-bench`` or a JSONL/JSON prompt file (see ``draftkit.decoding.evaluate.load_prompts``).
+        prompts: ``mt-bench`` or a JSONL/JSON prompt file (see ``draftkit.data.prompts.load_prompts``).
         seed: sampling seed (temperature > 0).
 
     Raises:

@@ -18,22 +18,24 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from draftkit.export import export_checkpoint
-from draftkit.export.common import DTYPES, ENGINES
+from draftkit.export import DTYPES, ENGINES, export_checkpoint
 
 __all__ = ["ExportOnCheckpoint"]
 
 log = logging.getLogger(__name__)
 
-ENGINE_DIRS = {"vllm": "vllm", "speculators": "vllm-speculators", "sglang": "sglang", "trtllm": "trtllm"}
-"""Sub-directory of each engine under ``dirpath`` (the ``checkpoints/<run>/export/`` layout)."""
+def engine_dir(engine: str) -> str:
+    """Sub-directory of an engine under ``dirpath`` (the ``checkpoints/<run>/export/`` layout): the engine
+    module's ``EXPORT_DIR``, else its name."""
+    return getattr(ENGINES[engine], "EXPORT_DIR", engine)
 
 
 class ExportOnCheckpoint(Callback):
     """Exports the trained head for serving engines at the end of ``fit``.
 
     Args:
-        engines: engine layouts to write, any of ``vllm``, ``speculators``, ``sglang``, ``trtllm``.
+        engines: engine layouts to write, names of the registry ``draftkit.export.ENGINES`` (``vllm``,
+            ``speculators``, ``sglang``, ``trtllm``, and any registered engine).
         dirpath: export root; None means ``<trainer.default_root_dir>/export``. Each engine gets a
             sub-directory (``vllm``, ``vllm-speculators``, ``sglang``, ``trtllm``).
         checkpoint: which weights to export: ``final`` (the weights at the end of fit), ``best`` or ``last``
@@ -100,7 +102,7 @@ class ExportOnCheckpoint(Callback):
             if trainer.is_global_zero:
                 for engine in self.engines:
                     out = export_checkpoint(
-                        source, engine, root / ENGINE_DIRS[engine], dtype=self.dtype, overwrite=self.overwrite,
+                        source, engine, root / engine_dir(engine), dtype=self.dtype, overwrite=self.overwrite,
                         num_speculative_tokens=self.num_speculative_tokens,
                     )
                     self.exported[engine] = out

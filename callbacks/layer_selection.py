@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from draftkit.analysis.collect import LayerAnalysisConfig
 from draftkit.selection.layers import validate_aux_layer_ids
+from draftkit.target.tokens import ids_to_skip
 
 __all__ = ["LayerSelection"]
 
@@ -67,15 +68,10 @@ class LayerSelection(Callback):
         reuse_report: bool = True,
         max_batches: int | None = None,
     ) -> None:
-        base = options if options is not None else LayerAnalysisConfig()
-        if isinstance(base, dict):
-            base = LayerAnalysisConfig(**base)
-        fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
-        fields.update(
-            num_tokens=num_tokens, k=k, entropy_quantile=entropy_quantile, entropy_threshold=entropy_threshold,
-            one_per_block=one_per_block,
+        self.config = LayerAnalysisConfig.merged(
+            options, num_tokens=num_tokens, k=k, entropy_quantile=entropy_quantile,
+            entropy_threshold=entropy_threshold, one_per_block=one_per_block,
         )
-        self.config = LayerAnalysisConfig(**fields)
         if max_batches is not None and max_batches < 1:
             raise ValueError(f"max_batches must be >= 1 or null, got {max_batches}")
         self.report_name = report
@@ -105,7 +101,7 @@ class LayerSelection(Callback):
             pl_module.hparams.aux_layer_ids = list(ids)
 
     def _compute(self, trainer, pl_module, path: Path) -> list[int]:
-        from draftkit.analysis.select import run_layer_analysis
+        from draftkit.analysis.report import run_layer_analysis
 
         model, tokenizer = self._target(pl_module)
         num_layers = model.config.num_hidden_layers
@@ -117,9 +113,7 @@ class LayerSelection(Callback):
         batches = dm.train_dataloader()
         if self.max_batches is not None:
             batches = itertools.islice(batches, self.max_batches)
-        exclude = []
-        if tokenizer is not None and tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id:
-            exclude = [tokenizer.bos_token_id]
+        exclude = ids_to_skip(tokenizer)
         device = trainer.strategy.root_device
         start_device = next(model.parameters()).device
         writer = getattr(trainer.logger, "experiment", None) if trainer.logger is not None else None

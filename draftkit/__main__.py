@@ -1,7 +1,7 @@
-"""``python -m draftkit``."""
+"""``python -m draftkit``: the verbs of ``draftkit.commands``."""
 
 import sys
 
-from draftkit.cli import main
+from draftkit.commands import main
 
 sys.exit(main())

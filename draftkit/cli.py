@@ -1,22 +1,17 @@
-"""``python -m draftkit``: LightningCLI for ``fit``/``validate`` plus draftkit's own verbs.
+"""``DraftkitCLI``: the LightningCLI behind ``draftkit fit`` and ``draftkit validate``, and :func:`load_recipe`.
 
 ``--recipe`` (alias ``-r``, ``-c``, ``--config``) is the config-file flag; repeat it to stack recipes
-(later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks).
+(later files win for scalars; ``trainer: {callbacks+: [...]}`` appends callbacks). The other verbs are in
+``draftkit.commands``; those that read a recipe read it through :func:`load_recipe` or ``DraftkitCLI(run=False)``.
 
 Precision: ``trainer.precision`` left unset (null) and ``model.target_dtype: auto`` are resolved by the
 precision policy (``draftkit.precision``) for the trainer's accelerator before anything is instantiated
 (``bf16-mixed``/``bfloat16`` where the device computes bf16 fast, ``32-true``/``float32`` otherwise); an
 explicit value wins. The choice and its reason go to the logger's hparams and the end-of-fit summary.
-
-Verbs: fit, validate (LightningCLI); evaluate (``--decoding dual-precision`` for dual-precision decoding),
-select-layers, export, bench, cache-hidden-states, generate (data regeneration) (draftkit commands).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import sys
 import time
 
 from jsonargparse import ActionConfigFile
@@ -25,17 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 
-__all__ = ["DraftkitCLI", "main"]
-
-VERBS = {
-    "evaluate": "draftkit.decoding.evaluate",
-    "evaluate-dual-precision": "draftkit.decoding.dual_precision_cli",
-    "select-layers": "draftkit.analysis.select",
-    "export": "draftkit.export.cli",
-    "bench": "draftkit.bench",
-    "cache-hidden-states": "draftkit.cache_hidden_states",
-    "generate": "draftkit.decoding.regenerate",
-}
+__all__ = ["DraftkitCLI", "load_recipe"]
 
 
 def _device_type(accelerator) -> str:
@@ -58,7 +43,7 @@ class DraftkitCLI(LightningCLI):
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        from draftkit.data.module import ChatDataModule
+        from draftkit.data.datamodule import ChatDataModule
         from draftkit.models.eagle3 import Eagle3Module
 
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -117,25 +102,25 @@ class DraftkitCLI(LightningCLI):
         )
 
 
-def _option(args: list[str], name: str) -> str | None:
-    """Value of ``--name value`` or ``--name=value`` in an argument list, else None."""
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+class _RecipeReader(DraftkitCLI):
+    """DraftkitCLI that parses and stops: nothing is instantiated (no target, no logger directory)."""
+
+    def instantiate_classes(self) -> None:
+        """Reading a recipe instantiates nothing."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit`` and the ``draftkit`` script."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args and args[0] in VERBS:
-        verb = args[0]
-        if verb == "evaluate" and _option(args, "--decoding") == "dual-precision":
-            verb = "evaluate-dual-precision"
-        module = importlib.import_module(VERBS[verb])
-        return int(module.main(args[1:]) or 0)
-    DraftkitCLI(args=argv)
-    return 0
+def load_recipe(recipes: list[str], overrides: list[str] | None = None):
+    """The parsed config of stacked recipes, exactly as ``fit`` reads them (the only recipe reader).
+
+    Args:
+        recipes: recipe YAML paths, stacked in order (later files win for scalars; ``callbacks+`` appends).
+        overrides: more LightningCLI arguments (``--data.max_length 512``).
+
+    Returns:
+        A jsonargparse ``Namespace`` with ``model``, ``data``, ``trainer``, ... (class paths not instantiated).
+
+    Raises:
+        SystemExit: (status 2) on a recipe the parser refuses, with jsonargparse's message.
+    """
+    args = [x for r in recipes for x in ("--recipe", str(r))] + list(overrides or [])
+    return _RecipeReader(args=args, run=False).config

@@ -83,3 +83,17 @@ def tiny_chat_jsonl(tmp_path) -> Path:
             msgs = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} ok"}]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    """A JSONL prompt file with an MT-bench record, a ``prompt`` record and a ``messages`` record."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
+        {"prompt": "abc abc abc abc"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

@@ -65,7 +65,7 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     ckpt = next((full / "ckpt").glob("*step=3*.ckpt"))
     assert ckpt.exists() and (full / "ckpt" / "last.ckpt").exists()
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert saved["draftkit"]["aux_layer_ids"] == [2, 4, 5]
+    assert saved["draftkit"]["head_config"]["aux_layer_ids"] == [2, 4, 5] and "aux_layer_ids" not in saved["draftkit"]
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)), "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)

@@ -34,10 +34,10 @@ Shapes: B batch, T tokens, N target layers, P = N - 1 candidates, d = H_t, n row
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,12 +46,12 @@ from draftkit.analysis.cka import MinibatchCKA
 from draftkit.analysis.entropy import concat_entropies_from_rows
 from draftkit.analysis.moments import LayerMoments
 from draftkit.analysis.token_entropy import quantile_threshold, token_entropy
+from draftkit.target.frozen import capture_hidden_states, text_config
 
 __all__ = [
     "LayerAnalysisConfig",
     "LayerStatistics",
     "LayerStatsCollector",
-    "capture_hidden_states",
     "collect_layer_statistics",
 ]
 
@@ -105,6 +105,14 @@ class LayerAnalysisConfig:
     """Fewest rows that must survive the filters."""
     seed: int = 0
     """Seed of the minibatch shuffle and the reservoir."""
+
+    @classmethod
+    def merged(cls, options: "LayerAnalysisConfig | dict | None" = None, **fields) -> "LayerAnalysisConfig":
+        """``options`` (a config, its dict, or None for the defaults) with ``fields`` set over it: how the
+        ``LayerSelection`` callback combines its own arguments with its ``options``."""
+        base = options if options is not None else cls()
+        base = cls(**base) if isinstance(base, dict) else base
+        return dataclasses.replace(base, **fields)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -452,41 +460,6 @@ class LayerStatsCollector:
         return stats
 
 
-@contextlib.contextmanager
-def capture_hidden_states(model: torch.nn.Module, layer_ids: list[int]):
-    """Forward hooks that store ``hidden_states[k]`` (the output of decoder layer k-1) for each id k.
-
-    Args:
-        model: a Hugging Face ``*ForCausalLM`` (or its base model) with ``model.layers``.
-        layer_ids: HF ``hidden_states`` indices in 1..N-1.
-
-    Yields:
-        dict id -> (B, T, d) tensor, refilled on every forward; hooks are removed on exit.
-
-    Raises:
-        ValueError: if the model has no Llama-style ``layers``.
-    """
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"unsupported target {type(model).__name__}: expected model.model.layers (Llama-style)")
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook_for(i: int):
-        def hook(_module, _inputs, output):
-            captured[i] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in layer_ids]
-    try:
-        yield captured
-    finally:
-        for h in handles:
-            h.remove()
-        captured.clear()
-
-
 def _row_mask(batch: dict, config: LayerAnalysisConfig, exclude_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) bool rows to analyse, and (B, T) int64 positions of their entropy key (-1 if none)."""
     ids, attn, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool() & batch["attention_mask"].bool()
@@ -538,7 +511,7 @@ def collect_layer_statistics(
     """
     t0 = time.perf_counter()
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    cfg_model = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg_model = text_config(model.config)
     num_layers, hidden = cfg_model.num_hidden_layers, cfg_model.hidden_size
     base = getattr(model, "model", model)
     lm_head = model.get_output_embeddings()

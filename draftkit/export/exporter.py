@@ -22,35 +22,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftkit.export import sglang as sglang_engine
-from draftkit.export import speculators as speculators_engine
-from draftkit.export import trtllm as trtllm_engine
-from draftkit.export import vllm as vllm_engine
 from draftkit.export.common import (
     DTYPES,
-    ENGINES,
     SIDECAR,
-    HeadSource,
     head_config_dict,
-    read_checkpoint,
     serving_tensors,
     validate_tensors,
     vocab_fingerprint,
     write_directory,
 )
 from draftkit.export.load import load_exported_head, read_export, reference_forward
+from draftkit.heads.checkpoint import HeadSource, read_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
 
-__all__ = ["ENGINE_MODULES", "export_checkpoint", "export_head_source", "verify_export"]
+__all__ = ["export_checkpoint", "export_head_source", "verify_export"]
 
 log = logging.getLogger(__name__)
-
-ENGINE_MODULES = {
-    "vllm": vllm_engine,
-    "speculators": speculators_engine,
-    "sglang": sglang_engine,
-    "trtllm": trtllm_engine,
-}
 
 FORMAT_VERSION = 1
 
@@ -70,15 +57,14 @@ def export_checkpoint(
     overwrite: bool = False,
     target: str | None = None,
     num_speculative_tokens: int = 3,
-    sglang_version: str = sglang_engine.ENGINE_VERSION,
-    sglang_aux_rule: str | None = None,
-    verifier: str | None = None,
+    **engine_options,
 ) -> Path:
     """Export a draftkit training checkpoint for one serving engine.
 
     Args:
         checkpoint: a ``.ckpt`` written by ``draftkit fit``.
-        engine: one of ``vllm``, ``speculators``, ``sglang``, ``trtllm``.
+        engine: a name in the registry ``draftkit.export.ENGINES`` (``vllm``, ``speculators``, ``sglang``,
+            ``trtllm``, or one registered with ``register_engine``).
         out_dir: the directory to create.
         dtype: weight dtype, ``bfloat16`` (default), ``float32`` or ``float16`` (fp16 drafts have overflowed
             to NaN logits in engines: sglang PR #27883, vllm #55250).
@@ -86,9 +72,8 @@ def export_checkpoint(
         target: target reference overriding the checkpoint's ``meta["target"]``.
         num_speculative_tokens: k, written where the format carries it (speculators, TensorRT-LLM options) and
             into the launch command.
-        sglang_version: SGLang release the export is for (selects the aux-id rule; recorded in the sidecar).
-        sglang_aux_rule: explicit SGLang aux-id rule for releases newer than the verified ones.
-        verifier: speculators ``verifier.name_or_path`` (default: the resolved target path).
+        engine_options: options the engine module reads (``sglang_version``, ``sglang_aux_rule`` for SGLang,
+            ``verifier`` for speculators; see each module's ``build_files``).
 
     Returns:
         The export directory.
@@ -98,6 +83,8 @@ def export_checkpoint(
             head the engine cannot express, or a failed self-check (nothing is written then).
         FileExistsError: if ``out_dir`` exists and ``overwrite`` is false.
     """
+    from draftkit.export import ENGINES
+
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
@@ -110,7 +97,7 @@ def export_checkpoint(
     source = read_checkpoint(checkpoint, target=target)
     return export_head_source(
         source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=num_speculative_tokens,
-        sglang_version=sglang_version, sglang_aux_rule=sglang_aux_rule, verifier=verifier,
+        **engine_options,
     )
 
 
@@ -121,12 +108,12 @@ def export_head_source(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     num_speculative_tokens: int = 3,
-    sglang_version: str = sglang_engine.ENGINE_VERSION,
-    sglang_aux_rule: str | None = None,
-    verifier: str | None = None,
+    **engine_options,
 ) -> Path:
     """Export an already-read :class:`HeadSource` (see :func:`export_checkpoint` for the arguments)."""
-    module = ENGINE_MODULES[engine]
+    from draftkit.export import ENGINES
+
+    module = ENGINES[engine]
     out_dir = Path(out_dir).expanduser().absolute()
     cfg, n_layers, aux = source.config, source.num_layers, source.aux_layer_ids
     torch_dtype = DTYPES[dtype]
@@ -136,31 +123,9 @@ def export_head_source(
     tensors = serving_tensors(source.state, torch_dtype, module.LAYER_PREFIX)
     validate_tensors(tensors, cfg, torch_dtype, module.LAYER_PREFIX, where=f"{source.path} -> {engine}")
 
-    text_files: dict[str, str] = {}
-    engine_version = module.ENGINE_VERSION
-    extra: dict = {}
-    if engine == "vllm":
-        config = vllm_engine.build_config(cfg, aux, n_layers, dtype)
-        written = vllm_engine.vllm_aux_layer_ids(aux, n_layers)
-    elif engine == "speculators":
-        archs = list(getattr(source.target_config, "architectures", None) or ["LlamaForCausalLM"])
-        config = speculators_engine.build_config(
-            cfg, aux, n_layers, dtype, verifier=verifier or source.target_path, verifier_architectures=archs,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        written = speculators_engine.speculators_aux_layer_ids(aux, n_layers)
-    elif engine == "sglang":
-        rule = sglang_engine.sglang_aux_rule(sglang_version, sglang_aux_rule)
-        config = sglang_engine.build_config(cfg, aux, n_layers, dtype, rule)
-        written = sglang_engine.sglang_aux_layer_ids(aux, n_layers, rule)
-        engine_version = sglang_version
-        extra["engine_aux_rule"] = rule
-    else:
-        config = trtllm_engine.build_config(cfg, dtype)
-        written = trtllm_engine.trtllm_aux_layer_ids(aux, n_layers)
-        text_files[trtllm_engine.SPEC_FILE] = trtllm_engine.build_spec_yaml(
-            str(out_dir), aux, n_layers, num_speculative_tokens
-        )
+    files = module.build_files(source, str(out_dir), dtype, num_speculative_tokens, engine_options)
+    config, written = files["config"], files["engine_aux_layer_ids"]
+    engine_version = files.get("engine_version", module.ENGINE_VERSION)
 
     meta = source.meta
     sidecar = {
@@ -169,7 +134,7 @@ def export_head_source(
         "draftkit_version": _draftkit_version(),
         "engine": engine,
         "engine_version": engine_version,
-        **extra,
+        **files.get("sidecar", {}),
         "dtype": dtype,
         "layer_prefix": module.LAYER_PREFIX,
         "source_checkpoint": str(Path(source.path).absolute()),
@@ -196,7 +161,8 @@ def export_head_source(
     def check(tmp: Path) -> None:
         verify_export(tmp, source)
 
-    path = write_directory(out_dir, tensors, {"config.json": config, SIDECAR: sidecar}, text_files, overwrite, check)
+    path = write_directory(out_dir, tensors, {"config.json": config, SIDECAR: sidecar}, files.get("text_files", {}),
+                           overwrite, check)
     log.info("exported %s for %s into %s", source.path, engine, path)
     return path
 

@@ -19,14 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftkit.export import sglang as sglang_engine
-from draftkit.export import speculators as speculators_engine
-from draftkit.export import trtllm as trtllm_engine
-from draftkit.export import vllm as vllm_engine
 from draftkit.export.common import NORM_FLAGS, SIDECAR, head_config_dict, validate_tensors
+from draftkit.heads.checkpoint import head_from_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
-__all__ = ["load_exported_head", "read_export", "reference_forward"]
+__all__ = ["load_exported_head", "load_head", "read_export", "reference_forward"]
 
 _STRUCTURAL = (
     "hidden_size", "target_hidden_size", "num_aux_layers", "intermediate_size", "num_attention_heads",
@@ -60,40 +57,6 @@ def read_export(directory: str | Path) -> tuple[dict, dict, dict[str, torch.Tens
     return config, sidecar, tensors
 
 
-def _engine_view(directory: Path, engine: str, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None, str]:
-    """Split an engine config into (layer fields, eagle fields, written aux ids, layer prefix)."""
-    if engine == "speculators":
-        layer = dict(config["transformer_layer_config"])
-        eagle = config
-        written = config.get("eagle_aux_hidden_state_layer_ids")
-        return layer, eagle, written, speculators_engine.LAYER_PREFIX
-    if engine == "vllm":
-        return config, config, config.get("eagle_aux_hidden_state_layer_ids"), vllm_engine.LAYER_PREFIX
-    if engine == "sglang":
-        written = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        return config, config, written, sglang_engine.LAYER_PREFIX
-    if engine == "trtllm":
-        import yaml
-
-        spec_path = directory / trtllm_engine.SPEC_FILE
-        if not spec_path.is_file():
-            raise FileNotFoundError(f"{directory}: {trtllm_engine.SPEC_FILE} is missing")
-        spec = yaml.safe_load(spec_path.read_text()) or {}
-        written = (spec.get("speculative_config") or {}).get("eagle3_layers_to_capture")
-        return config, config, written, trtllm_engine.LAYER_PREFIX
-    raise ValueError(f"{directory}: unknown engine {engine!r} in {SIDECAR}")
-
-
-def _hf_ids(engine: str, written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
-    if engine == "vllm":
-        return vllm_engine.hf_aux_layer_ids(written, num_layers)
-    if engine == "speculators":
-        return speculators_engine.hf_aux_layer_ids(written, num_layers)
-    if engine == "sglang":
-        return sglang_engine.hf_aux_layer_ids(written, num_layers, sidecar["engine_aux_rule"])
-    return trtllm_engine.hf_aux_layer_ids(written, num_layers)
-
-
 def load_exported_head(
     directory: str | Path,
     embedding: torch.Tensor | None = None,
@@ -124,8 +87,14 @@ def load_exported_head(
     """
     directory = Path(directory)
     config, sidecar, tensors = read_export(directory)
+    from draftkit.export import ENGINES
+
     engine = sidecar.get("engine")
-    layer, eagle, written, prefix = _engine_view(directory, engine, config, sidecar)
+    if engine not in ENGINES:
+        raise ValueError(f"{directory}: unknown engine {engine!r} in {SIDECAR}; known: {', '.join(ENGINES)}")
+    module = ENGINES[engine]
+    layer, eagle, written = module.read_view(directory, config, sidecar)
+    prefix = module.LAYER_PREFIX
 
     missing_flags = [f for f in NORM_FLAGS if f not in eagle]
     if missing_flags:
@@ -137,7 +106,7 @@ def load_exported_head(
         raise ValueError(f"{directory}: input_norm.weight present iff norm_before_fc, and they disagree")
 
     num_layers = int(sidecar["target_num_layers"])
-    aux = _hf_ids(engine, written, num_layers, sidecar)
+    aux = module.from_engine_ids(written, num_layers, sidecar)
     hidden = int(layer["hidden_size"])
     target_hidden = eagle.get("target_hidden_size") or hidden
     rope = {"rope_theta": layer["rope_theta"], "rope_scaling": layer.get("rope_scaling")}
@@ -198,6 +167,29 @@ def load_exported_head(
         "export": sidecar,
     }
     return head.eval(), meta
+
+
+def load_head(checkpoint: str | Path, target: str | None = None):
+    """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
+
+    Args:
+        checkpoint: the ``.ckpt`` or export directory.
+        target: a target reference overriding the recorded one (checked against the checkpoint).
+
+    Returns:
+        (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
+        ``aux_layer_ids``, ``chat_template``).
+
+    Raises:
+        FileNotFoundError: if the path does not exist.
+        ValueError: if it cannot be read as a checkpoint or export.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
+    if path.is_dir():
+        return load_exported_head(path)
+    return head_from_checkpoint(path, target)
 
 
 # -- reference forward (§3), independent of draftkit.heads ------------------------------------------------

@@ -19,12 +19,14 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
-from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 
 __all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "PLUS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE", "build_config",
-           "check_supported", "hf_aux_layer_ids", "launch_command", "sglang_aux_layer_ids", "sglang_aux_rule"]
+           "build_files", "check_supported", "from_engine_ids", "hf_aux_layer_ids", "launch_command", "read_view",
+           "sglang_aux_layer_ids", "sglang_aux_rule"]
 
 ENGINE = "sglang"
 ENGINE_VERSION = "0.5.23"
@@ -188,3 +190,31 @@ def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
         f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} --speculative-eagle-topk 1 "
         f"--speculative-num-draft-tokens {k + 1}"
     )
+
+
+def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
+    """The engine's files (registry protocol): config.json for the release ``options["sglang_version"]``
+    (default :data:`ENGINE_VERSION`) and its aux-id rule (``options["sglang_aux_rule"]`` overrides), both
+    recorded in the sidecar.
+
+    Raises:
+        ValueError: see :func:`sglang_aux_rule`, :func:`build_config`.
+    """
+    version = options.get("sglang_version") or ENGINE_VERSION
+    rule = sglang_aux_rule(version, options.get("sglang_aux_rule"))
+    return {
+        "config": build_config(source.config, source.aux_layer_ids, source.num_layers, dtype_name, rule),
+        "engine_aux_layer_ids": sglang_aux_layer_ids(source.aux_layer_ids, source.num_layers, rule),
+        "engine_version": version,
+        "sidecar": {"engine_aux_rule": rule},
+    }
+
+
+def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:
+    """(config, config, ``eagle_config.eagle_aux_hidden_state_layer_ids``) (registry protocol)."""
+    return config, config, (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+
+
+def from_engine_ids(written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
+    """HF ids of the written ids under the sidecar's ``engine_aux_rule`` (registry protocol)."""
+    return hf_aux_layer_ids(written, num_layers, sidecar["engine_aux_rule"])

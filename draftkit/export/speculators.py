@@ -12,17 +12,20 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
-from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 
-__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "build_config", "hf_aux_layer_ids", "launch_command",
-           "speculators_aux_layer_ids"]
+__all__ = ["ENGINE", "ENGINE_VERSION", "EXPORT_DIR", "LAYER_PREFIX", "build_config", "build_files", "from_engine_ids",
+           "hf_aux_layer_ids", "launch_command", "read_view", "speculators_aux_layer_ids"]
 
 ENGINE = "speculators"
 ENGINE_VERSION = "0.9.0"
 """``speculators_version`` written into the config (the speculators release whose Eagle3 config this follows)."""
 LAYER_PREFIX = "layers.0."
+EXPORT_DIR = "vllm-speculators"
+"""Sub-directory name under a run's ``export/`` (``ExportOnCheckpoint``)."""
 
 
 def speculators_aux_layer_ids(aux_layer_ids: list[int], num_layers: int, omit_default: bool = True) -> list[int] | None:
@@ -102,3 +105,24 @@ def build_config(
 def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """``vllm serve <dir>``: verifier and k are read from the directory's ``speculators_config``."""
     return f"vllm serve {out_dir}"
+
+
+def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
+    """The engine's files (registry protocol): config.json with the verifier (``options["verifier"]``, default
+    the resolved target path) and k."""
+    archs = list(getattr(source.target_config, "architectures", None) or ["LlamaForCausalLM"])
+    config = build_config(
+        source.config, source.aux_layer_ids, source.num_layers, dtype_name,
+        verifier=options.get("verifier") or source.target_path, verifier_architectures=archs, num_speculative_tokens=k,
+    )
+    return {"config": config, "engine_aux_layer_ids": speculators_aux_layer_ids(source.aux_layer_ids, source.num_layers)}
+
+
+def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:
+    """(``transformer_layer_config``, top-level EAGLE fields, written aux ids) (registry protocol)."""
+    return dict(config["transformer_layer_config"]), config, config.get("eagle_aux_hidden_state_layer_ids")
+
+
+def from_engine_ids(written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
+    """HF ids of the written ids (registry protocol): :func:`hf_aux_layer_ids`."""
+    return hf_aux_layer_ids(written, num_layers)

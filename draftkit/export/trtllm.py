@@ -15,12 +15,16 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
-from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from pathlib import Path
+
+from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 
-__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "SPEC_FILE", "build_config", "build_spec_yaml",
-           "check_supported", "hf_aux_layer_ids", "launch_command", "trtllm_aux_layer_ids"]
+__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "SPEC_FILE", "build_config", "build_files", "build_spec_yaml",
+           "check_supported", "from_engine_ids", "hf_aux_layer_ids", "launch_command", "read_view",
+           "trtllm_aux_layer_ids"]
 
 ENGINE = "trtllm"
 ENGINE_VERSION = "1.2.1"
@@ -106,3 +110,33 @@ def build_spec_yaml(out_dir: str, aux_layer_ids: list[int], num_layers: int, k: 
 def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """The ``trtllm-serve`` command using the exported options file."""
     return f"trtllm-serve {source.target_path} --extra_llm_api_options {out_dir}/{SPEC_FILE}"
+
+
+def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
+    """The engine's files (registry protocol): config.json without aux ids, and :data:`SPEC_FILE` with them."""
+    aux, n = source.aux_layer_ids, source.num_layers
+    return {
+        "config": build_config(source.config, dtype_name),
+        "engine_aux_layer_ids": trtllm_aux_layer_ids(aux, n),
+        "text_files": {SPEC_FILE: build_spec_yaml(str(out_dir), aux, n, k)},
+    }
+
+
+def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:
+    """(config, config, ``eagle3_layers_to_capture`` of :data:`SPEC_FILE`) (registry protocol).
+
+    Raises:
+        FileNotFoundError: if :data:`SPEC_FILE` is missing.
+    """
+    import yaml
+
+    spec_path = Path(directory) / SPEC_FILE
+    if not spec_path.is_file():
+        raise FileNotFoundError(f"{directory}: {SPEC_FILE} is missing")
+    spec = yaml.safe_load(spec_path.read_text()) or {}
+    return config, config, (spec.get("speculative_config") or {}).get("eagle3_layers_to_capture")
+
+
+def from_engine_ids(written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
+    """HF ids of the written ids (registry protocol): :func:`hf_aux_layer_ids`."""
+    return hf_aux_layer_ids(written, num_layers)

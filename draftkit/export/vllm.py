@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 
-from draftkit.export.common import HeadSource, llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 
-__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "build_config", "hf_aux_layer_ids", "launch_command",
-           "vllm_aux_layer_ids"]
+__all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "build_config", "build_files", "from_engine_ids",
+           "hf_aux_layer_ids", "launch_command", "read_view", "vllm_aux_layer_ids"]
 
 ENGINE = "vllm"
 ENGINE_VERSION = "0.32.0"
@@ -83,3 +84,20 @@ def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """The ``vllm serve`` command for this export (chain of k draft tokens)."""
     spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": k})
     return f"vllm serve {source.target_path} --speculative-config '{spec}'"
+
+
+def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
+    """The engine's files (registry protocol, ``draftkit.export.ENGINES``): ``config`` (config.json), the
+    ``engine_aux_layer_ids`` written, and no extra text files or sidecar fields."""
+    return {"config": build_config(source.config, source.aux_layer_ids, source.num_layers, dtype_name),
+            "engine_aux_layer_ids": vllm_aux_layer_ids(source.aux_layer_ids, source.num_layers)}
+
+
+def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:
+    """(layer fields, EAGLE fields, written aux ids) of an export's config.json (registry protocol)."""
+    return config, config, config.get("eagle_aux_hidden_state_layer_ids")
+
+
+def from_engine_ids(written: list[int] | None, num_layers: int, sidecar: dict) -> list[int]:
+    """HF ids of the written ids (registry protocol): :func:`hf_aux_layer_ids`."""
+    return hf_aux_layer_ids(written, num_layers)

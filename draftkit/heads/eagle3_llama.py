@@ -230,6 +230,7 @@ class Eagle3Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of T new positions over the cache plus themselves.
 
@@ -238,6 +239,8 @@ class Eagle3Attention(nn.Module):
             cos, sin: (B, T, d) RoPE tables of the new positions.
             cache: the draft KV cache (appended to in place), or None for a cache-free pass.
             key_padding_mask: (B, S+T) bool, True for real keys; None when there is no padding.
+            attn_mask: (T, S+T) bool, True where a new row may attend, replacing the causal mask (tree
+                drafting: each node sees the cache, its ancestors and itself); None = causal.
 
         Returns:
             (B, T, H) attention output after ``o_proj``.
@@ -246,7 +249,12 @@ class Eagle3Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, A_kv, S+T, d)
         t, s = q.shape[2], k.shape[2]
-        mask = torch.ones(t, s, dtype=torch.bool, device=u.device).tril(diagonal=s - t)  # (T, S+T)
+        if attn_mask is None:
+            mask = torch.ones(t, s, dtype=torch.bool, device=u.device).tril(diagonal=s - t)  # (T, S+T)
+        elif attn_mask.shape != (t, s):
+            raise ValueError(f"attn_mask must be (T, S+T) = ({t}, {s}), got {tuple(attn_mask.shape)}")
+        else:
+            mask = attn_mask
         if key_padding_mask is not None:
             mask = mask[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, S+T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -557,6 +565,7 @@ class Eagle3LlamaHead(nn.Module):
         cache: KVCache | None = None,
         key_padding_mask: torch.Tensor | None = None,
         last_only: bool = False,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for T new positions with a KV cache (serving path).
 
@@ -569,6 +578,7 @@ class Eagle3LlamaHead(nn.Module):
             key_padding_mask: (B, S+T) bool, True for real keys, or None.
             last_only: keep only the last row (a prefill's earlier logits are never used and would cost
                 T x V_d x H).
+            attn_mask: (T, S+T) bool replacing the causal mask (tree drafting), or None.
 
         Returns:
             logits (B, T, V_d) over the draft vocab and h (B, T, H), the pre-norm output fed to the next
@@ -576,7 +586,9 @@ class Eagle3LlamaHead(nn.Module):
         """
         emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H), frozen
         cos, sin = self.rope(feature, position_ids)
-        h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_cached(u, cos, sin, cache, key_padding_mask))
+        h = self.midlayer(
+            emb, feature, lambda u: self.midlayer.self_attn.forward_cached(u, cos, sin, cache, key_padding_mask, attn_mask)
+        )
         if last_only:
             h = h[:, -1:]  # (B, 1, H)
         return self.logits(h), h

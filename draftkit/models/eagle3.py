@@ -11,7 +11,7 @@ unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4):
   count (the global count under DDP), total Σ_k decay^k L_k.
 
 Offline mode (the datamodule's ``hidden_states_cache``): batches carry the cached aux and last hidden states,
-the target forward is skipped and only the target's LM head is loaded (``draftkit.models.teacher``) to turn
+the target forward is skipped and only the target's LM head is loaded (``draftkit.target.lm_head``) to turn
 the last hidden state into teacher logits.
 
 Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, K TTT steps.
@@ -31,7 +31,7 @@ from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-from draftkit.heads.io import HEAD_PREFIX
+from draftkit.heads.checkpoint import HEAD_PREFIX
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
@@ -238,7 +238,7 @@ class Eagle3Module(pl.LightningModule):
     def load_target_model(self):
         """(HF model, tokenizer) of the frozen target, loaded once."""
         if getattr(self, "_target_model", None) is None:
-            from draftkit.models.target import load_target
+            from draftkit.target.frozen import load_target
 
             self._target_model = load_target(self.hparams.target, self.resolve_target_dtype())
         return self._target_model
@@ -263,8 +263,8 @@ class Eagle3Module(pl.LightningModule):
             return
         cache = getattr(dm, "hidden_states", None) if dm is not None else None
         if cache is not None:
-            from draftkit.data.offline import config_fingerprint
-            from draftkit.models.teacher import load_target_lm_head
+            from draftkit.data.hidden_cache import config_fingerprint
+            from draftkit.target.lm_head import load_target_lm_head
 
             self.target = load_target_lm_head(self.hparams.target, self.resolve_target_dtype(), self.hparams.aux_layer_ids)
             cache.check({
@@ -272,7 +272,7 @@ class Eagle3Module(pl.LightningModule):
                 "target_dtype": self.hparams.target_dtype, "aux_layer_ids": list(self.target.aux_layer_ids),
             })
         else:
-            from draftkit.models.target import FrozenTarget
+            from draftkit.target.frozen import FrozenTarget
 
             model, tokenizer = self.load_target_model()
             self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
@@ -319,7 +319,6 @@ class Eagle3Module(pl.LightningModule):
             "head_config": dataclasses.asdict(self.head.config),
             "target": self.hparams.target,
             "target_dtype": self.hparams.target_dtype,
-            "aux_layer_ids": list(self.head.config.aux_layer_ids),
             "chat_template": self.chat_template,
             "ttt": dataclasses.asdict(self.ttt),
             "tokens_trained": self.tokens_trained,
@@ -331,9 +330,10 @@ class Eagle3Module(pl.LightningModule):
         if meta:
             self.tokens_trained = int(meta.get("tokens_trained", 0))
             self.lr_horizon = meta.get("lr_horizon")
-        if meta and self.head is not None and list(meta["aux_layer_ids"]) != list(self.head.config.aux_layer_ids):
+        stored = (meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")) if meta else None
+        if stored and self.head is not None and list(stored) != list(self.head.config.aux_layer_ids):
             raise ValueError(
-                f"checkpoint aux layers {meta['aux_layer_ids']} differ from this run's "
+                f"checkpoint aux layers {list(stored)} differ from this run's "
                 f"{self.head.config.aux_layer_ids}; use the recipe the checkpoint was trained with"
             )
 

@@ -13,6 +13,6 @@ def tiny_llama_dir(tiny_target_dir):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_dir):
     """(model fp32 eval, tokenizer) of :func:`tiny_llama_dir`."""
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     return load_target(str(tiny_llama_dir), "float32")

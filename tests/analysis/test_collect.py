@@ -7,11 +7,11 @@ from draftkit.analysis.cka import linear_cka
 from draftkit.analysis.collect import (
     LayerAnalysisConfig,
     LayerStatsCollector,
-    capture_hidden_states,
     collect_layer_statistics,
 )
 from draftkit.analysis.entropy import centered_second_moment, entropy_h1, entropy_h2
 from draftkit.analysis.token_entropy import token_entropy
+from draftkit.target.frozen import capture_hidden_states
 
 N_LAYERS, D = 8, 64
 

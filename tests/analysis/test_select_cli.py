@@ -2,10 +2,15 @@
 
 import json
 import random
+import re
 
 import pytest
 
-from draftkit.analysis.select import main
+from draftkit.commands import main as draftkit_main
+
+
+def main(args):
+    return draftkit_main(["select-layers", *args])
 
 REPORT_KEYS = {"num_tokens", "entropy_filter", "layer_entropy_h1", "layer_entropy_h2", "cka", "top_subsets", "chosen",
                "heuristic", "heuristic_rank"}
@@ -75,11 +80,11 @@ def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl,
     assert report["meta"]["precision"]["requested"] == "float32" and report["meta"]["precision"]["dtype"] == "float32"
 
 
-def test_cli_bad_input_writes_nothing(tiny_llama_dir, chat_jsonl, tmp_path):
+def test_cli_bad_input_writes_nothing(tiny_llama_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "bad" / "layers.json"
-    with pytest.raises(ValueError, match=r"only \d+ rows are left after filtering.*lower entropy_threshold \(now 50.0"):
-        main(_args(tiny_llama_dir, chat_jsonl, out, "--entropy_threshold", "50", "--tensorboard", "false"))
+    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--entropy_threshold", "50", "--tensorboard", "false")) == 2
+    assert re.search(r"only \d+ rows are left after filtering.*lower entropy_threshold \(now 50.0", capsys.readouterr().err)
     assert not out.exists() and not out.with_name("layers_cka.png").exists()
-    with pytest.raises(ValueError, match="--k 8 exceeds the 7 candidate layers"):
-        main(_args(tiny_llama_dir, chat_jsonl, out, "--k", "8", "--tensorboard", "false"))
+    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--k", "8", "--tensorboard", "false")) == 2
+    assert "--analysis.k 8 exceeds the 7 candidate layers" in capsys.readouterr().err
     assert not out.exists()

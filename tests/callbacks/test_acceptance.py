@@ -9,13 +9,14 @@ import torch
 from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
 from lightning.pytorch.loggers import CSVLogger
 
-from draftkit.decoding.evaluate import evaluate_head, load_prompts
+from draftkit.data.prompts import load_prompts
+from draftkit.decoding.harness import evaluate_head
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 
 @pytest.fixture(scope="module")
 def tiny_parts(tmp_path_factory):
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.testing import build_tiny_target
 
     model, tokenizer = load_target(str(build_tiny_target(tmp_path_factory.mktemp("acc") / "tiny")), "float32")

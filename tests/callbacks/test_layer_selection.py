@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from draftkit.callbacks.layer_selection import LayerSelection
-from draftkit.models.target import FrozenTarget, load_target
+from draftkit.target.frozen import FrozenTarget, load_target
 
 
 @pytest.fixture(autouse=True)
@@ -99,9 +99,9 @@ def test_chooses_before_the_head_is_built(tiny_dir, tmp_path):
     assert (tmp_path / "analysis" / "layers_cka.png").exists()
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert any(b"analysis/cka" in e.read_bytes() and b"analysis/entropy" in e.read_bytes() for e in events)
-    # the analysis leaves no hooks behind on the target
+    # the analysis leaves no hooks behind on the target (FrozenTarget's capture hooks live only during a forward)
     model, _ = module.load_target_model()
-    assert sum(len(layer._forward_hooks) for layer in model.model.layers) == len(module.built_with)
+    assert sum(len(layer._forward_hooks) for layer in model.model.layers) == 0
 
 
 def test_resumed_run_reuses_the_report(tiny_dir, tmp_path, monkeypatch):
@@ -111,7 +111,7 @@ def test_resumed_run_reuses_the_report(tiny_dir, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the analysis must not run again")
 
-    monkeypatch.setattr("draftkit.analysis.select.run_layer_analysis", boom)
+    monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", boom)
     module = StubModule(str(tiny_dir), aux_layer_ids=[2, 4, 5])
     _trainer(tmp_path, _callback()).fit(module, datamodule=RandomChat())
     assert module.built_with == [1, 3, 6]
@@ -131,7 +131,7 @@ def test_bad_options_and_a_bad_report(tiny_dir, tmp_path):
 def test_with_the_eagle3_module_and_chat_datamodule(tiny_dir, tmp_path, monkeypatch):
     """Integration with the lead's Eagle3Module / ChatDataModule hook points (skipped if they are absent)."""
     eagle3 = pytest.importorskip("draftkit.models.eagle3")
-    module_mod = pytest.importorskip("draftkit.data.module")
+    module_mod = pytest.importorskip("draftkit.data.datamodule")
     monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
     rng = random.Random(0)
     data = tmp_path / "chat.jsonl"

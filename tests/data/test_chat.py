@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from draftkit.data.chat import TemplateError, read_conversations, tokenize_conversation
-from draftkit.data.module import ChatDataModule, ResumableLoader, collate
+from draftkit.data.collate import collate
+from draftkit.data.datamodule import ChatDataModule
+from draftkit.data.sampler import ResumableLoader
 
 
 def _write_sharegpt(path, records, cut=False):

@@ -23,7 +23,7 @@ def tiny_dir(tiny_target_dir):
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
     """(FrozenTarget in float32, tokenizer) of the tiny Llama: V=320, H_t=64, 8 layers, aux ids [2, 4, 5]."""
-    from draftkit.models.target import FrozenTarget, load_target
+    from draftkit.target.frozen import FrozenTarget, load_target
 
     model, tokenizer = load_target(str(tiny_dir), "float32")
     return FrozenTarget(model, None), tokenizer

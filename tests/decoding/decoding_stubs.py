@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from draftkit.decoding.speculative import Draft
+from draftkit.decoding.speculative import DecodeConfig, Draft, TargetSession, generate_plain
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.selection.vocab import VocabMap
+
+
+TINY_PROMPTS = [[256, 10, 72, 101, 108, 108, 111, 257, 10], [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8]]
+
+
+def greedy_references(target, max_new_tokens: int) -> tuple[TargetSession, DecodeConfig, list]:
+    """(session, greedy config, [(prompt ids, plain greedy tokens)]) over ``TINY_PROMPTS``."""
+    session = TargetSession(target)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens)
+    refs = []
+    for prompt in TINY_PROMPTS:
+        ids = torch.tensor(prompt)
+        refs.append((ids, generate_plain(session, ids, cfg).tokens))
+    return session, cfg, refs
 
 
 def make_head(target, draft_vocab_size: int = 256, seed: int = 0) -> Eagle3LlamaHead:
@@ -96,11 +110,8 @@ class ScriptedDrafter:
         return Draft(torch.tensor(ids))
 
 
-class MarkovDrafter:
-    """Stub sampled drafter: draws each draft token from its own Markov table ``q`` (V, V) of probs."""
-
-    def __init__(self, q: torch.Tensor) -> None:
-        self.q = q
+class StatelessDrafter:
+    """Stub drafter base without state: reset and commit do nothing, drafting reads no weights."""
 
     def reset(self, prompt_ids, aux) -> None:
         pass
@@ -111,6 +122,13 @@ class MarkovDrafter:
     def round_bytes(self, drafted: int) -> int:
         return 0
 
+
+class MarkovDrafter(StatelessDrafter):
+    """Stub sampled drafter: draws each draft token from its own Markov table ``q`` (V, V) of probs."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q
+
     def propose(self, tokens, k, cfg, generator) -> Draft:
         ids, probs, last = [], [], int(tokens[-1])
         for _ in range(k):
@@ -119,6 +137,33 @@ class MarkovDrafter:
             ids.append(last)
             probs.append(q)
         return Draft(torch.tensor(ids), torch.stack(probs))
+
+
+def target_joint(target, prompt: list[int], length: int, top_k: int) -> dict[tuple[int, ...], float]:
+    """Exact probability of every ``length``-token continuation under top-k warped sampling at T = 1."""
+    from draftkit.decoding.sampling import probs_from_logits
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, p in joint.items():
+            probs = probs_from_logits(target(torch.tensor(prompt + list(seq))[None]).logits[0, -1], 1.0, top_k)
+            for t in probs.nonzero()[:, 0].tolist():
+                nxt[seq + (t,)] = p * float(probs[t])
+        joint = nxt
+    return joint
+
+
+def joint_pvalue(run, n: int, joint: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of n outputs of ``run()`` (token lists) against ``joint``; every output must be a cell."""
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        out = tuple(run())
+        counts[out] = counts.get(out, 0) + 1
+    assert set(counts) <= set(joint), set(counts) - set(joint)
+    cells = list(joint)
+    observed = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
+    return chi2_pvalue(observed, torch.tensor([joint[c] * n for c in cells]))
 
 
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:

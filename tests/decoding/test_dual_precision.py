@@ -149,7 +149,7 @@ def dp_tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_lm(dp_tiny_dir):
     """DualPrecisionLM of the tiny Llama in float64 (exact enough that kernel numerics never flip a tie)."""
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, _ = load_target(str(dp_tiny_dir), "float64")
     return DualPrecisionLM(model)
@@ -299,7 +299,7 @@ def test_config_bad_input():
 
 
 def test_no_quantizable_linears(dp_tiny_dir):
-    from draftkit.models.target import load_target
+    from draftkit.target.frozen import load_target
 
     model, _ = load_target(str(dp_tiny_dir), "float32")
     with pytest.raises(ValueError, match="no quantizable linears"):
@@ -344,12 +344,12 @@ def _write_prompts(path, texts):
 
 
 def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
-    from draftkit.decoding.dual_precision_cli import main
+    from draftkit.commands import main
 
     choice = fake_precision("float32", 30.0)
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
     out, tb = tmp_path / "report.json", tmp_path / "tb"
-    rc = main(["--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+    rc = main(["evaluate", "--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
                "--calibration_prompts", "2", "--num_prompts", "3", "--max_new_tokens", "6", "--k", "2",
                "--bootstrap_samples", "10", "--output", str(out), "--tensorboard", str(tb)])
     assert rc == 0
@@ -375,32 +375,32 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
     ],
 )
 def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
-    from draftkit.decoding.dual_precision_cli import main
+    from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
-    with pytest.raises(SystemExit) as exc:
-        main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", "2", *extra])
-    assert exc.value.code == 2
+    assert main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+                 "--calibration_prompts", "2", *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
 
 
 def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
-    from draftkit.decoding.dual_precision_cli import load_prompts, main, split_prompts
+    from draftkit.data.prompts import load_prompts, split_prompts
+    from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(5)])
     calib = _write_prompts(tmp_path / "c.jsonl", ["q1", "q3", "other"])
     _, evaluation, overlap = split_prompts(load_prompts(prompts), load_prompts(calib), None)
     assert overlap == 2 and len(evaluation) == 5
     with caplog.at_level(logging.WARNING):
-        rc = main(["--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
+        rc = main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
                    "--max_new_tokens", "2", "--bootstrap_samples", "0", "--output", str(tmp_path / "r.json")])
     assert rc == 0
     assert "2 of 5 evaluation prompts also appear in the calibration prompts" in caplog.text
     assert json.loads((tmp_path / "r.json").read_text())["prompts"]["overlap"] == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"answer": "42"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: no prompt text"):
+    with pytest.raises(ValueError, match=r"bad.jsonl record 2 has no prompt text"):
         load_prompts(str(bad))
 
 
@@ -409,8 +409,9 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
 
 @pytest.mark.slow
 def test_smollm2_verified_equals_all_high():
-    from draftkit.decoding.dual_precision_cli import SMOLLM2_REF, load_prompts
-    from draftkit.models.target import load_target
+    from draftkit.data.prompts import load_prompts
+    from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
+    from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2_REF, "float32")
     lm = DualPrecisionLM(model)

@@ -7,13 +7,13 @@ import pytest
 import torch
 from decoding_stubs import make_head
 
-from draftkit.decoding.evaluate import (
-    Prompt,
-    check_head_matches_target,
-    evaluate_head,
-    load_prompts,
-    main,
-)
+from draftkit.commands import main as draftkit_main
+from draftkit.decoding.harness import check_head_matches_target, evaluate_head
+
+
+def main(args):
+    return draftkit_main(["evaluate", *args])
+
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 ISSUE_KEYS = {
@@ -36,19 +36,6 @@ def write_ckpt(path, head, target_ref):
 @pytest.fixture()
 def ckpt(tmp_path, tiny, tiny_dir):
     return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_dir)
-
-
-@pytest.fixture()
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    rows = [
-        {"question_id": 7, "turns": ["Tell me a story.", "second turn is ignored"]},
-        {"prompt": "abc abc abc abc"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-    ]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
 
 
 def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
@@ -105,29 +92,6 @@ def test_sampled_report(tiny, tiny_head):
     assert 1 <= report["tau"] <= 3
 
 
-def test_load_prompts_formats(tmp_path, prompts_file):
-    prompts = load_prompts(str(prompts_file))
-    assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])
-    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert len(load_prompts(str(prompts_file), num_prompts=2)) == 2
-    array = tmp_path / "p.json"
-    array.write_text(json.dumps(["one", {"conversations": [{"from": "human", "value": "two"}]}]))
-    assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
-
-
-def test_prompt_file_errors(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
-        load_prompts(str(bad))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="holds no prompt"):
-        load_prompts(str(empty))
-    with pytest.raises(FileNotFoundError):
-        load_prompts(str(tmp_path / "missing.jsonl"))
-
-
 def test_bad_input_errors(tiny, tiny_head):
     target, tokenizer = tiny
     with pytest.raises(ValueError, match="prompt list is empty"):
@@ -180,6 +144,49 @@ def test_exported_head_directory(tmp_path, ckpt, prompts_file):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["greedy_equal"] == 1 and report["prompt_lookup_tau"] is None
+
+
+def test_main_tree_report(tmp_path, ckpt, prompts_file, capsys):
+    out = tmp_path / "tree.json"
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "12", "--tree", "3,2,6", "--prompt_lookup", "false"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert ISSUE_KEYS - {"prompt_lookup_tau"} <= set(report)
+    assert report["tree"] == {"depth": 3, "topk": 2, "num_nodes": 6} and report["k"] == 3
+    assert report["setup"]["topology"] == "tree depth=3 topk=2 N=6"
+    assert report["greedy_equal"] == 3
+    assert report["verified_tokens_per_round"] == 7.0
+    hist = report["accepted_length_histogram"]
+    assert len(hist) == 4 and sum(hist) == report["rounds"]
+    assert report["tau"] == pytest.approx(sum((a + 1) * c for a, c in enumerate(hist)) / report["rounds"])
+    assert report["kl_per_position"] is None and report["auto"] is None
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+                 "--tree", "3,2,99"]) == 2
+    assert "--tree: tree N=99 exceeds the 10 candidates" in capsys.readouterr().err
+
+
+def test_main_tree_auto(tmp_path, ckpt, prompts_file):
+    out = tmp_path / "auto.json"
+    tb = tmp_path / "tb"
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+               "--max_new_tokens", "8", "--tree", "auto", "--calibration_prompts", "1", "--calibration_tokens", "8",
+               "--prompt_lookup", "false", "--tensorboard", str(tb)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    auto = report["auto"]
+    preds = auto["predictions"]
+    assert len(preds) > 6 and any(not p["chain"] for p in preds)
+    assert preds == sorted(preds, key=lambda p: -p["tokens_per_s"])
+    best = preds[0]
+    if best["speedup"] > 1:
+        assert auto["predicted_speedup"] == best["speedup"]
+        assert auto["measured_speedup"] == pytest.approx(report["speedup"])
+    else:  # a random head on one thread: plain decoding usually wins
+        assert auto["choice"] == "plain" and auto["measured_speedup"] == 1.0
+    assert report["greedy_equal"] == 3
+    assert auto["costs_ms"]["verify"]["1"] > 0
+    assert list(tb.glob("events.out.tfevents.*"))
 
 
 @pytest.mark.parametrize("policy", ["float32", "bfloat16"])

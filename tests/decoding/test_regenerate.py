@@ -154,3 +154,16 @@ def test_every_turn_answers_the_regenerated_conversation(tmp_path, tiny, tiny_ta
 def test_bad_settings_name_the_option(kw, match):
     with pytest.raises(ValueError, match=match):
         RegenerateConfig(**kw)
+
+
+def test_generate_verb_writes_the_file_the_library_writes(tmp_path, tiny_target_dir):
+    from draftkit.commands import main
+
+    src = _write_source(tmp_path / "src.jsonl", n_good=3)
+    lib, cli = tmp_path / "lib.jsonl", tmp_path / "cli.jsonl"
+    regenerate(str(src), str(lib), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200),
+               dtype="float32")
+    cli.write_text("stale")
+    assert main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(cli),
+                 "--max_new_tokens", "3", "--max_prompt_tokens", "200", "--dtype", "float32", "--overwrite"]) in (0, None)
+    assert cli.read_bytes() == lib.read_bytes()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from decoding_stubs import chi2_pvalue
+from decoding_stubs import TINY_PROMPTS, greedy_references, joint_pvalue, target_joint
 
 from draftkit.decoding.sampling import probs_from_logits
 from draftkit.decoding.speculative import (
@@ -17,7 +17,7 @@ from draftkit.decoding.speculative import (
 )
 from draftkit.heads.eagle3_llama import KVCache
 
-PROMPTS = [[256, 10, 72, 101, 108, 108, 111, 257, 10], [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8]]
+PROMPTS = TINY_PROMPTS
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -52,14 +52,10 @@ def test_cached_equals_uncached(tiny, temperature):
 
 
 def test_greedy_speculative_equals_plain_random_head(tiny, tiny_head):
-    target, _ = tiny
-    session = TargetSession(target)
-    cfg = DecodeConfig(max_new_tokens=32)
-    for prompt in PROMPTS:
-        ids = torch.tensor(prompt)
-        plain = generate_plain(session, ids, cfg)
+    session, cfg, refs = greedy_references(tiny[0], 32)
+    for ids, plain in refs:
         spec = generate_speculative(session, Eagle3Drafter(tiny_head), ids, 5, cfg, collect_kl=True)
-        assert spec.tokens == plain.tokens
+        assert spec.tokens == plain
         assert spec.stats.rounds == spec.target_forwards
         kl = spec.stats.kl_per_position()
         assert len(kl) == 5 and all(x > 0 for x in kl)
@@ -204,26 +200,15 @@ class SelfDrafter:
 def test_sampled_speculative_distribution_tiny_target(tiny):
     """Speculative sampling with the real cached target gives the target's (top-k warped) distribution."""
     target, _ = tiny
-    prompt = torch.tensor(PROMPTS[0])
     cfg = DecodeConfig(max_new_tokens=2, temperature=1.0, top_k=3)
-    session = TargetSession(target)
+    session, drafter = TargetSession(target), SelfDrafter(target, 2.0)
     g = torch.Generator().manual_seed(0)
-    n = 400
-    counts: dict[tuple[int, int], int] = {}
-    drafter = SelfDrafter(target, 2.0)
-    for _ in range(n):
-        out = tuple(generate_speculative(session, drafter, prompt, 1, cfg, g).tokens)
-        counts[out] = counts.get(out, 0) + 1
-    p1 = probs_from_logits(target(prompt[None]).logits[0, -1], 1.0, 3)
-    cells, expected = [], []
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = probs_from_logits(target(torch.cat([prompt, torch.tensor([t1])])[None]).logits[0, -1], 1.0, 3)
-        for t2 in p2.nonzero()[:, 0].tolist():
-            cells.append((t1, t2))
-            expected.append(float(p1[t1] * p2[t2]) * n)
-    assert set(counts) <= set(cells)
-    observed = torch.tensor([counts.get(c, 0) for c in cells], dtype=torch.float64)
-    assert chi2_pvalue(observed, torch.tensor(expected)) > 1e-3
+    prompt = torch.tensor(PROMPTS[0])
+
+    def run():
+        return generate_speculative(session, drafter, prompt, 1, cfg, g).tokens
+
+    assert joint_pvalue(run, 400, target_joint(target, PROMPTS[0], 2, 3)) > 1e-3
 
 
 def test_bench_scripted_acceptance(tiny, tiny_head):

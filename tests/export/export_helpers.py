@@ -45,14 +45,14 @@ def make_head(target_dir, aux_layer_ids=None, draft_vocab_size=96, norm_before_r
 
 
 def write_checkpoint(path, head, target, aux_layer_ids, drop=(), state_extra=None):
-    """Save {"state_dict": {"head."+k: ...}, "draftkit": meta} like a draftkit training checkpoint."""
+    """Save {"state_dict": {"head."+k: ...}, "draftkit": meta} like a draftkit training checkpoint (the aux ids
+    stored once, in ``head_config``)."""
     state = {"head." + k: v.clone() for k, v in head.export_state_dict().items() if k not in drop}
     state.update(state_extra or {})
     meta = {
-        "head_config": dataclasses.asdict(head.config),
+        "head_config": {**dataclasses.asdict(head.config), "aux_layer_ids": list(aux_layer_ids)},
         "target": str(target),
         "target_dtype": "float32",
-        "aux_layer_ids": list(aux_layer_ids),
         "chat_template": None,
         "ttt": {"steps": 7, "decay": 0.8},
     }

@@ -11,7 +11,8 @@ import torch
 from export_helpers import make_head, save_tiny_target, write_checkpoint
 from safetensors.torch import load_file
 
-from draftkit.export import export_checkpoint, load_exported_head, main, reference_forward
+from draftkit.commands import main as draftkit_main
+from draftkit.export import export_checkpoint, load_exported_head, reference_forward
 from draftkit.export import exporter as exporter_mod
 from draftkit.export import sglang as sglang_engine
 from draftkit.export import speculators as speculators_engine
@@ -216,14 +217,14 @@ def test_d2t_is_exported_exactly(tiny_target_dir, tmp_path):
 def test_cli_main_writes_and_refuses_existing(tiny_checkpoint, tmp_path, capsys):
     ckpt, _ = tiny_checkpoint
     out = tmp_path / "cli"
-    assert main([str(ckpt), "--to", "sglang", str(out), "--dtype", "float32"]) == 0
+    assert draftkit_main(["export", str(ckpt), "--to", "sglang", str(out), "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
     assert "launch: python -m sglang.launch_server" in printed and str(out) in printed
     stamp = (out / "model.safetensors").stat().st_mtime_ns
-    assert main([str(ckpt), "--to", "sglang", str(out)]) == 2
+    assert draftkit_main(["export", str(ckpt), "--to", "sglang", str(out)]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
-    assert main([str(ckpt), "--to", "sglang", str(out), "--overwrite"]) == 0
+    assert draftkit_main(["export", str(ckpt), "--to", "sglang", str(out), "--overwrite"]) == 0
     assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli", "head.ckpt"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftkit.data.module import ChatDataModule
+from draftkit.data.datamodule import ChatDataModule
 from draftkit.models.eagle3 import Eagle3Module, tau_sim, ttt_targets
 
 

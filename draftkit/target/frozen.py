@@ -1,14 +1,16 @@
-"""Frozen target wrapper: aux hidden states, last hidden state and logits of a Hugging Face causal LM.
+"""Frozen target: loading, the one layer hook, and the wrapper that returns aux states, last state and logits.
 
 Layer ids are HF ``hidden_states`` indices (see ``draftkit.selection.layers``): id k is captured by a
 forward hook on decoder layer k-1 (its output is ``hidden_states[k]``), so only the needed layers are
-kept in memory, never the full ``output_hidden_states`` tuple.
+kept in memory, never the full ``output_hidden_states`` tuple. :func:`capture_hidden_states` is that hook,
+used by :class:`FrozenTarget` (training, decoding) and the layer analysis alike.
 
 Shapes: B batch, T tokens, H_t target hidden, V target vocab, n number of aux layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -17,7 +19,61 @@ from torch import nn
 
 from draftkit.selection.layers import validate_aux_layer_ids
 
-__all__ = ["FrozenTarget", "TargetOutput", "load_target"]
+__all__ = [
+    "FrozenTarget",
+    "TargetFacts",
+    "TargetOutput",
+    "cache_kwarg",
+    "capture_hidden_states",
+    "load_target",
+    "text_config",
+]
+
+
+def text_config(config):
+    """The text (decoder) config of a Hugging Face config: ``get_text_config()`` when it has one."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def cache_kwarg(forward) -> str:
+    """Name of the KV-cache argument of a model's ``forward``: ``cache`` (newer transformers) or
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def capture_hidden_states(model: nn.Module, layer_ids: list[int]):
+    """Forward hooks that store ``hidden_states[k]`` (the output of decoder layer k-1) for each id k.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (or its base model) with ``model.layers``.
+        layer_ids: HF ``hidden_states`` indices in 1..N.
+
+    Yields:
+        dict id -> (B, T, H_t) tensor, refilled on every forward; hooks are removed on exit.
+
+    Raises:
+        ValueError: if the model has no Llama-style ``layers``.
+    """
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"unsupported target {type(model).__name__}: expected model.model.layers (Llama-style)")
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(i: int):
+        def hook(_module, _inputs, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [layers[i - 1].register_forward_hook(hook_for(i)) for i in layer_ids]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+        captured.clear()
 
 
 @dataclass
@@ -63,7 +119,7 @@ def load_target(ref: str, dtype: str | torch.dtype = "auto"):
 
 class TargetFacts(nn.Module):
     """What ``Eagle3Module.build`` reads of a frozen target, shared by :class:`FrozenTarget` and the offline
-    ``draftkit.models.teacher.TargetLMHead``: ``config`` facts, and eval mode whatever Lightning asks.
+    ``draftkit.target.lm_head.TargetLMHead``: ``config`` facts, and eval mode whatever Lightning asks.
 
     Subclasses set ``config`` (the text config) and provide ``input_embeddings()``, ``lm_head_weight()``
     and ``final_norm_weight()``.
@@ -95,24 +151,19 @@ class FrozenTarget(TargetFacts):
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | None = None) -> None:
         super().__init__()
         self.model = model.eval().requires_grad_(False)
-        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = text_config(model.config)
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers"):
             raise ValueError(f"unsupported target {type(model).__name__}: expected model.model.layers (Llama-style)")
         self.base = base
         self.num_layers = self.config.num_hidden_layers
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = [
-            base.layers[i - 1].register_forward_hook(self._capture_hook(i)) for i in self.aux_layer_ids
-        ]
-        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._cache_kw = cache_kwarg(base.forward)
 
-    def _capture_hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+    @property
+    def generation_config(self):
+        """The target's ``GenerationConfig`` (its EOS ids count as stop ids), or None."""
+        return getattr(self.model, "generation_config", None)
 
     def input_embeddings(self) -> torch.Tensor:
         """(V, H_t) input embedding weight."""
@@ -150,16 +201,15 @@ class FrozenTarget(TargetFacts):
         Returns:
             :class:`TargetOutput`.
         """
-        self._captured.clear()
-        out = self.base(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            **{self._cache_kw: cache},
-        )
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
-        self._captured.clear()
+        with capture_hidden_states(self.base, self.aux_layer_ids) as captured:
+            out = self.base(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                **{self._cache_kw: cache},
+            )
+            aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
         last = out.last_hidden_state  # (B, T, H_t), normed
         logits = self.model.get_output_embeddings()(last) if compute_logits else None  # (B, T, V)
         new_cache = None

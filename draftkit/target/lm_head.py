@@ -1,6 +1,6 @@
 """``TargetLMHead``: the few target weights that offline training needs, loaded without the target.
 
-Offline training (``draftkit.data.offline``) reads the aux and last hidden states from a cache, so of the
+Offline training (``draftkit.data.hidden_cache``) reads the aux and last hidden states from a cache, so of the
 target it needs only its config (to size the head), its input embedding (copied into the head once) and its
 LM head (teacher logits z = W_lm · last_hidden_state). Both tensors are read by name from the target's
 safetensors files; the model itself is only instantiated on the ``meta`` device to learn those names.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftkit.models.target import TargetFacts
+from draftkit.target.frozen import TargetFacts, load_target, text_config
 from draftkit.selection.layers import validate_aux_layer_ids
 
 __all__ = ["TargetLMHead", "load_target_lm_head"]
@@ -147,17 +147,15 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_i
     path = Path(resolve_model_dir(ref))
     has_safetensors = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
     if not has_safetensors:
-        from draftkit.models.target import load_target
-
         log.info("target %s has no local safetensors; loading the whole target for its LM head", ref)
         model, _ = load_target(ref, torch_dtype)
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         norm = getattr(model.get_decoder(), "norm", None)
         return TargetLMHead(cfg, model.get_input_embeddings().weight.detach(),
                             model.get_output_embeddings().weight.detach(), aux_layer_ids,
                             norm.weight.detach() if norm is not None else None)
     config = AutoConfig.from_pretrained(path)
-    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_cfg = text_config(config)
     emb_name, head_name, norm_name = _weight_names(config)
     tensors = _read_tensors(path, [n for n in (emb_name, head_name, norm_name) if n is not None])
     if emb_name not in tensors:

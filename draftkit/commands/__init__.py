@@ -1,0 +1,194 @@
+"""``draftkit`` (``python -m draftkit``): one table of verbs.
+
+Each verb is a typed function; its signature and its ``Args:`` docstring are its command line (jsonargparse
+``add_function_arguments``, as litgpt's ``__main__`` does), and the first docstring line is its summary in
+``draftkit --help``. ``fit`` and ``validate`` are LightningCLI (``draftkit.cli.DraftkitCLI``): recipes,
+``--trainer.*``, ``--model.*``, ``--data.*``.
+
+Old spellings keep working: ``evaluate --decoding dual-precision`` is ``evaluate-dual-precision``; the
+dash-separated flags of ``export`` and ``cache-hidden-states`` (``--num-speculative-tokens``, ``-k``,
+``--batch-size``, ...) are their underscore names; a bare ``--overwrite`` / ``--dry-run`` /
+``--random_weights`` means ``true``; a repeated ``--recipe`` (``-r``) stacks; ``select-layers --num_tokens``
+(any ``LayerAnalysisConfig`` field) is ``--analysis.num_tokens``; ``--model.*``, ``--data.*`` and
+``--trainer.*`` after ``bench train`` or ``cache-hidden-states`` override the recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import sys
+from typing import Callable
+
+from draftkit.commands.bench import decode as bench_decode
+from draftkit.commands.bench import train as bench_train
+from draftkit.commands.cache_hidden_states import cache_hidden_states
+from draftkit.commands.evaluate import evaluate
+from draftkit.commands.evaluate_dual_precision import evaluate_dual_precision
+from draftkit.commands.export import export
+from draftkit.commands.generate import generate
+from draftkit.commands.select_layers import select_layers
+
+__all__ = ["COMMANDS", "LIGHTNING_VERBS", "build_parser", "main"]
+
+LIGHTNING_VERBS = {
+    "fit": "Train a draft head on a frozen target (LightningCLI: --recipe R [--recipe R2 ...], --trainer.*, --model.*, --data.*).",
+    "validate": "Validate a draft head checkpoint (LightningCLI: --recipe R --ckpt_path CKPT).",
+}
+"""Verbs run by ``DraftkitCLI``, with their summaries."""
+
+COMMANDS: dict[str, Callable | dict[str, Callable]] = {
+    "evaluate": evaluate,
+    "evaluate-dual-precision": evaluate_dual_precision,
+    "select-layers": select_layers,
+    "export": export,
+    "bench": {"train": bench_train, "decode": bench_decode},
+    "cache-hidden-states": cache_hidden_states,
+    "generate": generate,
+}
+"""The draftkit verbs: name -> function (or name -> {sub-verb: function})."""
+
+POSITIONAL = {"export"}
+"""Verbs whose required arguments are positional (``export CHECKPOINT OUT_DIR --to ENGINE``)."""
+
+RECIPE_SECTIONS = ("--model.", "--data.", "--trainer.", "--optimizer", "--lr_scheduler", "--seed_everything")
+"""Arguments that override a recipe; they pass through to verbs with an ``overrides`` argument."""
+
+RENAMED = {
+    "export": {"-k": "--num_speculative_tokens", "--num-speculative-tokens": "--num_speculative_tokens",
+               "--sglang-version": "--sglang_version", "--sglang-aux-rule": "--sglang_aux_rule"},
+    "cache-hidden-states": {"-o": "--output", "--batch-size": "--batch_size", "--shard-mb": "--shard_mb",
+                            "--dry-run": "--dry_run"},
+}
+"""Old flag spellings of each verb -> the new ones."""
+
+BARE_FLAGS = {"export": {"--overwrite"}, "generate": {"--overwrite"}, "cache-hidden-states": {"--dry_run"}, "bench decode": {"--random_weights"}}
+"""Old ``store_true`` flags: given without a value they mean ``true``."""
+
+
+def _summary(fn: Callable) -> str:
+    return (inspect.getdoc(fn) or "").split("\n", 1)[0]
+
+
+def _engines() -> str:
+    from draftkit.export import ENGINES
+
+    return f"Engines (--to): {', '.join(ENGINES)}."
+
+
+EXTRA_HELP = {"export": _engines}
+"""Help computed when the parser is built (registries that tests or plugins extend)."""
+
+
+def _function_parser(fn: Callable, prog: str, positional: bool, extra: str = ""):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog=prog, description=f"{_summary(fn)} {extra}".strip())
+    parser.add_function_arguments(fn, as_positional=positional)
+    return parser
+
+
+def build_parser():
+    """The ``draftkit`` parser: one subcommand per verb of :data:`LIGHTNING_VERBS` and :data:`COMMANDS`.
+
+    ``fit``/``validate`` are listed for ``--help`` only; :func:`main` hands them to ``DraftkitCLI``.
+    """
+    from jsonargparse import ArgumentParser
+
+    import draftkit
+
+    parser = ArgumentParser(
+        prog="draftkit", description=f"draftkit {draftkit.__version__}: train EAGLE3 draft heads on a frozen target, "
+        "evaluate them and export them for vLLM, SGLang and TensorRT-LLM. `draftkit VERB --help` for a verb's options.",
+    )
+    verbs = parser.add_subcommands(dest="verb")
+    for name, summary in LIGHTNING_VERBS.items():
+        verbs.add_subcommand(name, ArgumentParser(prog=f"draftkit {name}", description=summary), help=summary)
+    for name, fn in COMMANDS.items():
+        if not isinstance(fn, dict):
+            extra = EXTRA_HELP[name]() if name in EXTRA_HELP else ""
+            verbs.add_subcommand(name, _function_parser(fn, f"draftkit {name}", name in POSITIONAL, extra),
+                                 help=_summary(fn))
+            continue
+        summary = f"Benchmarks on this machine: {', '.join(fn)} (`draftkit {name} SUB --help`)."
+        sub = ArgumentParser(prog=f"draftkit {name}", description=summary)
+        verbs.add_subcommand(name, sub, help=summary)
+        subverbs = sub.add_subcommands(dest="subverb")
+        for sub_name, sub_fn in fn.items():
+            subverbs.add_subcommand(sub_name, _function_parser(sub_fn, f"draftkit {name} {sub_name}", False),
+                                    help=_summary(sub_fn))
+    return parser
+
+
+def _normalize(args: list[str]) -> list[str]:
+    """Old spellings -> new ones (see the module docstring); recipe overrides -> ``--overrides``."""
+    if args[:1] == ["evaluate"] and ("--decoding" in args or any(a.startswith("--decoding=") for a in args)):
+        i = next(i for i, a in enumerate(args) if a == "--decoding" or a.startswith("--decoding="))
+        value = args[i].split("=", 1)[1] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else "")
+        if value != "dual-precision":
+            raise ValueError(f"--decoding {value!r}: the only other decoding is dual-precision (`draftkit "
+                             "evaluate-dual-precision`)")
+        args = ["evaluate-dual-precision", *args[1:i], *args[i + (1 if "=" in args[i] else 2):]]
+    verb = " ".join(args[:2]) if args[:1] == ["bench"] else args[0]
+    fn = COMMANDS.get(args[0])
+    fn = fn.get(args[1]) if isinstance(fn, dict) and len(args) > 1 else fn
+    params = inspect.signature(fn).parameters if callable(fn) else {}
+    renamed = RENAMED.get(verb, {})
+    if "analysis" in params:
+        from draftkit.analysis.collect import LayerAnalysisConfig
+
+        renamed = {f"--{f.name}": f"--analysis.{f.name}" for f in dataclasses.fields(LayerAnalysisConfig)}
+    head, rest = args[: len(verb.split())], args[len(verb.split()):]
+    out, overrides, i = [], [], 0
+    while i < len(rest):
+        arg = rest[i]
+        name, eq, value = arg.partition("=")
+        name = renamed.get(name, name)
+        if "overrides" in params and name.startswith(RECIPE_SECTIONS):
+            overrides.append(name + eq + value)
+            if not eq and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                overrides.append(rest[i + 1])
+                i += 1
+        elif "recipe" in params and name in ("--recipe", "-r", "-c", "--config") and not eq:
+            out.append("--recipe+")
+        elif name in BARE_FLAGS.get(verb, ()) and not eq and (i + 1 == len(rest) or rest[i + 1] not in ("true", "false")):
+            out.append(f"{name}=true")
+        else:
+            out.append(name + eq + value)
+        i += 1
+    if overrides:
+        out.append(f"--overrides={overrides!r}".replace("'", '"'))
+    return [*head, *out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``draftkit`` and ``python -m draftkit``.
+
+    Returns:
+        0 on success; 2 on bad input (a message naming the option or file is printed to stderr).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args and args[0] in LIGHTNING_VERBS:
+        from draftkit.cli import DraftkitCLI
+
+        DraftkitCLI(args=argv, parser_kwargs={"prog": "draftkit"})
+        return 0
+    verb = " ".join(args[:2]) if args[:1] == ["bench"] else (args[0] if args else "")
+    try:
+        if args and not args[0].startswith("-"):
+            args = _normalize(args)
+        parser = build_parser()
+        config = parser.parse_args(args)
+        init = parser.instantiate(config) if hasattr(parser, "instantiate") else parser.instantiate_classes(config)
+        fn, options = COMMANDS[config.verb], init[config.verb]
+        if isinstance(fn, dict):
+            fn, options = fn[options.subverb], options[options.subverb]
+        options = {k: v for k, v in vars(options).items() if k in inspect.signature(fn).parameters}
+        fn(**options)
+    except (ValueError, OSError) as exc:  # missing/unreadable files, bad options, head/target mismatch
+        print(f"draftkit {verb}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,112 @@
+"""``draftkit cache-hidden-states --recipe R [--output DIR]``: write a recipe's offline cache.
+
+Runs the recipe's frozen target once over its tokenized train and val splits and stores the aux hidden
+states and the last hidden state (bf16), with ``input_ids`` and ``loss_mask``, as sharded safetensors files
+plus ``index.json`` (format: ``draftkit.data.hidden_cache``). Before writing it prints the disk it will need
+(bytes per token x tokens) and stops if the disk is short. Rerunning the same command finishes an
+interrupted cache: complete shards are kept. Then train with ``--data.hidden_states_cache DIR``.
+
+Extra ``--model.*``, ``--data.*`` and ``--trainer.*`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
+One process writes the whole cache; the forward runs under the recipe's precision (bf16 autocast for
+``bf16-mixed``; unset = the precision policy, ``draftkit.precision``), so the cached states equal the ones
+online training computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["cache_hidden_states"]
+
+log = logging.getLogger(__name__)
+
+
+def _print_plan(plan: dict) -> None:
+    print(
+        f"draftkit cache-hidden-states: {plan['output']}\n"
+        f"  needs {plan['bytes_needed'] / 1e9:.3f} GB = {plan['bytes_per_token']} bytes/token x {plan['tokens']} "
+        f"tokens ({plan['shards_todo']} shards to write, {plan['shards_done']} already complete); "
+        f"{plan['bytes_free'] / 1e9:.1f} GB free",
+        flush=True,
+    )
+
+
+def cache_hidden_states(
+    recipe: list[str],
+    output: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+    batch_size: Optional[int] = None,
+    shard_mb: float = 512.0,
+    dry_run: bool = False,
+    device: str = "auto",
+) -> dict:
+    """Write (or finish) the offline hidden-state cache of a recipe; train from it with --data.hidden_states_cache.
+
+    Args:
+        recipe: recipe YAML paths, stacked in order (old spelling -r).
+        output: cache directory (old spelling -o); default: the recipe's data.hidden_states_cache, else
+            <draftkit cache>/hidden-states/<fingerprint>.
+        overrides: more recipe arguments (--model.*, --data.*, --trainer.* given after the verb land here).
+        batch_size: sequences per target forward (default: data.batch_size).
+        shard_mb: target shard size in MB (1e6 bytes).
+        dry_run: only print the plan and check the disk.
+        device: auto (CUDA when available), cpu or cuda.
+
+    Returns:
+        The plan and write statistics of ``write_hidden_states``, plus ``output``.
+
+    Raises:
+        ValueError: when ``output`` holds a cache for another configuration.
+        OSError: when the disk is short.
+    """
+    from draftkit.artifacts import cache_dir
+    from draftkit.cli import DraftkitCLI
+    from draftkit.data.hidden_cache import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
+    from draftkit.target.frozen import FrozenTarget
+
+    args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])
+    cli = DraftkitCLI(args=args, run=False)
+    model, dm, trainer = cli.model, cli.datamodule, cli.trainer
+    configured = dm.hparams.hidden_states_cache
+    dm.hparams.hidden_states_cache = None  # the cache is what we are writing
+    dm.setup("fit")
+    hf_model, _ = model.load_target_model()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = FrozenTarget(hf_model.to(device), model.hparams.aux_layer_ids)
+    fingerprint = {
+        "target": model.hparams.target, "target_config": config_fingerprint(target.config),
+        "target_dtype": model.hparams.target_dtype, "aux_layer_ids": list(target.aux_layer_ids),
+        **dm.cache_fingerprint(),
+    }
+    out_dir = Path(output or configured or cache_dir() / "hidden-states" / cache_key(fingerprint))
+    precision = str(trainer.precision)
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if "bf16" in precision else nullcontext()
+
+    def forward(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast:
+            out = target(ids.to(device), attention_mask=attn.to(device), compute_logits=False)
+        return out.aux_hidden_states, out.last_hidden_state  # (B, T, n*H_t), (B, T, H_t)
+
+    bpt = bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
+    result = write_hidden_states(
+        out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
+        len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
+        shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
+        on_plan=_print_plan,
+    )
+    result = {**result, "output": str(out_dir), "precision": precision, "precision_policy": cli.precision,
+              "device": device}
+    if not dry_run:
+        print(
+            f"  wrote {result['tokens_written']} tokens, {result['bytes_written'] / 1e6:.1f} MB in "
+            f"{result['seconds']:.1f} s ({result['tokens_per_s']:.0f} tokens/s, {result['mb_per_s']:.1f} MB/s; "
+            f"{result['device']}, {result['precision']})\n"
+            f"  train from it with: --data.hidden_states_cache {result['output']}"
+        )
+    return result

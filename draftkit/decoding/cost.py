@@ -1,0 +1,313 @@
+"""A cost model that picks the draft topology (chain k, or tree depth, top-k, N) for this device.
+
+Expected speed of a topology c (batch 1, one target forward per round):
+
+    tokens/s(c) = tau(c) / (t_first + (D - 1) * t_step(K) + t_verify(N + 1)),   plain: 1 / t_verify(1)
+
+- t_verify(n): measured seconds of one target forward over n new rows on a prompt-length cache (it grows
+  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n.
+- t_first: the draft head's pass over its pending step-0 rows; t_step(K): one head pass over a frontier of
+  K nodes (a chain has K = 1).
+- tau(c): acceptance length of c measured by a short greedy calibration. Greedy decoding emits the same
+  sequence whatever the topology, and the draft state at a round's root depends only on that sequence,
+  so one plain greedy run per calibration prompt fixes every root; at each root the largest tree of each
+  top-k is drafted once and the accepted length of every (depth, N) read off it (a (D, K, N) tree is the
+  best N of the depth <= D nodes of the (D_max, K) tree, EAGLE-2's rank order). Replaying the rounds from
+  the prompt end (L -> L + a_c(L) + 1) gives tau(c) without a target verify per topology. At T > 0 the
+  greedy tau is used as the estimate.
+
+The chosen topology is the one with the highest predicted tokens/s; plain decoding is chosen when no
+topology is predicted faster than it.
+
+Shapes: n prompt tokens, T calibration tokens, D depth, K top-k, N verified draft nodes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from draftkit.decoding.metrics import acceptance_length
+from draftkit.decoding.speculative import DecodeConfig, TargetSession, generate_plain
+from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
+
+__all__ = [
+    "CostTable",
+    "Prediction",
+    "calibrate_rounds",
+    "calibrate_tau",
+    "candidate_topologies",
+    "choose",
+    "greedy_sequences",
+    "measure_costs",
+    "predict",
+]
+
+
+@dataclass
+class CostTable:
+    """Measured costs, in seconds.
+
+    Attributes:
+        verify: {n: one target forward over n new rows}, n >= 1, at least n = 1.
+        first: one draft head pass over the pending step-0 rows (typically a + 1 of them).
+        step: {K: one draft head pass over K frontier nodes}, at least K = 1.
+    """
+
+    verify: dict[int, float]
+    first: float
+    step: dict[int, float]
+
+    @staticmethod
+    def _interp(table: dict[int, float], n: int) -> float:
+        xs = sorted(table)
+        if n in table:
+            return table[n]
+        lo = max([x for x in xs if x < n], default=xs[0])
+        hi = min([x for x in xs if x > n], default=xs[-1])
+        if lo == hi:  # outside the measured range: extend the last (or first) segment
+            pair = xs[-2:] if n > xs[-1] else xs[:2]
+            if len(pair) < 2:
+                return table[xs[0]]
+            lo, hi = pair
+        return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+    def verify_seconds(self, n: int) -> float:
+        """Target forward over n rows (linear between measured n, extended past them)."""
+        return max(self._interp(self.verify, n), 0.0)
+
+    def round_seconds(self, tree: TreeConfig) -> float:
+        """One speculative round: step 0, D - 1 frontier passes of width K, one verify of N + 1 rows."""
+        return self.first + (tree.depth - 1) * max(self._interp(self.step, tree.topk), 0.0) + self.verify_seconds(
+            tree.num_nodes + 1
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's estimate for one topology.
+
+    Attributes:
+        tree: the topology (a chain k is ``TreeConfig(k, 1, k)``).
+        tau: calibrated acceptance length (bonus token counted).
+        round_seconds: predicted seconds per round.
+        tokens_per_s: tau / round_seconds.
+        speedup: tokens_per_s over plain decoding's 1 / t_verify(1).
+    """
+
+    tree: TreeConfig
+    tau: float
+    round_seconds: float
+    tokens_per_s: float
+    speedup: float
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["tree"] = str(self.tree)
+        out["chain"] = self.tree.is_chain
+        return out
+
+
+def predict(taus: dict[TreeConfig, float], costs: CostTable) -> list[Prediction]:
+    """Predicted tokens/s and speedup of every calibrated topology, best first.
+
+    Args:
+        taus: {topology: tau}.
+        costs: the measured :class:`CostTable`.
+
+    Returns:
+        Predictions sorted by tokens/s, descending.
+    """
+    plain = 1.0 / costs.verify_seconds(1)
+    out = []
+    for tree, tau in taus.items():
+        sec = costs.round_seconds(tree)
+        out.append(Prediction(tree, tau, sec, tau / sec, tau / sec / plain))
+    return sorted(out, key=lambda p: -p.tokens_per_s)
+
+
+def choose(predictions: list[Prediction]) -> Prediction | None:
+    """The fastest topology, or None (plain decoding) when none is predicted faster than plain."""
+    best = max(predictions, key=lambda p: p.tokens_per_s, default=None)
+    return best if best is not None and best.speedup > 1.0 else None
+
+
+def candidate_topologies(
+    tree: bool, max_depth: int = 6, topks: tuple[int, ...] = (2, 4), nodes: tuple[int, ...] = (4, 8, 16, 32, 64)
+) -> list[TreeConfig]:
+    """Chains k = 1..max_depth, plus (with ``tree``) every (depth, top-k, N) with N <= the candidates."""
+    out = [TreeConfig.chain(k) for k in range(1, max_depth + 1)]
+    if tree:
+        for d in range(2, max_depth + 1):
+            for k in topks:
+                out += [TreeConfig(d, k, n) for n in nodes if d <= n <= TreeConfig(d, k, 1).max_nodes]
+    return out
+
+
+@torch.no_grad()
+def calibrate_rounds(
+    drafter: Eagle3TreeDrafter,
+    target: TargetSession,
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    topologies: list[TreeConfig],
+) -> dict[TreeConfig, list[int]]:
+    """Accepted drafts per round a_r that greedy decoding with each topology would play, from plain greedy
+    outputs (see the module docstring); :func:`calibrate_tau` turns them into tau.
+
+    Args:
+        drafter: the tree drafter of the head.
+        target: the target session (used for one forward over each whole sequence).
+        sequences: (prompt (n,), greedy continuation (T,)) int64 pairs.
+        topologies: the topologies to rate.
+
+    Returns:
+        {topology: [a_r over the rounds of all sequences]}; a round whose bonus token would fall past a
+        continuation's end is cut to the tokens that exist.
+
+    Raises:
+        ValueError: if no sequence has a continuation of at least 2 tokens.
+    """
+    max_depth = max(t.depth for t in topologies)
+    by_topk = sorted({t.topk for t in topologies})
+    accepted: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
+    for prompt, cont in sequences:
+        n, T = prompt.shape[0], cont.shape[0]
+        if T < 2:
+            continue
+        full = torch.cat([prompt, cont])
+        target.reset()
+        _, aux = target.forward(full, last_only=True)  # aux (n+T, A*H_t)
+        drafter.reset(prompt, aux[:n])
+        per_root: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
+        for L in range(n, n + T - 1):  # root x_L, continuation full[L+1:]
+            z, h = drafter.feed_pending(full[:L + 1])
+            for k in by_topk:
+                big = TreeConfig(max_depth, k, TreeConfig(max_depth, k, 1).max_nodes)
+                tree = drafter.expand(z, h, L, big)  # every candidate, in EAGLE-2 rank order
+                want = torch.cat([tree.depths.new_zeros(1), tree.depths]) + L + 1  # (N+1,) position each row predicts
+                best = torch.where(want < full.shape[0], full[want.clamp_max(full.shape[0] - 1)], -1)
+                path, _ = tree_greedy_accept(tree, best)
+                depth_of = tree.depths.tolist()
+                for t in topologies:
+                    if t.topk != k:
+                        continue
+                    rank = torch.cumsum((tree.depths <= t.depth).long(), 0) - 1  # rank among depth <= D nodes
+                    a = 0
+                    for node in path:
+                        if depth_of[node] > t.depth or int(rank[node]) >= t.num_nodes:
+                            break
+                        a += 1
+                    per_root[t].append(a)
+            drafter.commit(aux[L:L + 1])
+        for t in topologies:  # replay the rounds this topology would play
+            i = 0
+            while i < T - 1:
+                a = min(per_root[t][i], T - 2 - i)
+                accepted[t].append(a)
+                i += a + 1
+    if not any(accepted.values()):
+        raise ValueError("calibration needs at least one greedy continuation of 2 or more tokens")
+    return accepted
+
+
+def calibrate_tau(
+    drafter: Eagle3TreeDrafter,
+    target: TargetSession,
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    topologies: list[TreeConfig],
+) -> dict[TreeConfig, float]:
+    """{topology: tau} from :func:`calibrate_rounds` (same arguments and errors)."""
+    rounds = calibrate_rounds(drafter, target, sequences, topologies)
+    return {t: acceptance_length(acc) for t, acc in rounds.items()}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(
+    target: TargetSession,
+    drafter: Eagle3TreeDrafter,
+    prompt_ids: torch.Tensor,
+    rows: list[int],
+    widths: list[int],
+    repeats: int = 5,
+) -> CostTable:
+    """Time the target verify for each row count and the head passes for each frontier width.
+
+    Args:
+        target: the target session (reset and left with the prompt cached).
+        drafter: the tree drafter of the head.
+        prompt_ids: (n,) int64, n >= 3; the context the forwards extend.
+        rows: target rows per forward to time (1 is always added).
+        widths: frontier widths to time (1 is always added).
+        repeats: timings per entry (the median is kept); one untimed warm-up each.
+
+    Returns:
+        :class:`CostTable`.
+
+    Raises:
+        ValueError: if the prompt has fewer than 3 tokens or repeats < 1.
+    """
+    n = prompt_ids.shape[0]
+    if n < 3 or repeats < 1:
+        raise ValueError(f"measure_costs needs a prompt of >= 3 tokens and repeats >= 1, got {n}, {repeats}")
+    target.reset()
+    _, aux = target.forward(prompt_ids, last_only=True)
+    verify = {}
+    for r in sorted({1, *rows}):
+        ids = prompt_ids.repeat(r // n + 1)[:r]
+
+        def run():
+            target.forward(ids)
+            target.crop(n)
+
+        run()
+        verify[r] = _median_seconds(run, repeats)
+    seq = torch.cat([prompt_ids, prompt_ids[-1:]])
+    drafter.reset(prompt_ids[:-2], aux[:-2])
+    drafter.feed_pending(seq[:-2])  # n - 2 step-0 rows cached
+
+    def first():
+        drafter.cache.crop(n - 2)
+        drafter.pending = aux[-2:]  # two pending rows: a round that accepted one draft
+        return drafter.feed_pending(seq)
+
+    first()
+    t_first = _median_seconds(first, repeats)
+    _, h = first()
+    step = {}
+    for w in sorted({1, *widths}):
+        ids = prompt_ids[:1].repeat(w)
+        mask = torch.ones(w, n + w, dtype=torch.bool, device=prompt_ids.device)
+        pos = torch.full((1, w), n, device=prompt_ids.device)
+
+        def run():
+            drafter.head(ids[None], h.expand(1, w, h.shape[-1]), pos, drafter.cache, attn_mask=mask)
+            drafter.cache.crop(n)
+
+        run()
+        step[w] = _median_seconds(run, repeats)
+    target.reset()
+    return CostTable(verify, t_first, step)
+
+
+def greedy_sequences(
+    target: TargetSession, prompts: list[torch.Tensor], tokens: int, eos_token_ids: tuple[int, ...] = ()
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(prompt (n,), plain greedy continuation of up to ``tokens`` tokens) per prompt, for :func:`calibrate_tau`."""
+    cfg = DecodeConfig(max_new_tokens=tokens, eos_token_ids=eos_token_ids)
+    out = []
+    for p in prompts:
+        cont = generate_plain(target, p, cfg).tokens
+        out.append((p, torch.tensor(cont, dtype=torch.long, device=p.device)))
+    return out

@@ -1,0 +1,57 @@
+"""The one prompt reader: formats, records, BOM, errors naming file and record, calibration split."""
+
+import json
+
+import pytest
+
+from draftkit.data.prompts import Prompt, load_prompts, split_prompts
+
+
+def test_load_prompts_formats(tmp_path, prompts_file):
+    prompts = load_prompts(str(prompts_file))
+    assert prompts[0] == Prompt("7", [{"role": "user", "content": "Tell me a story."}])
+    assert prompts[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert len(load_prompts(str(prompts_file), num_prompts=2)) == 2
+    array = tmp_path / "p.json"
+    array.write_text(json.dumps(["one", {"conversations": [{"from": "human", "value": "two"}]}]))
+    assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
+
+
+def test_prompt_file_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
+        load_prompts(str(bad))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        load_prompts(str(empty))
+    with pytest.raises(FileNotFoundError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_text_files_answers_and_bom(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text("first line\n\n  second line  \n")
+    assert [(p.id, p.text) for p in load_prompts(str(txt))] == [("1", "first line"), ("3", "second line")]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "question": "q?", "answer": "#### 42"}\n{"text": "t"}\n')
+    prompts = load_prompts(str(bom))
+    assert prompts[0] == Prompt("a", [{"role": "user", "content": "q?"}], answer="#### 42")
+    assert prompts[1].answer is None and prompts[1].id == "2"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+        load_prompts(str(bad))
+
+
+def test_split_is_disjoint_and_counts_overlap(tmp_path):
+    source = [Prompt(str(i), [{"role": "user", "content": f"q{i}"}]) for i in range(6)]
+    calib, evaluation, overlap = split_prompts(source, 2, 3, seed=0)
+    assert len(calib) == 2 and len(evaluation) == 3 and overlap == 0
+    assert not {p.id for p in calib} & {p.id for p in evaluation}
+    assert split_prompts(source, 2, 3, seed=0) == (calib, evaluation, 0)  # seeded
+    _, evaluation, overlap = split_prompts(source, [source[1], source[4]], None)
+    assert len(evaluation) == 6 and overlap == 2
+    with pytest.raises(ValueError, match="only 4 prompts remain"):
+        split_prompts(source, 2, 5)

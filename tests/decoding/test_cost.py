@@ -1,0 +1,81 @@
+"""The cost model: interpolation, the optimum on a synthetic cost table, plain fallback, calibration."""
+
+import pytest
+import torch
+
+from draftkit.decoding.cost import (
+    CostTable,
+    calibrate_rounds,
+    candidate_topologies,
+    choose,
+    greedy_sequences,
+    measure_costs,
+    predict,
+)
+from draftkit.decoding.speculative import DecodeConfig, TargetSession
+from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
+
+MS = 1e-3
+# a CPU-like target: +1 ms per verified row up to 4, then +1 ms per 2 rows
+TABLE = CostTable(verify={1: 10 * MS, 2: 11 * MS, 4: 13 * MS, 8: 15 * MS, 16: 19 * MS}, first=2 * MS,
+                  step={1: 1 * MS, 2: 1.2 * MS, 4: 1.5 * MS})
+
+
+def test_cost_table_interpolates():
+    assert TABLE.verify_seconds(3) == pytest.approx(12 * MS)
+    assert TABLE.verify_seconds(12) == pytest.approx(17 * MS)
+    assert TABLE.verify_seconds(32) == pytest.approx(27 * MS)  # last segment extended: 0.5 ms per row
+    # chain k=2: step 0 + one head pass + verify of 3 rows
+    assert TABLE.round_seconds(TreeConfig.chain(2)) == pytest.approx((2 + 1 + 12) * MS)
+    # tree (3, 2, 8): step 0 + two passes of width 2 + verify of 9 rows
+    assert TABLE.round_seconds(TreeConfig(3, 2, 8)) == pytest.approx((2 + 2.4 + 15.5) * MS)
+
+
+def test_cost_model_picks_the_known_optimum():
+    taus = {TreeConfig.chain(1): 1.6, TreeConfig.chain(2): 2.0, TreeConfig.chain(3): 2.2, TreeConfig(3, 2, 8): 2.6}
+    # tokens/ms: 1.6/13 = .1231, 2.0/15 = .1333, 2.2/17 = .1294, 2.6/19.9 = .1307; plain 1/10
+    preds = predict(taus, TABLE)
+    assert [p.tree for p in preds] == [TreeConfig.chain(2), TreeConfig(3, 2, 8), TreeConfig.chain(3), TreeConfig.chain(1)]
+    best = choose(preds)
+    assert best.tree == TreeConfig.chain(2)
+    assert best.speedup == pytest.approx(2.0 / 15 * 10)
+    assert best.tokens_per_s == pytest.approx(2.0 / (15 * MS))
+    # a better tree wins once its tau pays for its extra rows
+    assert choose(predict({**taus, TreeConfig(3, 2, 8): 2.7}, TABLE)).tree == TreeConfig(3, 2, 8)
+
+
+def test_cost_model_falls_back_to_plain():
+    steep = CostTable(verify={1: 10 * MS, 2: 20 * MS, 8: 80 * MS}, first=2 * MS, step={1: 1 * MS})
+    preds = predict({TreeConfig.chain(1): 1.9, TreeConfig.chain(3): 2.5}, steep)
+    assert all(p.speedup < 1 for p in preds)
+    assert choose(preds) is None
+    assert choose([]) is None
+
+
+def test_candidate_topologies():
+    chains = candidate_topologies(False, max_depth=3)
+    assert chains == [TreeConfig.chain(1), TreeConfig.chain(2), TreeConfig.chain(3)]
+    trees = candidate_topologies(True, max_depth=3, topks=(2,), nodes=(4, 8, 16))
+    assert trees[3:] == [TreeConfig(2, 2, 4), TreeConfig(3, 2, 4), TreeConfig(3, 2, 8)]
+
+
+def test_calibration_replays_greedy_tree_decoding(tiny, tiny_head):
+    """The calibration's rounds equal those greedy tree decoding actually plays (last round aside)."""
+    target, _ = tiny
+    session = TargetSession(target)
+    prompt = torch.tensor([256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8])
+    seqs = greedy_sequences(session, [prompt], 30)
+    topologies = [TreeConfig.chain(1), TreeConfig.chain(3), TreeConfig(3, 2, 5), TreeConfig(4, 3, 12)]
+    rounds = calibrate_rounds(Eagle3TreeDrafter(tiny_head), session, seqs, topologies)
+    for t in topologies:
+        real = generate_tree(session, Eagle3TreeDrafter(tiny_head), prompt, t, DecodeConfig(max_new_tokens=30))
+        assert real.tokens == seqs[0][1].tolist()
+        assert rounds[t][:-1] == real.stats.accepted[:-1], t
+        assert sum(a + 1 for a in rounds[t]) == 29  # every token after the first, once
+
+
+def test_measure_costs_shapes(tiny, tiny_head):
+    target, _ = tiny
+    costs = measure_costs(TargetSession(target), Eagle3TreeDrafter(tiny_head), torch.arange(3, 20), [4, 9], [2], 2)
+    assert sorted(costs.verify) == [1, 4, 9] and sorted(costs.step) == [1, 2]
+    assert costs.first > 0 and all(v > 0 for v in costs.verify.values())

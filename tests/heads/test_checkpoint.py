@@ -1,0 +1,76 @@
+"""The one checkpoint reader: what evaluate and export both accept or refuse; aux ids stored once, never guessed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+
+from export_helpers import make_head, save_tiny_target, write_checkpoint  # noqa: E402
+
+from draftkit.export.load import load_head  # noqa: E402
+from draftkit.export import export_checkpoint  # noqa: E402
+from draftkit.heads.checkpoint import head_from_checkpoint, read_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_target"))
+
+
+def _rewrite_meta(path, edit):
+    ckpt = torch.load(path, weights_only=False)
+    edit(ckpt["draftkit"])
+    torch.save(ckpt, path)
+
+
+def test_head_from_checkpoint_equals_the_saved_head(target_dir, tmp_path):
+    head, ids = make_head(target_dir, aux_layer_ids=[1, 3, 6])
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, ids)
+    loaded, meta = head_from_checkpoint(ckpt)
+    assert meta["aux_layer_ids"] == [1, 3, 6] == loaded.config.aux_layer_ids
+    assert meta["target"] == str(target_dir)
+    saved = {k: v for k, v in head.state_dict().items() if not k.startswith(("embed_tokens.", "rotary_emb."))}
+    got = loaded.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    assert read_checkpoint(ckpt).aux_layer_ids == [1, 3, 6]
+
+
+def test_checkpoint_without_aux_ids_is_refused_by_evaluate_and_export(target_dir, tmp_path):
+    head, ids = make_head(target_dir, aux_layer_ids=[1, 3, 6])
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, ids)
+    _rewrite_meta(ckpt, lambda m: m["head_config"].update(aux_layer_ids=[]))
+    with pytest.raises(ValueError, match=r"records no aux layer ids.*cannot be guessed"):
+        export_checkpoint(ckpt, "vllm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="records no aux layer ids"):
+        load_head(ckpt)
+
+
+def test_older_checkpoint_with_ids_beside_head_config_still_reads(target_dir, tmp_path):
+    head, ids = make_head(target_dir, aux_layer_ids=[1, 3, 6])
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, ids)
+
+    def legacy(meta):
+        meta["aux_layer_ids"] = meta["head_config"].pop("aux_layer_ids")
+
+    _rewrite_meta(ckpt, legacy)
+    assert read_checkpoint(ckpt).aux_layer_ids == [1, 3, 6]
+    assert load_head(ckpt)[1]["aux_layer_ids"] == [1, 3, 6]
+
+
+def test_evaluate_refuses_what_export_refuses(target_dir, tmp_path):
+    head, ids = make_head(target_dir)
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, ids, drop=("d2t",))
+    for read in (lambda: load_head(ckpt), lambda: export_checkpoint(ckpt, "vllm", tmp_path / "out")):
+        with pytest.raises(ValueError, match=r"no draft-vocab map \(head.d2t\)"):
+            read()
+    other = save_tiny_target(tmp_path / "wide", hidden_size=96)
+    good = write_checkpoint(tmp_path / "g.ckpt", *make_head(target_dir)[:1], target_dir, ids)
+    for read in (lambda: load_head(good, other), lambda: export_checkpoint(good, "vllm", tmp_path / "o", target=other)):
+        with pytest.raises(ValueError, match="hidden_size 96"):
+            read()

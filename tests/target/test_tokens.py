@@ -1,0 +1,35 @@
+"""Tokenizer facts: the one EOS rule, pad id, skipped ids and chat-prompt encoding."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from transformers import GenerationConfig
+
+from draftkit.target.tokens import encode_chat, ids_to_skip, pad_token_id, stop_token_ids
+
+
+def test_stop_ids_join_tokenizer_and_generation_config():
+    tok = SimpleNamespace(eos_token_id=257)
+    assert stop_token_ids(tok) == [257]
+    assert stop_token_ids(tok, GenerationConfig(eos_token_id=[259, 257])) == [257, 259]
+    assert stop_token_ids(tok, GenerationConfig(eos_token_id=12)) == [12, 257]
+    assert stop_token_ids(SimpleNamespace(eos_token_id=None), GenerationConfig(eos_token_id=5)) == [5]
+    assert stop_token_ids(None, None) == []
+
+
+def test_pad_and_skipped_ids():
+    assert pad_token_id(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=7)) == 7
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+    assert ids_to_skip(SimpleNamespace(bos_token_id=1, eos_token_id=2)) == [1]
+    assert ids_to_skip(SimpleNamespace(bos_token_id=2, eos_token_id=2)) == []
+    assert ids_to_skip(SimpleNamespace(bos_token_id=None, eos_token_id=2)) == [] and ids_to_skip(None) == []
+
+
+def test_encode_chat_renders_generation_prompt_without_extra_specials(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi there"}]
+    text = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = encode_chat(tiny_tokenizer, messages)
+    assert ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer.decode(ids) == text and text.endswith("assistant\n")

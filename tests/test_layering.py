@@ -1,0 +1,110 @@
+"""Import floors of the package (architecture.md "Floors"), checked on the source with ``ast``.
+
+A module may import only from its own floor or lower ones, lazy (function-level) imports included, and
+nothing in ``draftkit/`` may import ``draftkit.callbacks``:
+
+1. selection, quant, jsonio, artifacts, testing, precision, heads/eagle3_llama,
+   analysis/{cka, entropy, moments, subsets, token_entropy, plots}
+2. target, heads/checkpoint, data
+3. decoding, dual_precision, export, analysis/{collect, report}
+4. models
+5. cli, callbacks (callbacks may import any of 1-4)
+6. commands, __main__
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FLOORS = {
+    1: ["draftkit", "draftkit.selection", "draftkit.quant", "draftkit.jsonio", "draftkit.artifacts",
+        "draftkit.testing", "draftkit.precision", "draftkit.heads", "draftkit.heads.eagle3_llama",
+        "draftkit.analysis", "draftkit.analysis.cka", "draftkit.analysis.entropy", "draftkit.analysis.moments",
+        "draftkit.analysis.subsets", "draftkit.analysis.token_entropy", "draftkit.analysis.plots"],
+    2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data"],
+    3: ["draftkit.decoding", "draftkit.dual_precision", "draftkit.export", "draftkit.analysis.collect",
+        "draftkit.analysis.report"],
+    4: ["draftkit.models"],
+    5: ["draftkit.cli", "draftkit.callbacks"],
+    6: ["draftkit.commands", "draftkit.__main__"],
+}
+RULES = {name: floor for floor, names in FLOORS.items() for name in names}
+
+
+def floor_of(module: str) -> int:
+    """Floor of a dotted module name: the longest rule that is the name or a package above it.
+
+    Raises:
+        KeyError: for a draftkit module no rule covers (add it to FLOORS and architecture.md).
+    """
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in RULES and (n == len(parts) or name != "draftkit"):
+            return RULES[name]
+    raise KeyError(f"{module} is in no floor: add it to tests/test_layering.py FLOORS and architecture.md")
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for base, package in ((ROOT / "draftkit", "draftkit"), (ROOT / "callbacks", "draftkit.callbacks")):
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).with_suffix("").parts
+            rel = rel[:-1] if rel[-1] == "__init__" else rel
+            out.append((".".join((package, *rel)), path))
+    return out
+
+
+MODULES = _modules()
+KNOWN = {name for name, _ in MODULES}
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int]]:
+    """Every draftkit module a file imports, with its line (relative imports resolved)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, mod] if mod else base)
+            for a in node.names:  # `from draftkit.export import vllm` imports the submodule
+                sub = f"{mod}.{a.name}"
+                found.append((sub if sub in KNOWN else mod, node.lineno))
+    return [(m, line) for m, line in found if m == "draftkit" or m.startswith("draftkit.")]
+
+
+def test_every_module_has_a_floor():
+    assert len(MODULES) > 40
+    for name, _ in MODULES:
+        floor_of(name)
+
+
+@pytest.mark.parametrize("name, path", MODULES, ids=[m for m, _ in MODULES])
+def test_imports_stay_on_or_below_the_floor(name, path):
+    own = floor_of(name)
+    bad = []
+    for target, line in _imports(name, path):
+        if target.startswith("draftkit.callbacks") and not name.startswith("draftkit.callbacks"):
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}: nothing in draftkit/ imports callbacks")
+        elif floor_of(target) > own:
+            bad.append(f"{path.relative_to(ROOT)}:{line} (floor {own}) imports {target} (floor {floor_of(target)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_floor_rules_on_examples():
+    assert floor_of("draftkit.analysis.cka") == 1 and floor_of("draftkit.analysis.collect") == 3
+    assert floor_of("draftkit.heads.checkpoint") == 2 and floor_of("draftkit.heads.eagle3_llama") == 1
+    assert floor_of("draftkit.decoding.tree") == 3 and floor_of("draftkit.commands.evaluate") == 6
+    assert floor_of("draftkit.callbacks.export") == 5 and floor_of("draftkit") == 1
+    with pytest.raises(KeyError, match="no floor"):
+        floor_of("draftkit.somewhere_new")
