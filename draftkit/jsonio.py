@@ -1,4 +1,5 @@
-"""Atomic JSON files: reports, indexes and manifests are either complete or absent."""
+"""Atomic JSON files (reports, indexes and manifests are either complete or absent) and resumable JSONL
+records (a long run appends one finished unit per line and picks up where it stopped)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_json_atomic"]
+__all__ = ["ResumableRecord", "write_json_atomic"]
 
 
 def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = True) -> None:
@@ -33,3 +34,70 @@ def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class ResumableRecord:
+    """An append-only JSONL file of finished units of work, keyed, behind a header that names the run.
+
+    Line 1 is ``{"header": header}``; every further line is ``{"key": key, "value": value}``, written and
+    flushed to disk as each unit finishes. Reopening the same path with an equal header loads the finished
+    units (a torn last line, from a run killed mid-write, is dropped and rewritten on the next ``add``), so
+    an interrupted run only redoes the unit in progress. ``path`` None keeps nothing (an in-memory no-op).
+
+    Args:
+        path: the JSONL file, or None.
+        header: JSON-serialisable description of everything the values depend on (config, inputs).
+
+    Raises:
+        ValueError: if ``path`` holds a record of a different run (another header), naming the file and
+            what to do.
+    """
+
+    def __init__(self, path: str | Path | None, header: dict) -> None:
+        self.path = None if path is None else Path(path)
+        self.header = json.loads(json.dumps(header))  # normalised as it reads back (tuples -> lists)
+        self.done: dict[str, object] = {}
+        if self.path is None:
+            return
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if lines:
+            try:
+                found = json.loads(lines[0]).get("header")
+            except json.JSONDecodeError:
+                found = None
+            if found != self.header:
+                raise ValueError(
+                    f"{self.path}: a record of a different run (its header differs from this run's config or "
+                    f"inputs); delete it to start over, or pass another record path"
+                )
+            for line in lines[1:]:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # torn last line
+                self.done[row["key"]] = row["value"]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        """Header plus the intact rows, atomically (drops a torn last line)."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"header": self.header}) + "\n")
+            for key, value in self.done.items():
+                f.write(json.dumps({"key": key, "value": value}) + "\n")
+        os.replace(tmp, self.path)
+
+    def get(self, key: str):
+        """The value recorded under ``key``, or None."""
+        return self.done.get(key)
+
+    def add(self, key: str, value) -> None:
+        """Record a finished unit (appended and fsynced at once)."""
+        self.done[key] = value
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": key, "value": value}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

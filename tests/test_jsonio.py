@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from draftkit.jsonio import write_json_atomic
+from draftkit.jsonio import ResumableRecord, write_json_atomic
 
 
 def test_writes_content_with_umask_permissions(tmp_path):
@@ -25,3 +25,25 @@ def test_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         write_json_atomic(path, {"tau": math.nan}, allow_nan=False)
     assert json.loads(path.read_text()) == {"tau": 1.0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+def test_resumable_record_round_trip_torn_line_and_other_run(tmp_path):
+    path = tmp_path / "run" / "prompts.jsonl"
+    header = {"config": {"k": 3, "budgets": (0.1, 0.2)}, "prompts": "abc"}
+    rec = ResumableRecord(path, header)
+    assert rec.done == {}
+    rec.add("eval/0", {"tokens": [1, 2], "kl": [0.5, 0.25]})
+    rec.add("eval/1", {"tokens": [3], "kl": [1.0]})
+    with open(path, "a") as f:
+        f.write('{"key": "eval/2", "val')  # killed mid-write
+    again = ResumableRecord(path, header)
+    assert again.done == {"eval/0": {"tokens": [1, 2], "kl": [0.5, 0.25]}, "eval/1": {"tokens": [3], "kl": [1.0]}}
+    assert again.get("eval/2") is None
+    again.add("eval/2", {"tokens": [], "kl": []})
+    assert list(ResumableRecord(path, header).done) == ["eval/0", "eval/1", "eval/2"]
+    assert len(path.read_text().splitlines()) == 4  # header + 3 rows, the torn line gone
+    with pytest.raises(ValueError, match="prompts.jsonl: a record of a different run"):
+        ResumableRecord(path, {**header, "prompts": "xyz"})
+    memory = ResumableRecord(None, header)
+    memory.add("a", 1)
+    assert memory.get("a") == 1

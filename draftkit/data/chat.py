@@ -21,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "ReadSummary",
+    "describe_skips",
     "read_conversations",
     "normalize_record",
     "tokenize_conversation",
@@ -41,69 +42,169 @@ class TemplateError(ValueError):
     """The chat template cannot be used to find assistant spans."""
 
 
+SHOW_PER_REASON = 3
+"""Records named per skip reason in a summary's text; the full list is in :meth:`ReadSummary.skip_rows`."""
+
+
 @dataclass
 class ReadSummary:
-    """Counts of a read: records kept and records skipped by reason."""
+    """What a read did with every record: kept, or skipped with its id and a reason.
+
+    ``skips`` holds one ``(record, reason, detail)`` per skipped record: ``record`` is the record's own id
+    (its ``id``, ``conversation_id`` or ``question_id`` field) or, without one, its position (``record 3`` in
+    a JSON array, 0-based; ``line 4`` in a JSONL file, 1-based; ``row 3`` in a ``datasets`` source);
+    ``reason`` is a label (the key of ``skipped``); ``detail`` says exactly what is wrong in that record.
+    """
 
     source: str
     kept: int = 0
     usable: int = 0
     skipped: Counter = field(default_factory=Counter)
+    skips: list[tuple[str, str, str]] = field(default_factory=list)
+    records: list[str] = field(default_factory=list)
+    """Names (as in ``skips``) of the kept conversations, in order."""
     cut_offset: int | None = None
-    ids: list[str] = field(default_factory=list)
-    """Source id of each kept conversation: the record's ``id`` field, else ``#<n>`` (n = array index of a
-    ``.json`` record, line number of a ``.jsonl`` one, row of a ``datasets`` source)."""
     header: dict | None = None
     """The ``header`` object of a chat JSONL whose first line is ``{"header": {...}}`` (written by
     ``draftkit generate``), else None."""
 
+    def skip(self, record: str, reason: str, detail: str = "") -> None:
+        """Count one skipped record under ``reason`` and keep its name and detail."""
+        self.skipped[reason] += 1
+        self.skips.append((record, reason, detail))
+
+    def skip_rows(self) -> list[dict]:
+        """Every skipped record as ``{"record", "reason", "detail"}`` (for the run's skip list file)."""
+        return [{"record": r, "reason": why, "detail": d} for r, why, d in self.skips]
+
     def __str__(self) -> str:
-        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        skipped = describe_skips(self.skips) or "none"
         cut = f"; file cut off at byte {self.cut_offset}" if self.cut_offset is not None else ""
         capped = f" (first {self.kept} of {self.usable} usable)" if self.usable > self.kept else ""
         return f"{self.source}: {self.kept} conversations kept{capped}; skipped: {skipped}{cut}"
 
 
-def normalize_record(record) -> tuple[list[dict] | None, str | None]:
+def describe_skips(skips, show: int = SHOW_PER_REASON) -> str:
+    """``"2 unknown role (r1: turn 0 role 'alien', r7: ...), 1 empty conversation (record 3)"``: the count of
+    each reason with its first ``show`` records named, reasons in alphabetical order.
+
+    Args:
+        skips: ``(record, reason, detail)`` triples or ``{"record", "reason", "detail"}`` dicts.
+    """
+    by_reason: dict[str, list[str]] = {}
+    for s in skips:
+        record, why, detail = (s["record"], s["reason"], s["detail"]) if isinstance(s, dict) else s
+        by_reason.setdefault(why, []).append(f"{record}: {detail}" if detail else record)
+    parts = []
+    for why, names in sorted(by_reason.items()):
+        more = f", ... {len(names) - show} more" if len(names) > show else ""
+        parts.append(f"{len(names)} {why} ({', '.join(names[:show])}{more})")
+    return ", ".join(parts)
+
+
+ID_KEYS = ("id", "conversation_id", "question_id")
+
+
+def record_name(record, position: str) -> str:
+    """A record's own id when it has one (``id``, ``conversation_id``, ``question_id``), else ``position``.
+
+    The name is always encodable (a lone surrogate in an id is written as ``\\udXXX``).
+    """
+    if isinstance(record, dict):
+        for key in ID_KEYS:
+            value = record.get(key)
+            if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+                return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return position
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type (``null``, ``number``, ``array``, ...)."""
+    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+             dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _unencodable(text: str) -> int | None:
+    """Index of the first character UTF-8 cannot encode (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        return exc.start
+
+
+def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]:
     """Turn one ShareGPT (``conversations``: from/value) or chat (``messages``: role/content) record into
     ``[{"role", "content"}]``.
 
-    Leading assistant turns (ShareGPT conversations that start with the model) are dropped.
+    Leading assistant turns (ShareGPT conversations that start with the model) are dropped. Text that
+    UTF-8 cannot encode (a lone surrogate from a ``\\ud800`` escape, or an invalid byte of the file, which
+    the readers decode as a lone surrogate) would crash the tokenizer and Arrow, so such a record is skipped.
 
     Returns:
-        (messages, None) or (None, reason) with reason one of ``not an object``, ``empty conversation``,
-        ``unknown role``, ``non-string content``, ``no assistant turn``.
+        (messages, None), or (None, (reason, detail)) with reason one of ``not an object``,
+        ``no conversation key``, ``conversation not a list``, ``empty conversation``, ``turn not an object``,
+        ``missing role``, ``unknown role``, ``missing content``, ``non-string content``, ``unencodable text``,
+        ``no assistant turn``, ``empty assistant turn``; detail names the turn and value at fault.
     """
     if isinstance(record, list):
         turns = record
     elif isinstance(record, dict):
-        turns = record.get("conversations", record.get("messages", record.get("conversation")))
+        key = next((k for k in ("conversations", "messages", "conversation") if k in record), None)
+        if key is None:
+            keys = ", ".join(sorted(map(str, record))) or "none"
+            return None, ("no conversation key", f"no conversations/messages key (keys: {keys})")
+        turns = record[key]
+        if not isinstance(turns, list):
+            return None, ("conversation not a list", f"{key} is {_json_type(turns)}, not a list of turns")
     else:
-        return None, "not an object"
-    if not isinstance(turns, list) or not turns:
-        return None, "empty conversation"
+        return None, ("not an object", f"record is {_json_type(record)}, not an object")
+    if not turns:
+        return None, ("empty conversation", "no turns")
     messages = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            return None, "not an object"
+            return None, ("turn not an object", f"turn {i} is {_json_type(turn)}")
         role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        role = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
         if role is None:
-            return None, "unknown role"
+            return None, ("missing role", f"turn {i} has no role/from")
+        content = turn.get("content", turn.get("value"))
+        if ROLE_ALIASES.get(str(role).lower()) is None:
+            return None, ("unknown role", f"turn {i} role {str(role)!r}")
+        if content is None and not ({"content", "value"} & turn.keys()):
+            return None, ("missing content", f"turn {i} has no content/value")
         if not isinstance(content, str):
-            return None, "non-string content"
-        messages.append({"role": role, "content": content})
+            return None, ("non-string content", f"turn {i} content is {_json_type(content)}")
+        bad = _unencodable(content)
+        if bad is not None:
+            return None, ("unencodable text",
+                          f"turn {i} has U+{ord(content[bad]):04X} at character {bad} (a lone surrogate or an "
+                          "invalid UTF-8 byte); fix the text or the file's encoding")
+        messages.append({"role": ROLE_ALIASES[str(role).lower()], "content": content})
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, ("no assistant turn", "no assistant turn after the first user turn")
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        return None, "no assistant turn"
+        return None, ("empty assistant turn", "every assistant turn is blank")
     return messages, None
 
 
+def _decode(path: Path) -> str:
+    """A data file's text: UTF-8 without its byte-order mark; an invalid byte becomes a lone surrogate
+    (``surrogateescape``), which :func:`normalize_record` then names in its record; ``.gz`` files are
+    decompressed first."""
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    return data.decode("utf-8-sig", errors="surrogateescape")
+
+
 def _iter_json_array(path: Path, summary: ReadSummary):
-    """Yield the elements of a top-level JSON array, tolerating a file cut off mid-record."""
-    text = path.read_text(encoding="utf-8")
+    """Yield ``(name, record)`` for the elements of a top-level JSON array, tolerating a file cut off
+    mid-record."""
+    text = _decode(path)
     decoder = json.JSONDecoder()
     pos = 0
     n = len(text)
@@ -127,35 +228,36 @@ def _iter_json_array(path: Path, summary: ReadSummary):
                 raise ValueError(
                     f"{path}: record {index} is corrupt JSON at line {line} ({exc.msg}); fix or remove that record"
                 ) from exc
-            summary.cut_offset = len(text[:pos].encode("utf-8"))
+            summary.cut_offset = len(text[:pos].encode("utf-8", "surrogateescape"))
             warnings.warn(
                 f"{path} is cut off mid-record at byte {summary.cut_offset}: read the {index} complete records "
                 "before the cut and ignored the rest",
                 stacklevel=3,
             )
             return
-        yield index, obj
+        yield record_name(obj, f"record {index}"), obj
         index += 1
         pos = skip_ws(end)
         if pos < n and text[pos] == ",":
             pos = skip_ws(pos + 1)
     if pos >= n and summary.cut_offset is None:
-        summary.cut_offset = len(text.encode("utf-8"))
+        summary.cut_offset = len(text.encode("utf-8", "surrogateescape"))
         warnings.warn(f"{path} ends without closing ']': read {index} complete records", stacklevel=3)
 
 
 def _iter_jsonl(path: Path, summary: ReadSummary):
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError:
-                summary.skipped["corrupt JSON line"] += 1
-                if summary.skipped["corrupt JSON line"] <= 3:
-                    log.warning("%s: line %d is not valid JSON; skipped", path, lineno)
+    """Yield ``(name, record)`` per non-blank line; LF or CRLF line ends, a byte-order mark on any line
+    (concatenated files) ignored; a line that is not JSON is skipped and named."""
+    for lineno, line in enumerate(_decode(path).split("\n"), 1):
+        line = line.lstrip("\ufeff").strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            summary.skip(f"line {lineno}", "corrupt JSON line", f"{exc.msg} at column {exc.colno}")
+            continue
+        yield record_name(record, f"line {lineno}"), record
 
 
 def _iter_datasets(ref: str, split: str):
@@ -167,7 +269,8 @@ def _iter_datasets(ref: str, split: str):
         ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     else:
         ds = datasets.load_dataset(ref, split=split)
-    yield from enumerate(ds)
+    for index, record in enumerate(ds):
+        yield record_name(record, f"row {index}"), record
 
 
 def read_conversations(ref: str, split: str = "train", max_records: int | None = None) -> tuple[list[list[dict]], ReadSummary]:
@@ -177,13 +280,15 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
         ref: a local ``.json`` (array of ShareGPT or chat records; a file cut off mid-record is read up to the
             cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first line
             ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source (hub id,
-            a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load).
+            a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local files
+            are UTF-8, with or without a byte-order mark, with LF or CRLF line ends.
         split: the ``datasets`` split.
         max_records: keep only the first this many usable conversations (None = all); the rest of the
             source is still read, so the summary and the cut-off warning cover the whole file.
 
     Returns:
-        (conversations, summary); malformed records are skipped and counted by reason in the summary.
+        (conversations, summary); every record is either kept (``summary.records`` names it) or skipped with
+        its name, reason and detail in ``summary.skips`` (see :func:`normalize_record`).
 
     Raises:
         FileNotFoundError: if a local path does not exist.
@@ -200,20 +305,19 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     else:
         records = _iter_datasets(ref, split)
     conversations = []
-    for n, (where, record) in enumerate(records):
+    for n, (name, record) in enumerate(records):
         if n == 0 and isinstance(record, dict) and set(record) == {"header"}:
             summary.header = record["header"]
             continue
-        messages, reason = normalize_record(record)
+        messages, why = normalize_record(record)
         if messages is None:
-            summary.skipped[reason] += 1
+            summary.skip(name, *why)
             continue
         summary.usable += 1
         if max_records is None or summary.kept < max_records:
             conversations.append(messages)
+            summary.records.append(name)
             summary.kept += 1
-            rid = record.get("id") if isinstance(record, dict) else None
-            summary.ids.append(str(rid) if isinstance(rid, (str, int)) else f"#{where}")
     return conversations, summary
 
 

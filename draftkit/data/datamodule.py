@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve_model_dir
-from draftkit.data.chat import read_conversations, tokenize_conversation
+from draftkit.data.chat import describe_skips, read_conversations, tokenize_conversation
 from draftkit.data.collate import collate, collate_offline
 from draftkit.data.hidden_cache import HiddenStateCache, tokenizer_fingerprint
 from draftkit.data.sampler import ResumableLoader
@@ -37,6 +37,9 @@ from draftkit.target.tokens import pad_token_id
 __all__ = ["ChatDataModule"]
 
 log = logging.getLogger(__name__)
+
+
+SKIP_KEYS = ("record", "reason", "detail")
 
 
 def _lengths(ds) -> list[int]:
@@ -63,7 +66,8 @@ class ChatDataModule(pl.LightningDataModule):
         max_conversations: read at most this many usable conversations from the source (None = all);
             bounds tokenization time on large sources.
         max_samples: use at most this many conversations after the validation split (None = all).
-        val_size: conversations held out for validation (deterministic, seeded).
+        val_size: conversations held out for validation (deterministic, seeded); at most half of the
+            trainable conversations (more is an error, not a silent cap).
         batch_size: sequences per device per step.
         num_workers: DataLoader workers.
         seed: seed of the train/validation split.
@@ -75,8 +79,14 @@ class ChatDataModule(pl.LightningDataModule):
             batches then carry the cached target states and the model skips the target forward.
 
     Raises:
-        ValueError: when the tokenizer has no chat template and none is given, or no conversation survives,
-            or (offline) the cache was built for another tokenizer or data.
+        ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
+            trainable token (naming the cause: truncation at ``max_length``, or the template), or ``val_size``
+            exceeds half the trainable conversations, or (offline) the cache was built for another tokenizer
+            or data. Raised from ``prepare_data``, before the run writes anything.
+
+    Every record of the source trains or is named: skipped records (read errors, unencodable text, no
+    trainable token) are listed by reason in the log, and all of them in ``skipped_records.json`` in the
+    run's log directory.
     """
 
     def __init__(
@@ -103,6 +113,8 @@ class ChatDataModule(pl.LightningDataModule):
             raise ValueError(f"data.max_length must be >= 8 tokens, got {max_length}")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if val_size < 0 or (max_samples is not None and max_samples < 1):
+            raise ValueError(f"need data.val_size >= 0 and data.max_samples >= 1, got {val_size}, {max_samples}")
         self.save_hyperparameters()
         self.train_set = None
         self.val_set = None
@@ -153,15 +165,19 @@ class ChatDataModule(pl.LightningDataModule):
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")
         key = _fingerprint(
-            "chat-v1", self._data_fingerprint(path), hp.split, hp.chat_template or tok.chat_template,
+            "chat-v2", self._data_fingerprint(path), hp.split, hp.chat_template or tok.chat_template,
             tok.name_or_path, len(tok), tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
             hp.max_conversations,
         )
         return key, Path(path)
 
     def prepare_data(self) -> None:
-        """Tokenize the whole source once into ``<cache>/data/<key>`` (atomic) and reuse it afterwards."""
-        self._load_or_build()
+        """Tokenize the whole source once into ``<cache>/data/<key>`` (atomic) and reuse it afterwards.
+
+        Runs before Lightning creates the logger's files, so data without signal stops the run here, with
+        nothing written (:meth:`_check_signal`).
+        """
+        self._check_signal(self._load_or_build()[1])
 
     def _load_or_build(self):
         import datasets
@@ -176,7 +192,7 @@ class ChatDataModule(pl.LightningDataModule):
         log.info("%s", summary)
         if not conversations:
             raise ValueError(f"no usable conversation in {hp.path}: {summary}")
-        ds = datasets.Dataset.from_dict({"messages": conversations})
+        ds = datasets.Dataset.from_dict({"messages": conversations, "record": summary.records})
         template = hp.chat_template
 
         def encode(row):
@@ -186,12 +202,15 @@ class ChatDataModule(pl.LightningDataModule):
 
         ds = ds.map(encode, remove_columns=["messages"], num_proc=hp.num_proc if hp.num_proc > 1 else None,
                     desc="tokenizing conversations")
-        empty = sum(1 for n in ds["num_supervised"] if n == 0)
+        dropped = ds.filter(lambda n: n == 0, input_columns="num_supervised")
         ds = ds.filter(lambda n: n > 0, input_columns="num_supervised")
+        lost = self._name_untrainable(dropped, conversations, summary.records)
         stats = {
             "read": str(summary), "kept": summary.kept, "skipped": dict(summary.skipped),
             "cut_offset": summary.cut_offset, "truncated": int(sum(ds["truncated"])),
-            "no_supervised_token": empty, "sequences": len(ds),
+            "no_supervised_token": len(dropped), "lost_to_truncation": sum(1 for r in lost if r["needs"]),
+            "shortest_needed_length": min((r["needs"] for r in lost if r["needs"]), default=None),
+            "sequences": len(ds), "skips": summary.skip_rows() + [{k: r[k] for k in SKIP_KEYS} for r in lost],
         }
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
@@ -205,25 +224,92 @@ class ChatDataModule(pl.LightningDataModule):
             shutil.rmtree(tmp, ignore_errors=True)
         return datasets.load_from_disk(str(dest)), stats
 
+    def _name_untrainable(self, dropped, conversations: list, records: list[str]) -> list[dict]:
+        """Name each tokenized conversation without a trainable token and say why.
+
+        Returns:
+            one ``{"record", "reason", "detail", "needs"}`` per row of ``dropped``; ``needs`` = the
+            ``data.max_length`` that would keep its first assistant token trainable, or None when no length
+            would (the template renders no assistant token after position 0).
+        """
+        hp = self.hparams
+        index = {name: i for i, name in enumerate(records)}
+        out = []
+        for name, truncated in zip(dropped["record"], dropped["truncated"]):
+            needs = None
+            if truncated:
+                full = tokenize_conversation(self.load_tokenizer(), conversations[index[name]], hp.chat_template)
+                needs = next((t + 1 for t, m in enumerate(full["loss_mask"]) if m and t >= 1), None)
+            if needs:
+                out.append({"record": name, "reason": "assistant tokens lost to truncation", "needs": needs,
+                            "detail": f"no assistant token within data.max_length={hp.max_length} (needs {needs})"})
+            else:
+                out.append({"record": name, "reason": "no trainable assistant token", "needs": None,
+                            "detail": "the chat template renders no assistant token after position 0"})
+        return out
+
+    def _check_signal(self, stats: dict) -> None:
+        """Refuse, before anything is written, data that leaves nothing to train on.
+
+        Raises:
+            ValueError: when no conversation has a trainable token (naming the cause and the option to
+                change), or ``data.val_size`` holds out more sequences than it leaves for training.
+        """
+        hp = self.hparams
+        n = stats["sequences"]
+        if n == 0:
+            causes = []
+            if stats["lost_to_truncation"]:
+                causes.append(
+                    f"{stats['lost_to_truncation']} lost their assistant tokens to truncation at "
+                    f"data.max_length={hp.max_length}; raise data.max_length (the shortest needs "
+                    f"{stats['shortest_needed_length']} tokens)"
+                )
+            if stats["no_supervised_token"] > stats["lost_to_truncation"]:
+                causes.append(
+                    f"{stats['no_supervised_token'] - stats['lost_to_truncation']} have no assistant token after "
+                    "position 0 in the chat template's rendering; check data.chat_template"
+                )
+            every = "every one of the" if len(causes) == 1 else "of the"
+            raise ValueError(
+                f"no trainable tokens in {hp.path}: {every} {stats['kept']} conversations read, "
+                + "; ".join(causes) + (f" (read: {stats['read']})" if stats["skipped"] else "")
+            )
+        if n - hp.val_size < hp.val_size:
+            raise ValueError(
+                f"data.val_size={hp.val_size} holds out more sequences than it leaves for training: {hp.path} "
+                f"has {n} trainable sequences; set data.val_size to at most {n // 2}"
+            )
+
+    def _write_skip_list(self) -> None:
+        """Write every skipped record (read and tokenization) to ``skipped_records.json`` beside the run's logs."""
+        skips = self.stats.get("skips") or []
+        if not skips or self.trainer is None or not self.trainer.is_global_zero:
+            return
+        from draftkit.jsonio import write_json_atomic
+
+        path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "skipped_records.json"
+        write_json_atomic(path, skips)
+        log.warning("%d records skipped: %s; full list in %s", len(skips), describe_skips(skips), path)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         ds, self.stats = self._load_or_build()
+        self._check_signal(self.stats)
         hp = self.hparams
         n = len(ds)
-        val_size = min(hp.val_size, max(n - 1, 0))
         order = torch.randperm(n, generator=torch.Generator().manual_seed(hp.seed)).tolist()
-        val_idx, train_idx = sorted(order[:val_size]), order[val_size:]
+        val_idx, train_idx = sorted(order[: hp.val_size]), order[hp.val_size:]
         if hp.max_samples is not None:
             train_idx = train_idx[: hp.max_samples]
-        if not train_idx:
-            raise ValueError(f"no training conversations left in {hp.path} after holding out {val_size}")
         cols = ["input_ids", "loss_mask"]
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)
         self.train_lengths = _lengths(self.train_set)
         if hp.hidden_states_cache:
             self._open_hidden_states()
+        self._write_skip_list()
         log.info(
             "data: %d train / %d val sequences (%d truncated to %d tokens, %d dropped with no assistant token)",
             len(self.train_set), len(self.val_set), self.stats["truncated"], hp.max_length,

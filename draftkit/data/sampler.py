@@ -120,9 +120,19 @@ class ResumableLoader(DataLoader):
     """A DataLoader whose position (epoch, batches consumed) is saved in Lightning checkpoints, so that
     ``ckpt_path`` continues with exactly the batches an uninterrupted run would have seen.
 
+    Each ``iter()`` is one epoch, with its own seeded permutation (:class:`EpochSampler`): after a restore it
+    starts where the state says; otherwise it takes the epoch Lightning set on the sampler
+    (``set_epoch(trainer.current_epoch)``), or, when nobody set one since the last pass, the next epoch. The
+    epoch never depends on the previous iterator being exhausted: Lightning stops calling ``next`` after
+    ``len(loader)`` batches, and it restores no loader state from a checkpoint taken at the end of an epoch
+    of a ``max_epochs`` run.
+
     Lightning does not pre-fetch from loaders with a known length, so the batches yielded so far are the
-    batches trained so far. Its sampler is rank-aware (:class:`EpochSampler`); every rank consumes the
-    same number of batches, so rank 0's saved position is every rank's position.
+    batches trained so far. Its sampler is rank-aware; every rank consumes the same number of batches, so
+    rank 0's saved position is every rank's position. The state also records the sequences consumed and the
+    global batch (``batch_size * num_replicas``): a resume with the same global batch on another number of
+    processes continues at the next unseen sequence; with another global batch it continues at an epoch
+    boundary and refuses mid-epoch (:meth:`load_state_dict`).
 
     Args:
         dataset: map-style dataset.
@@ -142,25 +152,65 @@ class ResumableLoader(DataLoader):
         self._order = EpochSampler(
             len(dataset), seed, shuffle, kwargs.get("batch_size", 1), num_replicas, rank, lengths, bucket_window
         )
-        self._epoch, self._yielded, self._resume = 0, 0, 0
+        self._epoch, self._yielded, self._started = 0, 0, False
+        self._resume: tuple[int, int] | None = None  # (epoch, batches to skip) for the next iter()
         super().__init__(dataset, sampler=self._order, **kwargs)
 
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all ranks: ``batch_size * num_replicas``."""
+        return self._order.batch_size * self._order.num_replicas
+
     def __iter__(self):
+        if self._resume is not None:
+            (self._epoch, self._yielded), self._resume = self._resume, None
+        elif self._started and self._order.epoch == self._epoch:  # nobody set an epoch since the last pass
+            self._epoch, self._yielded = self._epoch + 1, 0
+        else:  # the first pass, or the epoch Lightning set
+            self._epoch, self._yielded = self._order.epoch, 0
+        self._started = True
         self._order.set_epoch(self._epoch)
-        self._order.skip = self._resume
-        self._yielded = self._resume
-        self._resume = 0
+        self._order.skip = self._yielded
         for batch in super().__iter__():
             self._yielded += 1
             yield batch
-        self._epoch += 1
-        self._yielded = 0
 
     def __len__(self) -> int:
         return super().__len__()
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "consumed": self._yielded}
+        """``epoch``, ``consumed`` (batches of this epoch), ``sequences`` consumed, ``global_batch``,
+        ``world_size`` and ``bucket_window``."""
+        order = self._order
+        return {
+            "epoch": self._epoch, "consumed": self._yielded,
+            "sequences": min(self._yielded * self.global_batch, order.size), "global_batch": self.global_batch,
+            "world_size": order.num_replicas, "bucket_window": order.bucket_window,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self._epoch, self._resume = int(state["epoch"]), int(state["consumed"])
+        """Continue after the saved position: at the next batch, or at epoch + 1 when the epoch was complete.
+
+        A mid-epoch resume needs the same global batch (``devices x data.batch_size``; the split over
+        processes may change): Lightning counts the epoch's remaining steps from the checkpoint's step count,
+        so another global batch would end the epoch early or late. At an epoch boundary any setting continues.
+
+        Raises:
+            ValueError: on a mid-epoch resume with another global batch; names both settings.
+        """
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        saved_g = int(state.get("global_batch", self.global_batch))
+        sequences = int(state.get("sequences", min(consumed * saved_g, self._order.size)))
+        if sequences >= self._order.size:
+            self._resume = (epoch + 1, 0)
+            return
+        if saved_g != self.global_batch:
+            world = int(state.get("world_size") or 1)
+            raise ValueError(
+                f"cannot resume mid-epoch (epoch {epoch}, after {sequences} sequences): the checkpoint was trained "
+                f"with world size {world} x batch {saved_g // world} (global batch {saved_g}), this run has world "
+                f"size {self._order.num_replicas} x batch {self._order.batch_size} (global batch "
+                f"{self.global_batch}); keep devices x data.batch_size = {saved_g} to resume here, or resume from a "
+                "checkpoint at an epoch boundary"
+            )
+        self._resume = (epoch, consumed)

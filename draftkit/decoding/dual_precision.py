@@ -1,8 +1,9 @@
 """Dual-precision decoding: 4-bit slices of 8-bit weights, escalation gates and verified speculation.
 
 Definitions: shared/reference/dual-precision.md. Seed idea "precision on demand" (arXiv 2611.14418, claims
-only); gates from CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); verified speculation is greedy
-self-speculation with shared weights (QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424).
+only); gates from CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); verified speculation is
+self-speculation with shared weights (QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424), greedy or by
+rejection sampling (arXiv 2211.17192).
 
 Notable:
 - one target, two precisions: every quantized linear holds its int8 codes and their 4-bit slice and a step
@@ -17,6 +18,11 @@ Notable:
   argmax p_lo != argmax p_hi; AUC, PR-AUC, catch at budgets, bootstrap CIs over prompts
 - live comparison (§6): bytes per token (cost models i/ii/iii), KL(high || method) along the method's own
   trajectory, argmax agreement, exact match with all-high, McNemar exact test
+- sampling (T > 0, top-p/top-k, ``draftkit.decoding.sampling``): every method draws from the warped
+  distribution of the logits it ends a step with; gates score the untempered 4-bit softmax; verified
+  speculation accepts by rejection sampling, so its output is distributed as all-high sampling; each prompt's
+  methods share one seed (exact match with all-high is then a same-seed comparison, not a correctness test)
+- the evaluation appends each finished prompt to a JSONL record and resumes from it
 
 Shapes: T tokens, n generated tokens, V target vocab, P prompts.
 """
@@ -27,13 +33,15 @@ import inspect
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftkit.decoding.sampling import check_sampling, probs_from_logits, sample, sample_from_probs
+from draftkit.decoding.speculative import greedy_verify, rejection_verify
 from draftkit.quant import (
     COST_MODELS,
     QuantConfig,
@@ -394,15 +402,20 @@ def greedy_decode(
     precision: str = "high",
     gate: Gate | None = None,
     keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
 ) -> Trajectory:
-    """Greedy decoding at one precision, or gated (dual-precision.md §3-4).
+    """Greedy (or sampled) decoding at one precision, or gated (dual-precision.md §3-4).
 
     Gated step (``gate`` given; ``precision`` ignored):
     1. run the step's tokens (the prompt at step 0, else the last token) at 4 bits; its K/V enter the cache;
-    2. score p_lo with the gate;
+    2. score p_lo with the gate (on the untempered softmax, the scale the thresholds are calibrated on);
     3. if score > tau: crop those tokens from the cache and re-run the step at 8 bits, which overwrites
        its K/V, and take the 8-bit logits;
-    4. emit the argmax; stop at EOS or after ``max_new_tokens``.
+    4. emit the argmax, or at ``temperature`` > 0 a draw from the warped distribution of the step's final
+       logits (``draftkit.decoding.sampling``); stop at EOS or after ``max_new_tokens``.
 
     Args:
         lm: the two-precision target.
@@ -412,14 +425,19 @@ def greedy_decode(
         precision: ``high`` or ``low`` for single-precision decoding.
         gate: the escalation gate, or None.
         keep_logits: keep the (n, V) logits in the trajectory.
+        temperature: 0 = greedy; > 0 samples (one draw per step from ``generator``).
+        top_p: nucleus cut of the sampled distribution (1 = off).
+        top_k: top-k cut of the sampled distribution (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory`.
 
     Raises:
-        ValueError: if ``max_new_tokens`` < 1.
+        ValueError: if ``max_new_tokens`` < 1 or a sampling option is out of range.
     """
     _check_new_tokens(max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
     eos = set(eos_ids)
     first = "low" if gate is not None else precision
     cache = lm.new_cache()
@@ -439,7 +457,7 @@ def greedy_decode(
                 traj.high_forwards += 1
             traj.scores.append(score)
             traj.escalated.append(escalate)
-        token = int(logits.argmax())
+        token = int(sample(logits, temperature, top_k, top_p, generator))
         traj.tokens.append(token)
         if keep_logits:
             kept.append(logits)
@@ -459,16 +477,24 @@ def verified_decode(
     max_new_tokens: int,
     eos_ids: Sequence[int] = (),
     keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
 ) -> Trajectory:
-    """Greedy verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
+    """Verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
 
-    Steps (Leviathan et al. arXiv 2211.17192, greedy case; shared-weight drafter as in QSpec arXiv 2410.11305):
-    0. prefill the prompt at 8 bits; emit its argmax (one A read, one token);
-    1. draft: k 4-bit forwards from the last emitted token give d_1..d_k (stop early at EOS), writing 4-bit
-       K/V that step 2 discards;
-    2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 argmaxes t_0..t_k;
-    3. accept the longest prefix with d_i = t_{i-1}, emit it plus t_n (the correction, or the bonus token),
-       and crop the K/V of rejected drafts; the cache stays all 8-bit, so the output is the all-high output.
+    Steps (Leviathan et al. arXiv 2211.17192; shared-weight drafter as in QSpec arXiv 2410.11305):
+    0. prefill the prompt at 8 bits; emit its argmax, or a draw from its warped distribution p_hi (one A read,
+       one token);
+    1. draft: k 4-bit forwards from the last emitted token give d_1..d_k, each the argmax or a draw from the
+       warped 4-bit distribution q_i (stop early at EOS), writing 4-bit K/V that step 2 discards;
+    2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 distributions p_0..p_k;
+    3. accept: greedy (``temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
+       first mismatch or the bonus token (``draftkit.decoding.speculative.greedy_verify``); sampled,
+       rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)), else draw from
+       norm(max(0, p - q)) (``rejection_verify``). Crop the K/V of rejected drafts; the cache stays all
+       8-bit, so greedy output is the all-high output and sampled output is distributed as all-high sampling.
 
     Args:
         lm: the two-precision target.
@@ -477,26 +503,36 @@ def verified_decode(
         max_new_tokens: n_max >= 1.
         eos_ids: ids that end generation.
         keep_logits: keep the (n, V) verify logits each token was chosen from.
+        temperature: 0 = greedy; > 0 samples drafts and verifies by rejection sampling.
+        top_p: nucleus cut applied to both p and q (1 = off).
+        top_k: top-k cut applied to both p and q (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory` with ``rounds`` = [(drafted, accepted), ...] (the prefill is not a round).
 
     Raises:
-        ValueError: if k < 1 or ``max_new_tokens`` < 1.
+        ValueError: if k < 1, ``max_new_tokens`` < 1 or a sampling option is out of range.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     _check_new_tokens(max_new_tokens)
-    eos = set(eos_ids)
+    check_sampling(temperature, top_k, top_p)
+    eos, warp = set(eos_ids), (temperature, top_k, top_p)
     cache = lm.new_cache()
     logits = lm.forward(list(prompt_ids), cache, "high")[-1]  # (V,)
-    traj = Trajectory(tokens=[int(logits.argmax())], high_forwards=1)
+    traj = Trajectory(tokens=[int(sample(logits, *warp, generator))], high_forwards=1)
     kept = [logits]
     while len(traj.tokens) < max_new_tokens and traj.tokens[-1] not in eos:
         k_round = min(k, max_new_tokens - len(traj.tokens) - 1)  # drafts + 1 correction/bonus fit the limit
-        drafts, x = [], traj.tokens[-1]
+        drafts, q_rows, x = [], [], traj.tokens[-1]
         for _ in range(k_round):
-            x = int(lm.forward([x], cache, "low")[-1].argmax())
+            z = lm.forward([x], cache, "low")[-1]  # (V,)
+            if temperature == 0:
+                x = int(z.argmax())
+            else:
+                q_rows.append(probs_from_logits(z, *warp))  # (V,)
+                x = int(sample_from_probs(q_rows[-1], generator))
             drafts.append(x)
             traj.low_forwards += 1
             if x in eos:
@@ -504,13 +540,15 @@ def verified_decode(
         cache = lm.rollback(cache, len(drafts))
         verify = lm.forward([traj.tokens[-1], *drafts], cache, "high", logits_to_keep=len(drafts) + 1)  # (m+1, V)
         traj.high_forwards += 1
-        targets = verify.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=verify.device)  # (m,)
+        if temperature == 0:
+            accepted, last = greedy_verify(draft_ids, verify)
+        else:
+            q = torch.stack(q_rows) if q_rows else verify.new_zeros(0, verify.shape[-1])  # (m, V)
+            accepted, last = rejection_verify(draft_ids, q, probs_from_logits(verify, *warp), generator)
         cache = lm.rollback(cache, len(drafts) - accepted)
         traj.rounds.append((len(drafts), accepted))
-        for j, token in enumerate([*drafts[:accepted], targets[accepted]]):
+        for j, token in enumerate([*drafts[:accepted], last]):
             traj.tokens.append(token)
             kept.append(verify[j])
             if token in eos:
@@ -694,17 +732,24 @@ class DualPrecisionConfig:
         bootstrap_samples: prompt resamples for 95 % intervals (0 = none).
         seed: bootstrap seed.
         methods: methods of the live comparison, a subset of :data:`METHODS` (``all_high`` always runs).
+        temperature: 0 = greedy (default); > 0 samples every method, verified speculation by rejection
+            sampling. Each prompt's methods share one seed (``seed``, prompt index).
+        top_p: nucleus cut when sampling (1 = off).
+        top_k: top-k cut when sampling (0 = off).
     """
 
     budget: float | None = None
     entropy_threshold: float | None = None
     margin_threshold: float | None = None
-    max_new_tokens: int = 64
+    max_new_tokens: int = 128
     k: int = 3
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
     bootstrap_samples: int = 1000
     seed: int = 0
     methods: tuple[str, ...] = METHODS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         fixed = self.entropy_threshold is not None or self.margin_threshold is not None
@@ -725,6 +770,7 @@ class DualPrecisionConfig:
             raise ValueError(f"--k must be >= 1, got {self.k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
@@ -735,6 +781,32 @@ class DualPrecisionConfig:
     def calibrate(self) -> bool:
         """Whether thresholds come from a budget on calibration prompts."""
         return self.budget is not None
+
+    def sampling(self, seed: int) -> dict:
+        """Keyword arguments of the decoding loops for one prompt: the warping and a generator at ``seed``."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "generator": torch.Generator().manual_seed(seed)}
+
+
+def _traj_row(traj: Trajectory) -> dict:
+    """A trajectory without its logits, as JSON (the per-prompt record)."""
+    return {f.name: getattr(traj, f.name) for f in fields(Trajectory) if f.name != "logits"}
+
+
+def _steps_row(steps: ReplaySteps) -> dict:
+    return {"flip": steps.flip.tolist(), **{kind: v.tolist() for kind, v in steps.scores.items()}}
+
+
+def _steps_from_row(row: dict) -> ReplaySteps:
+    return ReplaySteps(torch.tensor(row["flip"], dtype=torch.bool), {kind: torch.tensor(row[kind]) for kind in GATES})
+
+
+def _progress(what: str, done: int, total: int, started: float, resumed: int) -> None:
+    """Log one finished prompt with the elapsed time and an estimate of what is left (resumed ones excluded)."""
+    elapsed = time.perf_counter() - started
+    fresh = done - resumed
+    eta = elapsed / fresh * (total - done) if fresh else float("nan")
+    log.info("%s %d/%d done (%.0f s elapsed, ~%.0f s left)", what, done, total, elapsed, eta)
 
 
 def _method_entry(trajs: list[Trajectory], kls: list[torch.Tensor], agree: list[torch.Tensor],
@@ -769,39 +841,57 @@ def evaluate_dual_precision(
     config: DualPrecisionConfig | None = None,
     eos_ids: Sequence[int] = (),
     is_correct: Callable[[int, list[int]], bool] | None = None,
+    record: str | None = None,
+    record_header: dict | None = None,
 ) -> dict:
     """Calibrate gates, replay all-8-bit trajectories and compare the methods live (dual-precision.md §4-7).
 
     Steps:
-    1. calibration (when ``config.budget`` is set): all-high greedy decode of each calibration prompt,
-       replay, thresholds = (1 - B) quantiles of the pooled scores;
+    1. calibration (when ``config.budget`` is set): all-high decode of each calibration prompt, replay,
+       thresholds = (1 - B) quantiles of the pooled scores;
     2. per evaluation prompt: all-high decode -> replay (flip labels, scores) and the teacher-forced 8-bit
        logits; then all-low, entropy gate, margin gate and verified speculation decodes; for each, a
        teacher-forced 8-bit forward over its own trajectory gives KL(high || method) and argmax agreement;
     3. aggregate: replay metrics with prompt-bootstrap intervals, the method table (bytes under cost
        models i/ii/iii for gates), exact McNemar tests on per-prompt labels.
 
+    Decoding is greedy, or sampled at ``config.temperature`` > 0 (each prompt's methods share one seed; the
+    replay's flip label stays the argmax flip on the sampled all-high trajectory). Each finished calibration
+    and evaluation prompt is appended to ``record`` (JSONL), so a rerun with the same config and prompts
+    resumes where an interrupted one stopped.
+
     Args:
         lm: the two-precision target.
-        eval_prompts: P prompts as token ids (chat template applied).
+        eval_prompts: P prompts as token ids (template applied).
         calib_prompts: calibration prompts as token ids, disjoint from ``eval_prompts``; unused when the
             thresholds are given.
         config: :class:`DualPrecisionConfig`.
         eos_ids: ids that end generation.
         is_correct: optional per-prompt task label, (prompt index, generated ids) -> bool; adds
             ``accuracy`` per method and McNemar tests on it.
+        record: per-prompt JSONL record path (``draftkit.jsonio.ResumableRecord``), or None.
+        record_header: what else the results depend on (target, quantization), stored in the record header.
 
     Returns:
         The report dict: ``weight_bytes``, ``thresholds``, ``calibration``, ``replay``, ``methods``,
         ``mcnemar``, ``timing_s``, ``sizes``.
 
     Raises:
-        ValueError: on no evaluation prompts, or too few calibration steps for a budget.
+        ValueError: on no evaluation prompts, too few calibration steps for a budget, or a ``record`` of a
+            different run.
     """
+    from draftkit.jsonio import ResumableRecord
+
     config = config or DualPrecisionConfig()
     if not eval_prompts:
         raise ValueError("no evaluation prompts")
     wb, n_max = lm.bytes, config.max_new_tokens
+    run = {k: v for k, v in asdict(config).items() if k not in ("budgets", "bootstrap_samples")}
+    header = {"config": run, "weight_bytes": wb.to_dict(), "eos_ids": sorted(eos_ids), **(record_header or {}),
+              "eval_prompts": [list(x) for x in eval_prompts], "calib_prompts": [list(x) for x in calib_prompts]}
+    rec = ResumableRecord(record, header)
+    if rec.done:
+        log.info("resuming from %s: %d prompts already done", record, len(rec.done))
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -811,11 +901,16 @@ def evaluate_dual_precision(
     if config.calibrate and run_gates:
         if not calib_prompts:
             raise ValueError("a budget needs calibration prompts (disjoint from the evaluation prompts)")
-        calib_steps = []
+        calib_steps, resumed = [], sum(rec.get(f"calibration/{i}") is not None for i in range(len(calib_prompts)))
         for i, prompt in enumerate(calib_prompts):
-            traj = greedy_decode(lm, prompt, n_max, eos_ids, "high", keep_logits=False)
-            calib_steps.append(replay_steps(lm, prompt, traj.tokens)[0])
-            log.info("calibration prompt %d/%d: %d tokens", i + 1, len(calib_prompts), len(traj.tokens))
+            row = rec.get(f"calibration/{i}")
+            if row is None:
+                sampling = config.sampling(config.seed * 100_003 + 50_000 + i)
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, "high", keep_logits=False, **sampling)
+                row = _steps_row(replay_steps(lm, prompt, traj.tokens)[0])
+                rec.add(f"calibration/{i}", row)
+                _progress("calibration prompt", i + 1, len(calib_prompts), t0, resumed)
+            calib_steps.append(_steps_from_row(row))
         gates = calibrate_thresholds(calib_steps, config.budget)
         calibration = replay_metrics(calib_steps, config.budgets, 0, config.seed, list(gates.values()))
         calibration = {
@@ -831,44 +926,59 @@ def evaluate_dual_precision(
     timing["calibration"] = time.perf_counter() - t0
     methods = [m for m in config.methods if not (m.endswith("_gate") and m[: -len("_gate")] not in gates)]
 
-    # 2. evaluation prompts
-    per: dict[str, dict[str, list]] = {m: {"trajs": [], "kl": [], "agree": [], "exact": []} for m in methods}
-    replay: list[ReplaySteps] = []
-    t_methods = {m: 0.0 for m in methods}
-    t_replay = 0.0
+    # 2. evaluation prompts, one record row each: {"replay": steps, "methods": {m: trajectory + kl/agree/exact}}
+    t_eval = time.perf_counter()
+    resumed = sum(rec.get(f"evaluation/{i}") is not None for i in range(len(eval_prompts)))
     for i, prompt in enumerate(eval_prompts):
+        if rec.get(f"evaluation/{i}") is not None:
+            continue
+        row: dict = {"methods": {}, "timing_s": {}}
+        seed = config.seed * 100_003 + i
         t = time.perf_counter()
-        high = greedy_decode(lm, prompt, n_max, eos_ids, "high")
-        t_methods["all_high"] += time.perf_counter() - t
+        high = greedy_decode(lm, prompt, n_max, eos_ids, "high", **config.sampling(seed))
+        row["timing_s"]["all_high"] = time.perf_counter() - t
         t = time.perf_counter()
         steps, tf_high = replay_steps(lm, prompt, high.tokens)
-        replay.append(steps)
-        t_replay += time.perf_counter() - t
+        row["replay"] = _steps_row(steps)
+        row["timing_s"]["replay"] = time.perf_counter() - t
         for m in methods:
             t = time.perf_counter()
             if m == "all_high":
                 traj = high
             elif m == "all_low":
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, "low")
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, "low", **config.sampling(seed))
             elif m == "verified":
-                traj = verified_decode(lm, prompt, config.k, n_max, eos_ids)
+                traj = verified_decode(lm, prompt, config.k, n_max, eos_ids, **config.sampling(seed))
             else:
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, gate=gates[m[: -len("_gate")]])
+                traj = greedy_decode(lm, prompt, n_max, eos_ids, gate=gates[m[: -len("_gate")]],
+                                     **config.sampling(seed))
             exact = traj.tokens == high.tokens
             ref = tf_high if exact else teacher_forced_logits(lm, prompt, traj.tokens, "high")  # (n, V)
-            rec = per[m]
-            rec["trajs"].append(traj)
-            rec["kl"].append(kl_per_step(ref, traj.logits).cpu())
-            rec["agree"].append((ref.argmax(-1) == traj.logits.argmax(-1)).cpu())
-            rec["exact"].append(exact)
-            traj.logits = None  # (n, V) per method is not kept past the prompt
-            t_methods[m] += time.perf_counter() - t
-        log.info(
-            "evaluation prompt %d/%d: %d tokens, %d flips in replay",
-            i + 1, len(eval_prompts), len(high.tokens), int(replay[-1].flip.sum()),
-        )
-    timing["replay"] = t_replay
-    timing.update({f"method/{m}": v for m, v in t_methods.items()})
+            row["methods"][m] = {
+                **_traj_row(traj),
+                "kl": kl_per_step(ref, traj.logits).tolist(),
+                "agree": (ref.argmax(-1) == traj.logits.argmax(-1)).tolist(),
+                "exact": exact,
+            }
+            if m != "all_high":
+                row["timing_s"][m] = time.perf_counter() - t
+        rec.add(f"evaluation/{i}", row)
+        log.info("evaluation prompt %d/%d: %d tokens, %d flips in replay", i + 1, len(eval_prompts),
+                 len(high.tokens), int(steps.flip.sum()))
+        _progress("evaluation prompt", i + 1, len(eval_prompts), t_eval, resumed)
+    rows = [rec.get(f"evaluation/{i}") for i in range(len(eval_prompts))]
+    replay = [_steps_from_row(r["replay"]) for r in rows]
+    per: dict[str, dict[str, list]] = {m: {"trajs": [], "kl": [], "agree": [], "exact": []} for m in methods}
+    for r in rows:
+        for m in methods:
+            got = r["methods"][m]
+            per[m]["trajs"].append(Trajectory(**{f.name: got[f.name] for f in fields(Trajectory)
+                                                 if f.name != "logits"}))
+            per[m]["kl"].append(torch.tensor(got["kl"]))
+            per[m]["agree"].append(torch.tensor(got["agree"], dtype=torch.bool))
+            per[m]["exact"].append(got["exact"])
+    timing["replay"] = sum(r["timing_s"]["replay"] for r in rows)
+    timing.update({f"method/{m}": sum(r["timing_s"].get(m, 0.0) for r in rows) for m in methods})
 
     # 3. aggregate
     replay_report = replay_metrics(replay, config.budgets, config.bootstrap_samples, config.seed, list(gates.values()))
@@ -928,6 +1038,7 @@ def evaluate_dual_precision(
             "max_new_tokens": n_max,
             "k": config.k,
         },
+        "sampling": {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k},
         "config": asdict(config),
         "weight_bytes": {**wb.to_dict(), "cost_models": list(COST_MODELS)},
         "thresholds": {

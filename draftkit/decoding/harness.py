@@ -11,7 +11,10 @@ the other so that machine load hits all alike:
 3. prompt-lookup (n-gram) drafting with the same k (baseline drafter).
 
 The report (JSON, stable keys) carries tau (bonus token counted), per-position acceptance alpha_i,
-acceptance rate, KL(target || draft) per position over the draft vocab, weight bytes read per emitted
+acceptance rate, per draft position the KL on the draft vocab (target renormalised over it,
+``metrics.KL_DEFINITION``, stated in the report as ``kl_definition``), the target mass outside the draft
+vocab and the expected acceptance sum min(p, q) = 1 - TV(p, q) over the full vocab (all at T = 1;
+``decoding.metrics``), weight bytes read per emitted
 token, target forwards per token, tokens/s of speculative and plain decoding and their ratio,
 ``greedy_equal`` (prompts whose speculative output equals plain greedy output; T = 0 only) with the first
 differing position and top-2 gap per prompt, and prompt-lookup tau. Byte and forward counts cover the
@@ -33,7 +36,7 @@ import torch
 
 from draftkit.data.prompts import Prompt
 from draftkit.decoding import cost
-from draftkit.decoding.metrics import AcceptanceStats, conditional_acceptance
+from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
 from draftkit.decoding.sampling import check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
@@ -88,11 +91,15 @@ def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]
 
 # -- heads --------------------------------------------------------------------------------------------------
 def check_head_matches_target(head, target, head_name: str = "head", target_name: str = "target") -> None:
-    """Check that a head can read this target's aux states and vocabulary.
+    """Check that a head can read this target's aux states and vocabulary, and that its weights are finite
+    (``heads.checkpoint.check_finite``; the tokenizer is checked where the head is loaded).
 
     Raises:
-        ValueError: naming the head's and the target's values for every mismatch.
+        ValueError: naming the head's and the target's values for every mismatch, or the non-finite tensors.
     """
+    from draftkit.heads.checkpoint import check_finite
+
+    check_finite(dict(head.named_parameters()), head_name)
     cfg = head.config
     width = len(target.aux_layer_ids) * target.hidden_size
     problems = []
@@ -166,7 +173,8 @@ def evaluate_drafter(
             target generation config's EOS ids).
         baseline: run plain decoding (needed for speedup and ``greedy_equal``).
         prompt_lookup: run the prompt-lookup baseline.
-        collect_kl: record KL(target || draft) per draft position (chains).
+        collect_kl: record the distribution metrics per draft position (``kl``, ``outside_mass``,
+            ``expected_accept``; ``decoding.metrics.distribution_metrics``; chains).
         warmup: one short untimed run of each decoder first.
         tree: draft a tree (``decoding.tree``; needs a drafter with ``propose_tree``) instead of a chain.
         auto: ``"k"`` or ``"tree"``: choose the chain k (or also trees) with ``decoding.cost`` from a
@@ -287,7 +295,8 @@ def evaluate_drafter(
         "tau": spec_stats.tau(),
         "acceptance_per_position": alpha,
         "acceptance_rate": spec_stats.rate(),
-        "kl_per_position": spec_stats.kl_per_position(),
+        **{f"{name}_per_position": spec_stats.per_position_mean(name) for name in DISTRIBUTION_METRICS},
+        "kl_definition": KL_DEFINITION,
         "bytes_per_token": {
             "speculative": _safe_div(tot["spec_bytes"], tot["spec_decode_tokens"]),
             "plain": float(session.weight_bytes),
@@ -396,7 +405,11 @@ def format_summary(report: dict) -> str:
         "  alpha_i   " + " ".join(f"{a:7.3f}" for a in alpha),
     ]
     if kl:
-        lines.append("  KL_i      " + " ".join(f"{_fmt(x):>7s}" for x in kl))
+        lines.append("  KL_i      " + " ".join(f"{_fmt(x):>7s}" for x in kl) + "   (draft vocab, target renormalised)")
+        lines.append("  outside_i " + " ".join(f"{_fmt(x):>7s}" for x in report["outside_mass_per_position"])
+                     + "   (target mass outside the draft vocab)")
+        lines.append("  E[acc]_i  " + " ".join(f"{_fmt(x):>7s}" for x in report["expected_accept_per_position"])
+                     + "   (sum min(p, q) = 1 - TV, T = 1)")
     lines.append(f"  verified tokens / round    {_fmt(report['verified_tokens_per_round'], '.2f')}")
     auto = report.get("auto")
     if auto:
@@ -421,8 +434,9 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
     alpha = report["acceptance_per_position"] or []
     for i, a in enumerate(alpha, 1):
         scalars[f"accept_rate_pos{i}"] = a
-    for i, x in enumerate(report["kl_per_position"] or [], 1):
-        scalars[f"kl_pos{i}"] = x
+    for name in DISTRIBUTION_METRICS:
+        for i, x in enumerate(report[f"{name}_per_position"] or [], 1):
+            scalars[f"{name}_pos{i}"] = x
     with SummaryWriter(str(log_dir)) as writer:
         for name, value in scalars.items():
             if value is not None:

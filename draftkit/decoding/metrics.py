@@ -8,8 +8,18 @@ Definitions (eagle3-format.md §8):
   chain has tau = 1 + sum_i alpha_i; conditional beta_i = alpha_i / alpha_{i-1};
 - acceptance rate = accepted drafts / drafted tokens (prefixes only, never matches after the first
   rejection; vllm #9565);
-- KL(target || draft) at draft position i over the draft vocab: P = softmax(z[t2d]) of the target logits
-  restricted to the V_d draft ids, Q = softmax(draft logits), both at temperature 1 in float32.
+- distribution metrics at draft position i (:func:`distribution_metrics`), all at temperature 1 (no top-k or
+  top-p) in float32, with p = softmax(z) the target's distribution over the full vocab V and q the draft's,
+  zero outside its V_d ids:
+  - ``kl``: KL(P_d || Q) in nats, *renormalised on the draft vocab*: P_d = softmax(z[t2d]) (the target's
+    mass on the V_d draft ids, rescaled to sum to 1) against Q = softmax(draft logits). It does not see
+    the target mass outside the draft vocab, so it is reported beside
+  - ``outside_mass``: 1 - sum_{v in draft vocab} p_v, the target's probability on ids the draft can never
+    propose, and
+  - ``expected_accept``: sum_v min(p_v, q_v) = 1 - TV(p, q) over the full vocab, the probability that
+    speculative sampling accepts a draft token drawn from q at that context (arXiv 2211.17192, Thm 3.5).
+    At T = 1 its mean over verified positions estimates the measured acceptance rate; at i > 1 it is
+    averaged over every drafted position, including those after a rejection.
 
 Shapes: k draft tokens per round, V target vocab, V_d draft vocab.
 """
@@ -27,8 +37,21 @@ __all__ = [
     "acceptance_rate",
     "accepted_prefix",
     "conditional_acceptance",
+    "distribution_metrics",
     "kl_target_draft",
+    "DISTRIBUTION_METRICS",
+    "KL_DEFINITION",
 ]
+
+DISTRIBUTION_METRICS = ("kl", "outside_mass", "expected_accept")
+"""Names of the per-position metrics of :func:`distribution_metrics`, in report order; a report carries each as
+``{name}_per_position`` and TensorBoard and the callbacks as ``{name}_pos{i}``."""
+KL_DEFINITION = (
+    "KL(P_d || Q) in nats at temperature 1 over the draft vocab only: P_d = the target's softmax restricted to the "
+    "V_d draft ids and renormalised to sum to 1, Q = the draft's softmax; it ignores the target mass outside the "
+    "draft vocab, which outside_mass_per_position reports"
+)
+"""What a report's ``kl_per_position`` is, stated in the report itself."""
 
 
 def accepted_prefix(matches: Sequence[int] | torch.Tensor) -> int:
@@ -103,8 +126,32 @@ def kl_target_draft(target_logits: torch.Tensor, draft_logits: torch.Tensor, t2d
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
+def distribution_metrics(
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, t2d: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per draft position: KL on the draft vocab, target mass outside it, and expected acceptance (module
+    docstring), all at temperature 1.
+
+    Args:
+        target_logits: (k, V) target logits at the rows whose next token the draft predicted.
+        draft_logits: (k, V_d) draft logits at the same rows.
+        t2d: (V,) bool, True for the V_d target ids in the draft vocab (draft order = ascending target id).
+
+    Returns:
+        ``{"kl", "outside_mass", "expected_accept"}``: (k,) float32 each; KL in nats, the others in [0, 1].
+    """
+    p_draft_ids = target_logits.float().softmax(-1)[:, t2d]  # (k, V_d), target probs, not renormalised
+    q = draft_logits.float().softmax(-1)  # (k, V_d); q is zero on the other V - V_d ids
+    return {
+        "kl": kl_target_draft(target_logits, draft_logits, t2d),
+        "outside_mass": (1 - p_draft_ids.sum(-1)).clamp_min(0),
+        "expected_accept": torch.minimum(p_draft_ids, q).sum(-1),
+    }
+
+
 class AcceptanceStats:
-    """Accumulates verification rounds and reports tau, alpha_i, acceptance rate and KL per position.
+    """Accumulates verification rounds and reports tau, alpha_i, acceptance rate and the
+    :data:`DISTRIBUTION_METRICS` per position.
 
     Args:
         k: longest acceptance per round (a chain's k, a tree's depth); the per-position lists have k entries.
@@ -116,26 +163,26 @@ class AcceptanceStats:
         self.k = k
         self.accepted: list[int] = []
         self.drafted: list[int] = []
-        self._kl_sum = torch.zeros(k, dtype=torch.float64)
-        self._kl_count = torch.zeros(k, dtype=torch.long)
+        self._dist_sum = torch.zeros(len(DISTRIBUTION_METRICS), k, dtype=torch.float64)
+        self._dist_count = torch.zeros(k, dtype=torch.long)
 
-    def update(self, accepted: int, drafted: int, kl: torch.Tensor | None = None) -> None:
+    def update(self, accepted: int, drafted: int, dist: dict[str, torch.Tensor] | None = None) -> None:
         """Record one round.
 
         Args:
             accepted: a_r in [0, min(drafted, k)].
             drafted: draft tokens verified: k_r <= k for a chain (prompt lookup may draft fewer, or none);
                 a tree verifies N nodes, more than its depth k.
-            kl: (k_r,) KL per draft position of this round, or None.
+            dist: :func:`distribution_metrics` of this round ((k_r,) each), or None.
         """
         if not 0 <= accepted <= min(drafted, self.k):
             raise ValueError(f"need 0 <= accepted <= drafted and accepted <= k={self.k}, got {accepted}, {drafted}")
         self.accepted.append(int(accepted))
         self.drafted.append(int(drafted))
-        if kl is not None:
-            n = kl.shape[0]
-            self._kl_sum[:n] += kl.double().cpu()
-            self._kl_count[:n] += 1
+        if dist is not None:
+            n = dist["kl"].shape[0]
+            self._dist_sum[:, :n] += torch.stack([dist[name].double().cpu() for name in DISTRIBUTION_METRICS])
+            self._dist_count[:n] += 1
 
     def extend(self, other: AcceptanceStats) -> None:
         """Merge another accumulator (same k)."""
@@ -143,8 +190,8 @@ class AcceptanceStats:
             raise ValueError(f"cannot merge stats with k={other.k} into k={self.k}")
         self.accepted += other.accepted
         self.drafted += other.drafted
-        self._kl_sum += other._kl_sum
-        self._kl_count += other._kl_count
+        self._dist_sum += other._dist_sum
+        self._dist_count += other._dist_count
 
     @property
     def rounds(self) -> int:
@@ -165,8 +212,14 @@ class AcceptanceStats:
     def rate(self) -> float | None:
         return acceptance_rate(self.accepted, self.drafted) if self.accepted else None
 
-    def kl_per_position(self) -> list[float] | None:
-        """Mean KL(target || draft) at each draft position, None where no round reported one."""
-        if not int(self._kl_count.sum()):
+    def per_position_mean(self, name: str) -> list[float | None] | None:
+        """Mean of one of :data:`DISTRIBUTION_METRICS` at each draft position; None where no round reported one,
+        and None overall before the first report."""
+        if not int(self._dist_count.sum()):
             return None
-        return [float(s / c) if c else None for s, c in zip(self._kl_sum, self._kl_count)]
+        row = self._dist_sum[DISTRIBUTION_METRICS.index(name)]
+        return [float(s / c) if c else None for s, c in zip(row, self._dist_count)]
+
+    def kl_per_position(self) -> list[float | None] | None:
+        """Mean KL(P_d || Q) on the draft vocab (target renormalised over it) at each draft position."""
+        return self.per_position_mean("kl")

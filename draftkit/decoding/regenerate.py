@@ -400,7 +400,7 @@ def regenerate(
         if done(i):
             continue
         items = [
-            _Work(r, summary.ids[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
+            _Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
             for r in rows
         ]
         ts = time.perf_counter()

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from draftkit.decoding.metrics import AcceptanceStats, kl_target_draft
+from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
 from draftkit.decoding.sampling import (
     check_sampling,
     probs_from_logits,
@@ -293,6 +293,11 @@ class Eagle3Drafter:
         z, h = self.feed_pending(tokens)
         ids, logits, probs = [], [], []
         for j in range(k):
+            if not bool(torch.isfinite(z).all()):
+                raise ValueError(
+                    f"draft logits at draft position {j + 1} are not finite (NaN/inf): the head's weights or its "
+                    f"{self.dtype} arithmetic overflow; evaluate it in float32 or check the checkpoint"
+                )
             logits.append(z)
             if cfg.greedy:
                 d = z.argmax()
@@ -519,7 +524,7 @@ class Round:
         drafted: draft tokens the target verified (k for a chain, N nodes for a tree).
         weight_bytes: weight bytes read by the round (target verify + draft passes).
         draft_seconds, verify_seconds: time split of the round (measurement excluded).
-        kl: (drafted,) KL(target || draft) per draft position, or None.
+        dist: :func:`~draftkit.decoding.metrics.distribution_metrics` of the round ((drafted,) each), or None.
     """
 
     accepted: list[int]
@@ -528,7 +533,7 @@ class Round:
     weight_bytes: int
     draft_seconds: float
     verify_seconds: float
-    kl: torch.Tensor | None = None
+    dist: dict[str, torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -603,7 +608,7 @@ def speculative_loop(
             if len(tokens) >= cfg.max_new_tokens:
                 done = True
                 break
-        stats.update(counted, r.drafted, r.kl)
+        stats.update(counted, r.drafted, r.dist)
         seq[L + 1:L + 2 + a] = torch.tensor(emitted, dtype=seq.dtype, device=seq.device)
         L += a + 1
     seconds = time.perf_counter() - t0 - t_metrics
@@ -634,7 +639,9 @@ def generate_speculative(
         k: draft tokens per round (>= 1).
         cfg: stop and sampling options.
         generator: RNG for sampling (draft draws, acceptance draws and corrections share it).
-        collect_kl: record KL(target || draft) per draft position (needs a drafter that returns logits).
+        collect_kl: record the distribution metrics per draft position (KL on the draft vocab, target mass
+            outside it, expected acceptance; ``decoding.metrics.distribution_metrics``); needs a drafter that
+            returns logits.
 
     Returns:
         :class:`GenerationResult` with ``stats`` filled.
@@ -659,11 +666,11 @@ def generate_speculative(
         target.crop(L + a + 1)
         drafter.commit(aux[:a + 1])
         t3 = time.perf_counter()
-        kl = None
+        dist = None
         if collect_kl and draft.logits is not None:
-            kl = kl_target_draft(logits[:kd], draft.logits, draft.t2d)
+            dist = distribution_metrics(logits[:kd], draft.logits, draft.t2d)
         bytes_read = target.weight_bytes + drafter.round_bytes(kd)
-        return Round(draft.ids[:a].tolist(), nxt, kd, bytes_read, t2 - t1, t3 - t2, kl)
+        return Round(draft.ids[:a].tolist(), nxt, kd, bytes_read, t2 - t1, t3 - t2, dist)
 
     return speculative_loop(target, drafter, prompt_ids, cfg, chain_round, k, generator)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from draftkit.heads.checkpoint import expected_tensor_specs
+from draftkit.heads.checkpoint import check_finite, expected_tensor_specs
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.vocab import VocabMap
 
@@ -107,8 +107,7 @@ def validate_tensors(
             raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
         if t.dtype != kinds[kind]:
             raise ValueError(f"{where}: {name} has dtype {t.dtype}, expected {kinds[kind]}")
-        if kind == "float" and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{where}: {name} has non-finite values (NaN/inf); the head would draft garbage")
+    check_finite(tensors, where)
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     try:
         VocabMap(d2t=d2t, t2d=t2d).validate()

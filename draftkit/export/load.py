@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from draftkit.export.common import NORM_FLAGS, SIDECAR, head_config_dict, validate_tensors
-from draftkit.heads.checkpoint import head_from_checkpoint
+from draftkit.heads.checkpoint import check_tokenizer, head_from_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 __all__ = ["load_exported_head", "load_head", "read_export", "reference_forward"]
@@ -182,13 +182,18 @@ def load_head(checkpoint: str | Path, target: str | None = None):
 
     Raises:
         FileNotFoundError: if the path does not exist.
-        ValueError: if it cannot be read as a checkpoint or export.
+        ValueError: if it cannot be read as a checkpoint or export, has non-finite weights, or the target's
+            tokenizer differs from the one it was trained with (``heads.checkpoint.check_tokenizer``).
     """
     path = Path(checkpoint)
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist; give a .ckpt from draftkit fit or an export directory")
     if path.is_dir():
-        return load_exported_head(path)
+        head, meta = load_exported_head(path)
+        from draftkit.artifacts import resolve_model_dir
+
+        check_tokenizer(meta["export"], resolve_model_dir(target or meta["target"], "target"), f"export {path}")
+        return head, meta
     return head_from_checkpoint(path, target)
 
 

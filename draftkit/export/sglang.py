@@ -186,7 +186,7 @@ def build_config(cfg: Eagle3Config, aux_layer_ids: list[int], num_layers: int, d
 def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """The ``sglang.launch_server`` command for a chain of k draft tokens (topk 1, k + 1 draft tokens)."""
     return (
-        f"python -m sglang.launch_server --model-path {source.target_path} --speculative-algorithm EAGLE3 "
+        f"python -m sglang.launch_server --model-path {source.serving_name} --speculative-algorithm EAGLE3 "
         f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} --speculative-eagle-topk 1 "
         f"--speculative-num-draft-tokens {k + 1}"
     )

@@ -109,11 +109,11 @@ def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
     """The engine's files (registry protocol): config.json with the verifier (``options["verifier"]``, default
-    the resolved target path) and k."""
+    the target's serving name, ``HeadSource.serving_name``) and k."""
     archs = list(getattr(source.target_config, "architectures", None) or ["LlamaForCausalLM"])
     config = build_config(
         source.config, source.aux_layer_ids, source.num_layers, dtype_name,
-        verifier=options.get("verifier") or source.target_path, verifier_architectures=archs, num_speculative_tokens=k,
+        verifier=options.get("verifier") or source.serving_name, verifier_architectures=archs, num_speculative_tokens=k,
     )
     return {"config": config, "engine_aux_layer_ids": speculators_aux_layer_ids(source.aux_layer_ids, source.num_layers)}
 

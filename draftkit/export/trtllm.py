@@ -109,7 +109,7 @@ def build_spec_yaml(out_dir: str, aux_layer_ids: list[int], num_layers: int, k: 
 
 def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """The ``trtllm-serve`` command using the exported options file."""
-    return f"trtllm-serve {source.target_path} --extra_llm_api_options {out_dir}/{SPEC_FILE}"
+    return f"trtllm-serve {source.serving_name} --extra_llm_api_options {out_dir}/{SPEC_FILE}"
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

@@ -83,7 +83,7 @@ def build_config(cfg: Eagle3Config, aux_layer_ids: list[int], num_layers: int, d
 def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
     """The ``vllm serve`` command for this export (chain of k draft tokens)."""
     spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": k})
-    return f"vllm serve {source.target_path} --speculative-config '{spec}'"
+    return f"vllm serve {source.serving_name} --speculative-config '{spec}'"
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

@@ -27,7 +27,10 @@ from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.selection.layers import default_aux_layer_ids, validate_aux_layer_ids
 from draftkit.target.frozen import text_config
 
-__all__ = ["HEAD_PREFIX", "HeadSource", "expected_tensor_specs", "head_from_checkpoint", "read_checkpoint"]
+__all__ = [
+    "HEAD_PREFIX", "HeadSource", "check_finite", "check_tokenizer", "expected_tensor_specs", "head_from_checkpoint",
+    "read_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class HeadSource:
         target_config: the target's Hugging Face text config.
         num_layers: N, the target's decoder layers.
         aux_layer_ids: HF ``hidden_states`` indices the head reads, validated against N.
+        target_name: the name a serving host loads the target by (set by export, see
+            ``draftkit.export.exporter.serving_target_name``); None = ``target_path``.
     """
 
     path: Path
@@ -60,11 +65,71 @@ class HeadSource:
     target_config: Any
     num_layers: int
     aux_layer_ids: list[int]
+    target_name: str | None = None
+
+    @property
+    def serving_name(self) -> str:
+        """What launch commands and engine configs name the target by."""
+        return self.target_name or self.target_path
 
     @property
     def default_aux(self) -> bool:
         """True when the ids equal the EAGLE3 rule [2, N//2, N-3] (engines then use their own default)."""
         return self.aux_layer_ids == default_aux_layer_ids(self.num_layers)
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a head with NaN or inf in any floating-point tensor (it would draft garbage, silently).
+
+    The one finiteness check of a head's weights: used on training checkpoints (evaluate, export), on
+    export directories and by the callbacks before they decode with the head being trained.
+
+    Args:
+        tensors: name -> tensor; non-float tensors (``d2t``, ``t2d``) are skipped.
+        where: the file, directory or module named in the error.
+
+    Raises:
+        ValueError: naming every non-finite tensor.
+    """
+    bad = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"{where}: {', '.join(bad)} has non-finite values (NaN/inf); the head would draft garbage")
+
+
+def check_tokenizer(meta: dict, tokenizer, where: str) -> None:
+    """Refuse a target whose tokenizer is not the one the head was trained with.
+
+    Compares ``meta["tokenizer_fingerprint"]`` (written at training, copied into export sidecars) with
+    :func:`draftkit.target.tokens.tokenizer_identity` of ``tokenizer`` and ``meta["chat_template"]``; equal
+    vocabulary sizes are not enough (a permuted vocabulary breaks every draft id).
+
+    Args:
+        meta: checkpoint metadata or export sidecar.
+        tokenizer: the target's tokenizer, or a path ``AutoTokenizer`` loads it from.
+        where: names the head in the error.
+
+    Raises:
+        ValueError: naming both fingerprints. A head that records none (written before fingerprints) is
+            accepted with a warning.
+    """
+    from draftkit.target.tokens import tokenizer_identity
+
+    expected = meta.get("tokenizer_fingerprint")
+    if not expected:
+        log.warning("%s records no tokenizer fingerprint: cannot check that the target's tokenizer is the one it "
+                    "was trained with", where)
+        return
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    actual = tokenizer_identity(tokenizer, meta.get("chat_template"))
+    if actual != expected:
+        raise ValueError(
+            f"{where} was trained with tokenizer fingerprint {expected}, but the target's tokenizer "
+            f"({getattr(tokenizer, 'name_or_path', '?')}) has {actual}: another vocabulary, special tokens or chat "
+            "template, so its token ids mean other tokens; use the target the head was trained with"
+        )
 
 
 def _load_target_config(target: str):
@@ -128,9 +193,9 @@ def read_checkpoint(path: str | Path, target: str | None = None) -> HeadSource:
     Raises:
         FileNotFoundError: if the checkpoint (or a local target) does not exist.
         ValueError: if the file is not a draftkit checkpoint, records no aux layer ids (never guessed), lacks
-            the draft-vocab map ``d2t`` while
-            V_d < V, has missing or unexpected head tensors, was trained for a target with another hidden
-            size or vocabulary (names both), or reads aux layers the target does not have.
+            the draft-vocab map ``d2t`` while V_d < V, has missing or unexpected head tensors or non-finite
+            weights (:func:`check_finite`), was trained for a target with another hidden size, vocabulary or
+            tokenizer (:func:`check_tokenizer`; names both), or reads aux layers the target does not have.
     """
     path = Path(path)
     ckpt, meta = _load(path)
@@ -169,6 +234,7 @@ def read_checkpoint(path: str | Path, target: str | None = None) -> HeadSource:
                "embed_tokens.weight" in missing else "")
         )
 
+    check_finite(state, f"checkpoint {path}")
     target_ref = str(target if target is not None else meta.get("target") or "")
     if not target_ref:
         raise ValueError(f"checkpoint {path} names no target (meta['target']); pass --target")
@@ -180,6 +246,7 @@ def read_checkpoint(path: str | Path, target: str | None = None) -> HeadSource:
             f"{cfg.vocab_size}, but target {target_ref!r} ({target_path}) has hidden_size {t_hidden} and "
             f"vocab_size {t_vocab}; export against the target the head was trained on (--target)"
         )
+    check_tokenizer(meta, target_path, f"checkpoint {path}")
     num_layers = int(tcfg.num_hidden_layers)
     aux = validate_aux_layer_ids(cfg.aux_layer_ids, num_layers, option=f"{path}: aux_layer_ids")
     if len(aux) != cfg.num_aux_layers:

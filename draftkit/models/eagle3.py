@@ -65,7 +65,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50
-    """Optimizer steps of linear warmup from 0."""
+    """Optimizer steps of linear warmup from 0 (at most half the schedule's horizon)."""
     min_lr_ratio: float = 0.1
     """Cosine floor as a fraction of lr."""
 
@@ -209,16 +209,17 @@ class Eagle3Module(pl.LightningModule):
         self.target = None
         self.head: Eagle3LlamaHead | None = None
         self.chat_template = None
-        self.empty_batches = 0
+        self.tokenizer_fingerprint: str | None = None  # target.tokens.tokenizer_identity of the training tokenizer
+        self.empty_batches = 0  # training batches without a trainable token (not optimizer steps)
+        self._batch_empty = False
+        self._epoch_batches = [0, 0]  # (updates, batches without a trainable token) in this epoch
         self.tokens_trained = 0
         """Real (non-padding) tokens of the training batches this rank stepped on, checkpointed."""
         self.lr_horizon: int | None = None
         """Optimizer step at which the cosine schedule ends, when fixed by a callback (``TimeBudget``) or a
         checkpoint; None = ``trainer.estimated_stepping_batches``."""
-        steps = self.ttt.steps
-        for split in ("train", "val"):
-            setattr(self, f"{split}_acc", torch.nn.ModuleList([MeanMetric() for _ in range(steps)]))
-            setattr(self, f"{split}_step_loss", torch.nn.ModuleList([MeanMetric() for _ in range(steps)]))
+        self.val_acc = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
+        self.val_step_loss = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
         self.val_loss = MeanMetric()
         self.kept_fraction = MeanMetric()
 
@@ -242,6 +243,19 @@ class Eagle3Module(pl.LightningModule):
 
             self._target_model = load_target(self.hparams.target, self.resolve_target_dtype())
         return self._target_model
+
+    def prepare_data(self) -> None:
+        """Checks that need only the target's config, run before Lightning writes anything (logger files,
+        checkpoints): an entropy filter that would remove every position (:meth:`_check_filter_keeps_tokens`)."""
+        if self.entropy_filter.mode == "off":
+            return
+        from transformers import AutoConfig
+
+        from draftkit.artifacts import resolve_model_dir
+
+        config = AutoConfig.from_pretrained(resolve_model_dir(self.hparams.target, "model.target"))
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._check_filter_keeps_tokens(text.vocab_size)
 
     def setup(self, stage: str) -> None:
         self.build(self.trainer.datamodule if self._trainer is not None else None)
@@ -286,11 +300,16 @@ class Eagle3Module(pl.LightningModule):
         if counts is not None:
             vocab = VocabMap.from_counts(counts, self.hparams.draft_vocab_size)
             self.chat_template = dm.hparams.chat_template
+            if hasattr(dm, "load_tokenizer"):
+                from draftkit.target.tokens import tokenizer_identity
+
+                self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
         elif self.hparams.draft_vocab_size == vocab_size:
             vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
         else:
             raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
         vocab.validate()
+        self._check_filter_keeps_tokens(vocab_size)
         cfg = Eagle3Config.from_target_config(
             self.target.config, self.target.aux_layer_ids, self.hparams.draft_vocab_size,
             norm_before_residual=self.hparams.norm_before_residual,
@@ -308,6 +327,32 @@ class Eagle3Module(pl.LightningModule):
             f" (covers {coverage:.1%} of assistant tokens)" if coverage is not None else "",
         )
 
+    def _check_filter_keeps_tokens(self, vocab_size: int) -> None:
+        """Refuse an entropy filter that removes every position: entropy is at most ln V nats, so a ``drop``
+        threshold above it (or ``downweight: 0``) leaves no trainable token.
+
+        Raises:
+            ValueError: naming the threshold, ln V and the options to change.
+        """
+        cfg = self.entropy_filter
+        removes = cfg.mode == "drop" or (cfg.mode == "downweight" and cfg.downweight == 0)
+        if removes and cfg.threshold is not None and cfg.threshold > math.log(vocab_size):
+            raise ValueError(
+                f"no trainable tokens: model.entropy_filter.threshold={cfg.threshold} nats exceeds ln V = "
+                f"{math.log(vocab_size):.3f} nats, the largest entropy a {vocab_size}-token distribution can have, "
+                f"so mode={cfg.mode} removes every position; lower the threshold or use model.entropy_filter.quantile"
+            )
+
+    def _no_signal(self, where: str) -> RuntimeError:
+        """The error for a run whose batches carry no trainable token."""
+        cfg = self.entropy_filter
+        filt = "off" if cfg.mode == "off" else f"{cfg.mode} (threshold {cfg.threshold}, quantile {cfg.quantile})"
+        return RuntimeError(
+            f"no trainable tokens: {where} had no supervised position after the assistant mask, the entropy filter "
+            f"(model.entropy_filter: {filt}) and the draft-vocab mask (the target's top token must be among the "
+            f"model.draft_vocab_size={self.hparams.draft_vocab_size} draft ids); the head received no update"
+        )
+
     # -- checkpoint -------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {
@@ -320,6 +365,7 @@ class Eagle3Module(pl.LightningModule):
             "target": self.hparams.target,
             "target_dtype": self.hparams.target_dtype,
             "chat_template": self.chat_template,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "ttt": dataclasses.asdict(self.ttt),
             "tokens_trained": self.tokens_trained,
             "lr_horizon": self.lr_horizon,
@@ -449,54 +495,106 @@ class Eagle3Module(pl.LightningModule):
             stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
         return total, stats
 
-    def _log_steps(self, split: str, stats, total: torch.Tensor, batch_size: int) -> None:
-        accs = getattr(self, f"{split}_acc")
-        losses = getattr(self, f"{split}_step_loss")
-        on_step = split == "train"
-        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
-            if float(w_sum) > 0:
-                # forward (not update) so that on_step logging sees this batch's value
-                accs[k](correct_sum / w_sum, weight=w_sum)
-                losses[k](loss_sum / w_sum, weight=w_sum)
-            elif on_step:
-                continue  # nothing measured at this step
-            self.log(f"{split}/acc_{k}", accs[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
-            self.log(f"{split}/loss_{k}", losses[k], on_step=on_step, on_epoch=not on_step, batch_size=batch_size)
+    def on_train_epoch_start(self) -> None:
+        self._epoch_batches = [0, 0]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int):
+        """One TTT step; a batch without a trainable token returns None on one process: no backward, no
+        optimizer or scheduler step, not counted in ``global_step`` (:meth:`optimizer_step`). Under DDP every
+        rank must run backward, so such a batch steps with a zero loss.
+
+        Logs ``train/loss``, ``train/acc_k``/``train/loss_k`` of the TTT steps with supervised rows, and
+        ``train/tau_sim`` only when every step had one (never a placeholder).
+        """
         total, stats = self.ttt_loss(batch)
         supervised = sum(float(s[2]) for s in stats)
-        if supervised == 0 and self.trainer.world_size == 1:
-            # nothing to learn: skip backward and the optimizer step so the weights stay unchanged
+        self._batch_empty = supervised == 0 and self.trainer.world_size == 1
+        self._epoch_batches[self._batch_empty] += 1
+        if self._batch_empty:
             self.empty_batches += 1
             self.log("train/empty_batches", float(self.empty_batches), on_step=True)
             return None
         bs = batch["input_ids"].shape[0]
         self.tokens_trained += int(batch["attention_mask"].sum())
-        self._log_steps("train", stats, total, bs)
+        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
+            if float(w_sum) > 0:
+                self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)
+                self.log(f"train/loss_{k}", loss_sum / w_sum, on_step=True, batch_size=bs)
         self.log("train/loss", total, on_step=True, prog_bar=True, batch_size=bs)
-        self.log("train/tau_sim", self._tau_from_batch(stats), on_step=True, prog_bar=True, batch_size=bs)
+        if all(float(w) > 0 for _, _, w in stats):
+            self.log("train/tau_sim", tau_sim([float(c / w) for _, c, w in stats]), on_step=True, prog_bar=True,
+                     batch_size=bs)
         self.log("train/supervised_tokens", float(stats[0][2]), on_step=True, reduce_fx="sum", batch_size=bs)
         if self.entropy_filter.mode != "off":
             self.log("train/kept_fraction", self.kept_fraction, on_step=True, batch_size=bs)
         return total
 
-    @staticmethod
-    def _tau_from_batch(stats) -> float:
-        return tau_sim([float(c / w) if float(w) > 0 else 0.0 for _, c, w in stats])
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """The default step; after a batch without a trainable token (training_step returned None, so nothing
+        changed) Lightning's step counter is taken back, so ``global_step``, ``max_steps``, checkpoint names and
+        ``every_n_train_steps`` count optimizer updates only."""
+        optimizer.step(closure=optimizer_closure)
+        if self._batch_empty:
+            # the loop marks this step completed right after this hook returns
+            progress = self.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+            for tracker in (progress.total, progress.current):
+                tracker.ready -= 1
+                tracker.completed -= 1
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """Step the schedule per optimizer update (not after a batch without a trainable token)."""
+        if not self._batch_empty:
+            super().lr_scheduler_step(scheduler, metric)
+
+    def on_train_epoch_end(self) -> None:
+        updates, empty = self._epoch_batches
+        if empty and not updates:
+            raise self._no_signal(f"every one of the {empty} training batches of epoch {self.current_epoch}")
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         total, stats = self.ttt_loss(batch)
-        bs = batch["input_ids"].shape[0]
-        self.val_loss.update(total)
-        self._log_steps("val", stats, total, bs)
-        self.log("val/loss", self.val_loss, on_epoch=True, prog_bar=True, batch_size=bs)
+        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
+            if float(w_sum) > 0:
+                self.val_acc[k].update(correct_sum / w_sum, weight=w_sum)
+                self.val_step_loss[k].update(loss_sum / w_sum, weight=w_sum)
+            self._val_weight[k] += float(w_sum)
+        if float(stats[0][2]) > 0:
+            self.val_loss.update(total)
 
     def on_validation_epoch_end(self) -> None:
-        accs = [float(m.compute()) if m.update_called else 0.0 for m in self.val_acc]
-        k = min(self.hparams.serving_k, len(accs))
-        self.log("val/tau_sim", tau_sim(accs), prog_bar=True)
-        self.log(f"val/tau_sim_k{k}", tau_sim(accs[:k]))
+        """Log ``val/acc_k``, ``val/loss_k`` for the TTT steps with supervised rows on some rank, ``val/loss``
+        when step 0 had any, and ``val/tau_sim`` (+ ``_k{serving_k}``) when every step had: never NaN, never a
+        0.0 placeholder.
+
+        Raises:
+            RuntimeError: when validation runs during fit before the head received any optimizer update (no
+                training batch so far had a trainable token), so that no "best" checkpoint is written for it.
+        """
+        weight = self.trainer.strategy.reduce(self._val_weight, reduce_op="sum")  # (K,) over ranks
+        fitting = self.trainer.state.fn == "fit" and not self.trainer.sanity_checking
+        if fitting and self.trainer.global_step == 0 and self.empty_batches:
+            raise self._no_signal(f"every one of the {self.empty_batches} training batches before validation")
+        accs = []
+        for k in range(self.ttt.steps):
+            if weight[k] > 0:
+                accs.append(float(self.val_acc[k].compute()))
+                self.log(f"val/acc_{k}", accs[-1])
+                self.log(f"val/loss_{k}", self.val_step_loss[k].compute())
+            self.val_acc[k].reset()
+            self.val_step_loss[k].reset()
+        if weight[0] > 0:
+            self.log("val/loss", self.val_loss.compute(), prog_bar=True)
+        self.val_loss.reset()
+        if len(accs) == self.ttt.steps:
+            k = min(self.hparams.serving_k, len(accs))
+            self.log("val/tau_sim", tau_sim(accs), prog_bar=True)
+            self.log(f"val/tau_sim_k{k}", tau_sim(accs[:k]))
+        else:
+            log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation",
+                        [k for k in range(self.ttt.steps) if not weight[k] > 0])
 
     def configure_optimizers(self):
         cfg = self.optim
@@ -508,7 +606,8 @@ class Eagle3Module(pl.LightningModule):
         def schedule(step: int) -> float:
             # the horizon is read at every step: a TimeBudget callback fixes it after measuring s/step
             total = self.lr_horizon or default_total
-            warm = min(cfg.warmup_steps, total) if total else cfg.warmup_steps
+            # warmup takes at most half the horizon, so that a short run still ends at the cosine floor
+            warm = min(cfg.warmup_steps, total // 2) if total else cfg.warmup_steps
             if step < warm:
                 return (step + 1) / max(1, warm)
             if total is None:  # no horizon yet (time budget still measuring): hold the peak

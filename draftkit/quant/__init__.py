@@ -1,4 +1,4 @@
-"""Simulated nested int8/int4 weights: per-channel int8 codes, bit planes q = 16*h + l, slicing variants,
+"""Simulated nested int8/int4 weights: per-channel or per-group int8 codes, bit planes q = 16*h + l, slicing variants,
 a precision switch per layer, and weight-byte accounting (dual-precision.md §1-3). Pure torch."""
 
 from draftkit.quant.bytes import (
@@ -16,6 +16,7 @@ from draftkit.quant.int8 import (
     Int8Weight,
     merge_nibbles,
     native_int4_rtn,
+    num_groups,
     quantize_int8,
     slice_codes,
     slicing_error,
@@ -48,6 +49,7 @@ __all__ = [
     "merge_nibbles",
     "native_int4_rtn",
     "nested_linears",
+    "num_groups",
     "precision",
     "quantize_int8",
     "quantize_model",

@@ -6,7 +6,10 @@ high-nibble plane only), a_H = the high-nibble plane of all quantized weights, r
 
 Counting rule per forward:
 - a quantized linear: 1 byte per weight at high precision, 0.5 at low precision (plane H), plus its
-  per-channel scales at ``scale_bytes`` each (read at both precisions);
+  scales at ``scale_bytes`` each (fp16 by default): one per output channel, or one per output channel and
+  group of ``group_size`` inputs (O * ceil(I / group_size)). One stored scale serves both planes (the 4-bit
+  level's scale is 16*s), and every forward reads it at either precision, so scales count in A, in a and
+  in the plane-L re-read of cost model ii;
 - every other parameter at ``float_bytes`` (16-bit by default), read in full, except the input embedding,
   of which a forward reads one row; a tied LM head that is not quantized is read in full (once).
 
@@ -24,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from draftkit.quant.linear import QuantConfig, select_linears
+from draftkit.quant.int8 import num_groups
+from draftkit.quant.linear import NestedInt8Linear, QuantConfig, select_linears
 
 __all__ = [
     "COST_MODELS",
@@ -50,6 +54,7 @@ class WeightBytes:
         high_plane: a_H, bytes of the high-nibble plane of all quantized weights.
         quantized_params: number of quantized weights.
         other: bytes read at both precisions that are not plane H or L (unquantized weights and scales).
+        scales: number of quantization scales (per channel, or per channel and group), inside ``other``.
     """
 
     high: float
@@ -57,6 +62,7 @@ class WeightBytes:
     high_plane: float
     quantized_params: int
     other: float
+    scales: int = 0
 
     @property
     def rho(self) -> float:
@@ -78,9 +84,10 @@ def weight_bytes(
     Args:
         model: a Hugging Face ``*ForCausalLM`` (or any module; without ``get_input_embeddings`` every
             parameter is read in full).
-        config: module selection, default :class:`QuantConfig`.
+        config: module selection and ``group_size`` (scales per row), default :class:`QuantConfig`; layers
+            already quantized count their own groups.
         float_bytes: bytes per unquantized weight (2 = bf16/fp16).
-        scale_bytes: bytes per per-channel scale (0 reproduces the reference's "scales negligible").
+        scale_bytes: bytes per scale (2 = fp16; 0 reproduces the reference's "scales negligible").
 
     Returns:
         :class:`WeightBytes`.
@@ -97,7 +104,8 @@ def weight_bytes(
     quantized, scales, biases, seen = 0, 0, 0, set()
     for module in selected.values():
         quantized += module.out_features * module.in_features
-        scales += module.out_features
+        groups = module.num_groups if isinstance(module, NestedInt8Linear) else None
+        scales += module.out_features * (groups or num_groups(module.in_features, config.group_size))
         biases += 0 if module.bias is None else module.bias.numel()
         seen.update(id(t) for t in module.parameters(recurse=False))
         seen.update(id(t) for t in module.buffers(recurse=False))
@@ -118,6 +126,7 @@ def weight_bytes(
         high_plane=quantized * 0.5,
         quantized_params=quantized,
         other=other,
+        scales=scales,
     )
 
 

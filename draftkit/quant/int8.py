@@ -4,12 +4,18 @@ One stored int8 copy serves two precisions: the 8-bit model uses the code q, the
 from the high nibble h alone (effective scale 16*s). Everything here is pure torch on integer tensors.
 
 Notable:
-- symmetric per-output-channel int8 is the default; codes use [-127, 127] (-128 unused)
-- the asymmetric option stores unsigned codes in [0, 255] with a per-row zero point; its nibbles are unsigned
+- symmetric int8 is the default; codes use [-127, 127] (-128 unused)
+- granularity: one scale per output channel (``group_size`` None, the default), or per group of
+  ``group_size`` consecutive inputs of a row (G = ceil(I / group_size) groups; a last, shorter group when
+  group_size does not divide I), as every practical 4-bit scheme does (GPTQ, AWQ, llama.cpp's Q4 blocks)
+- the 4-bit slice is elementwise on the codes, so with per-group codes it is taken per group: the 4-bit
+  level of group g is 16*s_g times the slice of its codes
+- the asymmetric option stores unsigned codes in [0, 255] with a zero point per row (or group); its nibbles
+  are unsigned
 - slicing variants: ``midpoint`` 16*h + 8 (default), ``truncate`` 16*h, ``round`` 16*clamp(floor((q+8)/16))
 - ``native_int4_rtn`` is the non-nested reference (its own absmax/7 scale), used only for the error table
 
-Shapes: O output channels (rows), I input features (columns).
+Shapes: O output channels (rows), I input features (columns), G groups per row (1 = per channel).
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "SLICINGS",
     "SCHEMES",
     "Int8Weight",
+    "num_groups",
     "quantize_int8",
     "split_nibbles",
     "merge_nibbles",
@@ -35,22 +43,71 @@ SLICINGS = ("midpoint", "truncate", "round")
 """4-bit slicing variants of an int8 code; ``midpoint`` is the default (dual-precision.md §2)."""
 
 SCHEMES = ("symmetric", "asymmetric")
-"""Int8 quantization schemes, both per output channel."""
+"""Int8 quantization schemes, each per output channel or per group of inputs."""
+
+
+def num_groups(in_features: int, group_size: int | None) -> int:
+    """G = ceil(I / group_size), the scales per row; 1 for per-channel (``group_size`` None or >= I).
+
+    Raises:
+        ValueError: if ``group_size`` is not None and < 1.
+    """
+    if group_size is None:
+        return 1
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1 (or None for one scale per output channel), got {group_size}")
+    return -(-in_features // group_size)
+
+
+def _group_width(in_features: int, group_size: int | None) -> int:
+    """Inputs per group: ``group_size`` clipped to I (I for per-channel)."""
+    return in_features if group_size is None else min(group_size, in_features)
+
+
+def _per_column(values: torch.Tensor, in_features: int, group_size: int | None) -> torch.Tensor:
+    """(O, G) per-group values -> (O, I), each repeated over its group's columns (the last may be shorter)."""
+    return values.repeat_interleave(_group_width(in_features, group_size), dim=1)[:, :in_features]
+
+
+def _group_extremes(w: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, I) -> (min, max) over each group of inputs, both (O, G); the padding never wins either."""
+    n_in = w.shape[1]
+    groups, size = num_groups(n_in, group_size), _group_width(n_in, group_size)
+    pad = groups * size - n_in
+    lo = F.pad(w, (0, pad), value=float("inf")).view(w.shape[0], groups, size).amin(dim=2)  # (O, G)
+    hi = F.pad(w, (0, pad), value=float("-inf")).view(w.shape[0], groups, size).amax(dim=2)  # (O, G)
+    return lo, hi
+
+
+def _symmetric_codes(w: torch.Tensor, qmax: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest on [-qmax, qmax]: s = absmax/qmax per row or group (1 for all-zero ones).
+
+    Returns:
+        (codes (O, I) float32 integers, scale (O, G) float32).
+    """
+    lo, hi = _group_extremes(w, group_size)
+    scale = torch.maximum(-lo, hi) / qmax  # (O, G)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round(w / _per_column(scale, w.shape[1], group_size)), -qmax, qmax)  # (O, I)
+    return codes, scale
 
 
 @dataclass
 class Int8Weight:
-    """Per-channel int8 codes of a weight matrix: W_hat = scale * (codes - zero).
+    """Int8 codes of a weight matrix, per channel or per group: W_hat_oj = scale_og * (codes_oj - zero_og),
+    g the group of input j (g = j // group_size; one group per row for per-channel).
 
     Attributes:
         codes: (O, I) int8 for ``symmetric`` (values in [-127, 127]) or uint8 for ``asymmetric`` ([0, 255]).
-        scale: (O,) float32, weight units per code step (LSB_8).
-        zero: (O,) int16 zero point for ``asymmetric``, None for ``symmetric``.
+        scale: (O, G) float32, weight units per code step (LSB_8); G = 1 for per-channel.
+        zero: (O, G) int16 zero point for ``asymmetric``, None for ``symmetric``.
+        group_size: inputs per scale (the last group of a row may be shorter), None for per-channel.
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None
+    group_size: int | None = None
 
     @property
     def scheme(self) -> str:
@@ -60,29 +117,35 @@ class Int8Weight:
         """(O, I) int16 integer grid value (codes - zero) of ``codes`` (default: the int8 codes)."""
         codes = self.codes if codes is None else codes
         out = codes.to(torch.int16)
-        return out if self.zero is None else out - self.zero[:, None]  # (O, I)
+        return out if self.zero is None else out - _per_column(self.zero, out.shape[1], self.group_size)  # (O, I)
 
     def dequantize(self, codes: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(O, I) ``scale * (codes - zero)`` in ``dtype``; ``codes`` defaults to the int8 codes."""
-        return (self.scale[:, None].double() * self.centered(codes).double()).to(dtype)  # (O, I)
+        centered = self.centered(codes)  # (O, I)
+        scale = _per_column(self.scale.double(), centered.shape[1], self.group_size)  # (O, I)
+        return (scale * centered.double()).to(dtype)
 
 
-def quantize_int8(weight: torch.Tensor, scheme: str = "symmetric") -> Int8Weight:
-    """Quantize a weight matrix to int8 per output channel (dual-precision.md §1).
+def quantize_int8(weight: torch.Tensor, scheme: str = "symmetric", group_size: int | None = None) -> Int8Weight:
+    """Quantize a weight matrix to int8 per output channel or per group of inputs (dual-precision.md §1).
 
-    Symmetric: s_o = max_j |W_oj| / 127, q = clamp(round(W / s), -127, 127).
+    Over each row (``group_size`` None) or each group of ``group_size`` consecutive inputs of a row:
+    Symmetric: s = max |W| / 127, q = clamp(round(W / s), -127, 127).
     Asymmetric: s = (max - min) / 255, z = round(-min / s), q = clamp(round(W / s) + z, 0, 255).
-    All-zero rows get scale 1 (codes 0), so dequantization stays exact.
+    All-zero rows (groups) get scale 1 (codes 0), so dequantization stays exact. A ``group_size`` >= I is
+    per-channel exactly.
 
     Args:
         weight: (O, I) floating weight.
         scheme: ``symmetric`` or ``asymmetric``.
+        group_size: inputs per scale, >= 1, or None for one scale per output channel. The last group of a
+            row is shorter when it does not divide I.
 
     Returns:
-        :class:`Int8Weight`.
+        :class:`Int8Weight` with (O, G) scales, G = ceil(I / group_size) (1 for per-channel).
 
     Raises:
-        ValueError: on an unknown scheme or a weight that is not 2-D.
+        ValueError: on an unknown scheme, a weight that is not 2-D, or a group size < 1.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown int8 scheme {scheme!r}; choose one of {SCHEMES}")
@@ -90,16 +153,15 @@ def quantize_int8(weight: torch.Tensor, scheme: str = "symmetric") -> Int8Weight
         raise ValueError(f"expected a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
     w = weight.detach().to(torch.float32)
     if scheme == "symmetric":
-        scale = w.abs().amax(dim=1) / 127.0  # (O,)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)  # (O, I)
-        return Int8Weight(codes, scale)
-    lo, hi = w.amin(dim=1), w.amax(dim=1)  # (O,)
+        codes, scale = _symmetric_codes(w, 127, group_size)
+        return Int8Weight(codes.to(torch.int8), scale, None, group_size)
+    lo, hi = _group_extremes(w, group_size)  # (O, G)
     scale = (hi - lo) / 255.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale)  # (O,)
-    codes = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 255).to(torch.uint8)  # (O, I)
-    return Int8Weight(codes, scale, zero.to(torch.int16))
+    zero = torch.round(-lo / scale)  # (O, G)
+    n_in = w.shape[1]
+    codes = torch.round(w / _per_column(scale, n_in, group_size)) + _per_column(zero, n_in, group_size)  # (O, I)
+    return Int8Weight(torch.clamp(codes, 0, 255).to(torch.uint8), scale, zero.to(torch.int16), group_size)
 
 
 def split_nibbles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,28 +220,30 @@ def slice_codes(codes: torch.Tensor, slicing: str = "midpoint") -> torch.Tensor:
     return torch.clamp(rounded, lo, hi) * 16
 
 
-def native_int4_rtn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-nested symmetric int4 reference: s4 = max|W|/7, q4 = clamp(round(W/s4), -7, 7).
+def native_int4_rtn(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-nested symmetric int4 reference: s4 = max|W|/7 per row or group, q4 = clamp(round(W/s4), -7, 7).
 
     Args:
         weight: (O, I) floating weight.
+        group_size: inputs per scale, or None for one per output channel.
 
     Returns:
-        (q4 (O, I) int8, s4 (O,) float32).
+        (q4 (O, I) int8, s4 (O, G) float32).
     """
-    w = weight.detach().to(torch.float32)
-    scale = w.abs().amax(dim=1) / 7.0  # (O,)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.clamp(torch.round(w / scale[:, None]), -7, 7).to(torch.int8), scale
+    codes, scale = _symmetric_codes(weight.detach().to(torch.float32), 7, group_size)
+    return codes.to(torch.int8), scale
 
 
-def slicing_error(weight: torch.Tensor, variant: str, scheme: str = "symmetric") -> tuple[float, float]:
+def slicing_error(
+    weight: torch.Tensor, variant: str, scheme: str = "symmetric", group_size: int | None = None
+) -> tuple[float, float]:
     """Relative MSE ||W_hat - W||^2 / ||W||^2 and mean code error of one 4-bit variant.
 
     Args:
         weight: (O, I) floating weight.
         variant: a slicing in :data:`SLICINGS`, or ``native_int4`` or ``int8``.
         scheme: int8 scheme for the nested variants.
+        group_size: inputs per scale (all variants), or None for per-channel.
 
     Returns:
         (relative MSE, mean of q_lo - q in LSB_8); the mean error is 0.0 for ``native_int4``.
@@ -190,10 +254,10 @@ def slicing_error(weight: torch.Tensor, variant: str, scheme: str = "symmetric")
     w = weight.detach().to(torch.float64)
     norm = float((w**2).sum())
     if variant == "native_int4":
-        q4, s4 = native_int4_rtn(weight)
-        w_hat = s4.double()[:, None] * q4.double()  # (O, I)
+        q4, s4 = native_int4_rtn(weight, group_size)
+        w_hat = _per_column(s4.double(), q4.shape[1], group_size) * q4.double()  # (O, I)
         return float(((w_hat - w) ** 2).sum()) / norm, 0.0
-    quant = quantize_int8(weight, scheme)
+    quant = quantize_int8(weight, scheme, group_size)
     if variant == "int8":
         lo = quant.codes.to(torch.int16)
     elif variant in SLICINGS:
@@ -205,10 +269,12 @@ def slicing_error(weight: torch.Tensor, variant: str, scheme: str = "symmetric")
     return float(((w_hat - w) ** 2).sum()) / norm, mean_err
 
 
-def slicing_error_table(weight: torch.Tensor, scheme: str = "symmetric") -> dict[str, dict[str, float]]:
+def slicing_error_table(
+    weight: torch.Tensor, scheme: str = "symmetric", group_size: int | None = None
+) -> dict[str, dict[str, float]]:
     """The table of dual-precision.md §2 for one weight: {variant: {"rel_mse", "mean_error_lsb8"}}."""
     table = {}
     for variant in (*SLICINGS, "native_int4", "int8"):
-        mse, mean_err = slicing_error(weight, variant, scheme)
+        mse, mean_err = slicing_error(weight, variant, scheme, group_size)
         table[variant] = {"rel_mse": mse, "mean_error_lsb8": mean_err}
     return table

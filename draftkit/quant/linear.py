@@ -2,15 +2,16 @@
 
 Notable:
 - each quantized ``nn.Linear`` is replaced by :class:`NestedInt8Linear`, which holds BOTH integer grids (the
-  int8 codes and their 4-bit slice) as tensors of the compute dtype plus one fp32 scale per output channel;
-  switching precision flips one attribute, nothing is reloaded
-- compute is simulated on exact integer grids: y = (x @ q_sel^T) * s, the scale applied after the matmul
-  (integers up to 256 in magnitude are exact in bf16, fp16 and fp32, so both grids are exact)
+  int8 codes and their 4-bit slice) as tensors of the compute dtype plus one fp32 scale per output channel,
+  or per output channel and group of inputs; switching precision flips one attribute, nothing is reloaded
+- compute is simulated on exact integer grids: y = (x @ q_sel^T) * s, the scale applied after the matmul;
+  per group, y = sum_g (x_g @ q_sel,g^T) * s_g, one integer-grid matmul per group (integers up to 256 in
+  magnitude are exact in bf16, fp16 and fp32, so both grids are exact)
 - which modules are quantized is a :class:`QuantConfig`: every ``nn.Linear`` inside the decoder layers by
   default; the LM head stays in 16 bits unless ``quantize_lm_head`` is set (the input embedding is never
   quantized: a forward reads one row of it)
 
-Shapes: B batch, T tokens, I input features, O output channels.
+Shapes: B batch, T tokens, I input features, O output channels, G groups of w inputs (G*w >= I).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from draftkit.quant.int8 import SCHEMES, SLICINGS, quantize_int8, slice_codes
+from draftkit.quant.int8 import SCHEMES, SLICINGS, num_groups, quantize_int8, slice_codes
 
 __all__ = [
     "PRECISIONS",
@@ -50,14 +52,19 @@ class QuantConfig:
             up, down for Llama-style targets).
         quantize_lm_head: also quantize the output projection (it is read in full every step; keeping it in
             16 bits is the reference default, and it sets rho = a/A, see ``draftkit.quant.bytes``).
-        slicing: 4-bit slicing variant, one of ``midpoint`` (default), ``truncate``, ``round``.
-        scheme: int8 scheme, ``symmetric`` (default) or ``asymmetric``, both per output channel.
+        slicing: 4-bit slicing variant, one of ``midpoint`` (default), ``truncate``, ``round``; taken per
+            group when ``group_size`` is set.
+        scheme: int8 scheme, ``symmetric`` (default) or ``asymmetric``.
+        group_size: inputs per scale (e.g. 32, 64, 128; the last group of a row is shorter when it does not
+            divide the input width), or None (default) for one scale per output channel. Each scale is
+            stored (and counted by ``draftkit.quant.bytes``) as fp16.
     """
 
     include: tuple[str, ...] = ("*layers.*",)
     quantize_lm_head: bool = False
     slicing: str = "midpoint"
     scheme: str = "symmetric"
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.include, str):
@@ -67,21 +74,27 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.slicing: unknown {self.slicing!r}; choose one of {SLICINGS}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"QuantConfig.scheme: unknown {self.scheme!r}; choose one of {SCHEMES}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(
+                f"QuantConfig.group_size must be >= 1 (inputs per scale) or None (per channel), got {self.group_size}"
+            )
 
 
 class NestedInt8Linear(nn.Module):
     """A linear layer on two nested integer grids: int8 codes (``high``) and their 4-bit slice (``low``).
 
-    y = (x @ q_sel^T) * scale + bias, with q_sel = ``codes_high`` or ``codes_low`` by ``self.precision``.
-    Both grids are stored as exact integers in the compute dtype, transposed as (I, O) buffers ``codes_high_t``
-    and ``codes_low_t``; the output of the matmul is scaled in fp32.
+    y = sum_g (x_g @ q_sel,g^T) * scale_g + bias, with q_sel = the int8 codes or their 4-bit slice by
+    ``self.precision`` and g over the G groups of inputs (G = 1: one scale per output channel). Both grids are
+    stored as exact integers in the compute dtype, as (G, w, O) buffers ``codes_high_t`` and ``codes_low_t``
+    (inputs zero-padded to G*w); each group's matmul output is scaled in fp32 and the groups summed.
 
     Args:
         codes_high: (O, I) integer-valued tensor (codes - zero), compute dtype.
         codes_low: (O, I) integer-valued tensor (4-bit level - zero), compute dtype.
-        scale: (O,) float32 scale per output channel.
+        scale: (O, G) float32 scales, G = ceil(I / group_size) (1 when ``group_size`` is None).
         bias: (O,) or None.
         precision: initial precision, ``high`` or ``low``.
+        group_size: inputs per scale, or None for per-channel.
 
     Raises:
         ValueError: on mismatched shapes or an unknown precision.
@@ -94,20 +107,29 @@ class NestedInt8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None = None,
         precision: str = "high",
+        group_size: int | None = None,
     ) -> None:
         super().__init__()
-        if codes_high.shape != codes_low.shape or codes_high.dim() != 2 or scale.shape != codes_high.shape[:1]:
+        groups = num_groups(codes_high.shape[-1], group_size)
+        if codes_high.shape != codes_low.shape or codes_high.dim() != 2 or scale.shape != (len(codes_high), groups):
             raise ValueError(
                 f"NestedInt8Linear: codes {tuple(codes_high.shape)}/{tuple(codes_low.shape)} and scale "
-                f"{tuple(scale.shape)} do not fit (O, I) and (O,)"
+                f"{tuple(scale.shape)} do not fit (O, I) and (O, G) with G = {groups} groups of {group_size}"
             )
         self.out_features, self.in_features = codes_high.shape
-        # stored transposed, (I, O): x @ q_t is a contiguous gemv, ~1.6x faster than F.linear at batch 1 on CPU
-        self.register_buffer("codes_high_t", codes_high.t().contiguous())
-        self.register_buffer("codes_low_t", codes_low.t().contiguous())
-        self.register_buffer("scale", scale.to(torch.float32))
+        self.num_groups = groups
+        self.group_width = self.in_features if groups == 1 else group_size  # w; G*w - I zeros pad the last group
+        # stored (G, w, O): x_g @ q_t[g] is a contiguous gemv, ~1.6x faster than F.linear at batch 1 on CPU
+        self.register_buffer("codes_high_t", self._grouped(codes_high))
+        self.register_buffer("codes_low_t", self._grouped(codes_low))
+        self.register_buffer("scale", scale.to(torch.float32).t().contiguous())  # (G, O)
         self.register_buffer("bias", bias)
         self.precision = precision
+
+    def _grouped(self, codes: torch.Tensor) -> torch.Tensor:
+        """(O, I) -> (G, w, O), zero-padded inputs."""
+        padded = F.pad(codes, (0, self.num_groups * self.group_width - self.in_features))  # (O, G*w)
+        return padded.t().reshape(self.num_groups, self.group_width, self.out_features).contiguous()
 
     @property
     def precision(self) -> str:
@@ -121,40 +143,61 @@ class NestedInt8Linear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, slicing: str = "midpoint", scheme: str = "symmetric", dtype: torch.dtype | None = None
+        cls,
+        linear: nn.Linear,
+        slicing: str = "midpoint",
+        scheme: str = "symmetric",
+        dtype: torch.dtype | None = None,
+        group_size: int | None = None,
     ) -> "NestedInt8Linear":
-        """Quantize an ``nn.Linear`` (per-channel int8) and keep both grids.
+        """Quantize an ``nn.Linear`` (int8 per channel or per group) and keep both grids.
 
         Args:
             linear: the layer; its weight (O, I) is read once.
             slicing: 4-bit slicing variant (see ``draftkit.quant.int8.slice_codes``).
             scheme: ``symmetric`` or ``asymmetric``.
             dtype: compute dtype of the code tensors, default the weight's dtype.
+            group_size: inputs per scale, or None for one scale per output channel.
         """
-        quant = quantize_int8(linear.weight, scheme)
+        quant = quantize_int8(linear.weight, scheme, group_size)
         dtype = dtype or linear.weight.dtype
         high = quant.centered().to(dtype)  # (O, I), exact integers
         low = quant.centered(slice_codes(quant.codes, slicing)).to(dtype)  # (O, I)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(high, low, quant.scale, bias)
+        return cls(high, low, quant.scale, bias, group_size=group_size)
+
+    def codes(self, precision: str | None = None) -> torch.Tensor:
+        """(O, I) integer grid of ``precision`` (default: the current one), compute dtype."""
+        codes_t = self.codes_high_t if (precision or self._precision) == "high" else self.codes_low_t  # (G, w, O)
+        return codes_t.reshape(-1, self.out_features)[: self.in_features].t()  # (O, I)
 
     @property
     def weight(self) -> torch.Tensor:
         """(O, I) dequantized weight of the current precision (for inspection; forward never builds it)."""
-        codes = (self.codes_high_t if self._precision == "high" else self.codes_low_t).t()  # (O, I)
-        return (codes.float() * self.scale[:, None]).to(codes.dtype)  # (O, I)
+        codes = self.codes()  # (O, I)
+        scale = self.scale.t().repeat_interleave(self.group_width, dim=1)[:, : self.in_features]  # (O, I)
+        return (codes.float() * scale).to(codes.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., I) -> (..., O) in the dtype of ``x``."""
-        codes_t = self.codes_high_t if self._precision == "high" else self.codes_low_t  # (I, O)
-        y = torch.matmul(x, codes_t.to(x.dtype))  # (..., O): integer-grid matmul, fp32 accumulation
-        y = y.to(torch.promote_types(y.dtype, torch.float32)) * self.scale  # scale after the matmul
+        codes_t = (self.codes_high_t if self._precision == "high" else self.codes_low_t).to(x.dtype)  # (G, w, O)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        if self.num_groups == 1:
+            y = torch.matmul(x, codes_t[0]).to(acc) * self.scale[0]  # (..., O): integer-grid matmul, then scale
+        else:
+            lead = x.shape[:-1]
+            xg = F.pad(x, (0, self.num_groups * self.group_width - self.in_features))  # (..., G*w)
+            xg = xg.reshape(-1, self.num_groups, self.group_width).transpose(0, 1)  # (G, N, w)
+            y = torch.bmm(xg, codes_t).to(acc) * self.scale[:, None, :]  # (G, N, O): one grid matmul per group
+            y = y.sum(dim=0).reshape(*lead, self.out_features)  # (..., O)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, precision={self._precision}"
+        groups = "per-channel" if self.num_groups == 1 else f"groups={self.num_groups}x{self.group_width}"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, {groups}, precision={self._precision}"
 
 
 def select_linears(model: nn.Module, config: QuantConfig | None = None) -> dict[str, nn.Module]:
@@ -207,7 +250,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None) -> dict[
     out = {}
     for name, module in selected.items():
         nested = module if isinstance(module, NestedInt8Linear) else NestedInt8Linear.from_linear(
-            module, config.slicing, config.scheme
+            module, config.slicing, config.scheme, group_size=config.group_size
         )
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -9,7 +9,7 @@ Shapes: T tokens.
 
 from __future__ import annotations
 
-__all__ = ["encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids"]
+__all__ = ["encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids", "tokenizer_identity"]
 
 
 def _ids(value) -> set[int]:
@@ -43,6 +43,24 @@ def pad_token_id(tokenizer) -> int:
         return int(pad)
     eos = getattr(tokenizer, "eos_token_id", None)
     return int(eos) if eos is not None else 0
+
+
+def tokenizer_identity(tokenizer, chat_template: str | None = None) -> str:
+    """Fingerprint (16 hex digits) of what a draft head learns through the tokenizer: the id -> token table,
+    the special tokens with their ids, and the chat template (``chat_template`` when given, else the
+    tokenizer's own). Two tokenizers of equal size whose ids are permuted differ here.
+
+    Stored in training checkpoints and export sidecars (``tokenizer_fingerprint``) and compared with the
+    target's tokenizer on load (``draftkit.heads.checkpoint.check_tokenizer``).
+    """
+    import hashlib
+    import json
+
+    table = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    special = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in tokenizer.all_special_tokens}
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    blob = json.dumps([table, sorted(special.items()), template], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def ids_to_skip(tokenizer) -> list[int]:

@@ -126,7 +126,7 @@ def test_resumable_loader_continues_where_it_stopped():
     it = iter(again)
     seen = [next(it)["input_ids"].flatten().tolist() for _ in range(2)]
     state = again.state_dict()
-    assert state == {"epoch": 0, "consumed": 2}
+    assert state == {"epoch": 0, "consumed": 2, "sequences": 4, "global_batch": 2, "world_size": 1, "bucket_window": 0}
     resumed = ResumableLoader(data, seed=3, shuffle=True, batch_size=2, collate_fn=collate)
     resumed.load_state_dict(state)
     rest = [b["input_ids"].flatten().tolist() for b in resumed]

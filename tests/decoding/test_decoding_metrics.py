@@ -12,6 +12,7 @@ from draftkit.decoding.metrics import (
     acceptance_rate,
     accepted_prefix,
     conditional_acceptance,
+    distribution_metrics,
     kl_target_draft,
 )
 
@@ -57,7 +58,23 @@ def test_kl_over_draft_vocab():
     expected = float((p * (p.log() - math.log(1 / 3))).sum())
     assert kl[0].item() == pytest.approx(expected, rel=1e-6)
     assert kl[1].item() == pytest.approx(0.0, abs=1e-7)  # equal distributions up to a logit shift
+    dist = distribution_metrics(target, draft, t2d)
+    assert torch.equal(dist["kl"], kl)
     stats = AcceptanceStats(3)
-    stats.update(1, 2, kl)
-    stats.update(0, 1, kl[:1])
+    stats.update(1, 2, dist)
+    stats.update(0, 1, {name: x[:1] for name, x in dist.items()})
     assert stats.kl_per_position() == pytest.approx([expected, 0.0, None])
+
+
+def test_outside_mass_and_expected_acceptance_exact():
+    """p = (0.4, 0.3, 0.2, 0.1) over V = 4, draft vocab {0, 2}, q = (0.5, 0.5) on it."""
+    t2d = torch.tensor([True, False, True, False])
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    q = torch.tensor([[0.5, 0.5]])
+    dist = distribution_metrics(p.log(), q.log(), t2d)
+    assert dist["outside_mass"].item() == pytest.approx(0.4, abs=1e-6)
+    assert dist["expected_accept"].item() == pytest.approx(0.6, abs=1e-6)  # min(.4, .5) + min(.2, .5)
+    q_full = torch.tensor([[0.5, 0.0, 0.5, 0.0]])  # q in the target vocab, zero outside the draft vocab
+    assert dist["expected_accept"].item() == pytest.approx(1 - 0.5 * float((p - q_full).abs().sum()), abs=1e-6)
+    # the KL renormalises the target on {0, 2}: P_d = (2/3, 1/3), blind to the 0.4 outside
+    assert dist["kl"].item() == pytest.approx(2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3), rel=1e-5)

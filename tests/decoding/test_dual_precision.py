@@ -136,6 +136,126 @@ def test_gated_stub_escalates_by_score():
     assert lm.calls[-2:] == [("low", 1), ("high", 1)]  # each step: 4-bit pass, then the 8-bit re-run
 
 
+# ---------------------------------------------------------------------------------------------- sampled
+
+
+class MarkovDualLM:
+    """Two precisions of a first-order Markov chain over V tokens: logits = log table[precision][last token]."""
+
+    def __init__(self, high: torch.Tensor, low: torch.Tensor):
+        self.tables = {"high": high.log(), "low": low.log()}
+        self.bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
+
+    def new_cache(self):
+        return []
+
+    def rollback(self, cache, n):
+        del cache[len(cache) - n:]
+        return cache
+
+    def forward(self, ids, cache, precision, logits_to_keep=1):
+        seq = (list(cache) if cache is not None else []) + list(ids)
+        if cache is not None:
+            cache.extend(ids)
+        return self.tables[precision][torch.tensor(seq[-logits_to_keep:])]  # (logits_to_keep, V)
+
+
+def _markov_tables(vocab=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    high = torch.rand(vocab, vocab, generator=g) ** 2 + 0.02
+    low = torch.rand(vocab, vocab, generator=g) + 0.1  # a different distribution: drafts get rejected
+    return high / high.sum(-1, keepdim=True), low / low.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_verified_reproduces_the_8bit_distribution(temperature, top_p):
+    from decoding_stubs import chi2_pvalue
+
+    from draftkit.decoding.sampling import probs_from_logits
+
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    p = probs_from_logits(high.log(), temperature, 0, top_p)  # (V, V) the warped 8-bit chain
+    g = torch.Generator().manual_seed(0)
+    n, counts, rounds = 3000, torch.zeros(4, 4, 4), []
+    for _ in range(n):
+        traj = verified_decode(lm, [2], 2, 3, temperature=temperature, top_p=top_p, generator=g)
+        counts[tuple(traj.tokens)] += 1
+        rounds += traj.rounds
+    exact = (p[2][:, None, None] * p[:, :, None] * p[None, :, :]).flatten()  # p(t1|2) p(t2|t1) p(t3|t2)
+    support = exact > 0
+    assert (counts.flatten()[~support] == 0).all()  # nothing outside the 8-bit nucleus is ever emitted
+    assert chi2_pvalue(counts.flatten()[support], n * exact[support]) > 1e-3
+    accepted = sum(a for d, a in rounds) / sum(d for d, a in rounds)
+    assert 0.2 < accepted < 0.95  # drafts are both accepted and rejected: the residual path is exercised
+    # the low chain alone is far from the 8-bit one, so the test can tell them apart
+    q = probs_from_logits(low.log(), temperature, 0, top_p)
+    wrong = (q[2][:, None, None] * q[:, :, None] * q[None, :, :]).flatten()
+    assert chi2_pvalue(counts.flatten()[wrong > 0], n * wrong[wrong > 0]) < 1e-6
+
+
+def test_sampled_gates_follow_the_sampled_path():
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    kwargs = dict(temperature=1.0, top_p=0.9)
+    ref = greedy_decode(lm, [2], 12, precision="high", generator=torch.Generator().manual_seed(5), **kwargs)
+    # every step escalates: the same draws from the same 8-bit distributions give the all-high sample
+    always = greedy_decode(lm, [2], 12, gate=Gate("margin", -2.0), generator=torch.Generator().manual_seed(5),
+                           **kwargs)
+    assert always.tokens == ref.tokens and always.escalated == [True] * 12 and always.high_forwards == 12
+    never = greedy_decode(lm, [2], 12, gate=Gate("margin", 2.0), generator=torch.Generator().manual_seed(5),
+                          **kwargs)
+    low_ref = greedy_decode(lm, [2], 12, precision="low", generator=torch.Generator().manual_seed(5), **kwargs)
+    assert never.tokens == low_ref.tokens and never.high_forwards == 0
+    # the gate scored the 4-bit distribution of each sampled prefix
+    assert never.scores == pytest.approx([float(gate_scores(lm.tables["low"][t])["margin"])
+                                          for t in [2, *never.tokens[:-1]]])
+    with pytest.raises(ValueError, match="top_p"):
+        greedy_decode(lm, [2], 3, temperature=1.0, top_p=0.0)
+
+
+def _without_timing(report):
+    return {k: v for k, v in report.items() if k != "timing_s"}
+
+
+def test_evaluation_resumes_from_the_per_prompt_record(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    evaluation, calibration = [[0, 3], [0, 7, 1], [0, 9, 2, 4]], [[0, 1, 1, 1, 1], [0, 2, 2, 2, 2, 2]]
+    config = DualPrecisionConfig(budget=0.3, max_new_tokens=8, k=2, bootstrap_samples=0)
+    full_lm = StubLM(disagree_at={5, 11})
+    full = evaluate_dual_precision(full_lm, evaluation, calibration, config, record=str(path))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 2 + 3  # header, 2 calibration prompts, 3 evaluation prompts
+    path.write_text("\n".join(lines[:4]) + '\n{"key": "evaluation/1", "va')  # killed during prompt 2
+    lm = StubLM(disagree_at={5, 11})
+    resumed = evaluate_dual_precision(lm, evaluation, calibration, config, record=str(path))
+    assert _without_timing(resumed) == _without_timing(full)
+    # calibration and evaluation prompt 1 came from the record: the first forward is prompt 2's prefill
+    assert full_lm.calls[0] == ("high", 5) and lm.calls[0] == ("high", 3)
+    assert len(lm.calls) < len(full_lm.calls)
+    other = DualPrecisionConfig(budget=0.3, max_new_tokens=9, k=2, bootstrap_samples=0)
+    with pytest.raises(ValueError, match="a record of a different run"):
+        evaluate_dual_precision(lm, evaluation, calibration, other, record=str(path))
+
+
+def test_sampled_evaluation_verified_is_exact_in_distribution():
+    high, low = _markov_tables()
+    lm = MarkovDualLM(high, low)
+    from draftkit.decoding.dual_precision import top2_margin
+
+    margins = top2_margin(low.log()).sort().values  # (V,) one 4-bit margin per last token
+    config = DualPrecisionConfig(margin_threshold=float(margins[1:3].mean()), max_new_tokens=16, k=2,
+                                 bootstrap_samples=0, temperature=1.0, top_p=0.95, seed=3)  # 2 of 4 escalate
+    report = evaluate_dual_precision(lm, [[2], [1], [0]], [], config)
+    assert report["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 0}
+    methods = report["methods"]
+    assert methods["verified"]["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # every token from the 8-bit p
+    assert methods["all_low"]["kl_mean"] > 0.05
+    assert 0.0 < methods["margin_gate"]["escalation_rate"] < 1.0
+    again = evaluate_dual_precision(lm, [[2], [1], [0]], [], config)
+    assert _without_timing(again) == _without_timing(report)  # seeded per prompt: reproducible
+
+
 # ---------------------------------------------------------------------------------------------- tiny model
 
 
@@ -357,8 +477,11 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
     assert report["sizes"] == {"calibration_prompts": 2, "evaluation_prompts": 3, "max_new_tokens": 6, "k": 2}
     assert not set(report["prompts"]["evaluation_ids"]) & set(report["prompts"]["calibration_ids"])
     assert report["methods"]["verified"]["exact_match"] == 1.0
-    assert report["dtype"] == "float32"  # the default: auto, here faked to float32
-    assert report["precision"] == {"requested": "auto", "dtype": "float32", "auto": choice.as_dict()}
+    assert report["dtype"] == "float32"  # the default for dual precision (issue 16), whatever auto would pick
+    assert report["precision"] == {"requested": "float32", "dtype": "float32", "auto": choice.as_dict()}
+    assert report["template"] == "chat" and report["quant"]["group_size"] is None  # the tiny tokenizer: ChatML
+    assert report["record"] == str(tmp_path / "report.prompts.jsonl")
+    assert len((tmp_path / "report.prompts.jsonl").read_text().splitlines()) == 1 + 2 + 3
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb)).Reload()
@@ -382,6 +505,29 @@ def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
                  "--calibration_prompts", "2", *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_cli_plain_template_sampling_groups_and_resume(dp_tiny_dir, tmp_path, caplog, capsys):
+    from draftkit.commands import main
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(5)])
+    out = tmp_path / "r.json"
+    argv = ["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts",
+            "2", "--max_new_tokens", "5", "--k", "2", "--bootstrap_samples", "0", "--template", "plain",
+            "--group_size", "32", "--temperature", "0.8", "--top_p", "0.9", "--output", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["template"] == "plain" and report["quant"]["group_size"] == 32
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
+    assert report["weight_bytes"]["scales"] == 8 * (2 * (64 + 32 + 32 + 64 + 128 + 128) + 4 * 64)
+    assert report["methods"]["verified"]["kl_mean"] == pytest.approx(0.0, abs=1e-5)
+    with caplog.at_level(logging.INFO):
+        assert main(argv) == 0  # everything comes from the record
+    assert "resuming from" in caplog.text and "evaluation prompt 1/3" not in caplog.text
+    again = json.loads(out.read_text())
+    assert again["methods"] == report["methods"] and again["replay"] == report["replay"]
+    assert main([*argv[:-2], "--group_size", "64", "--output", str(out)]) == 2  # same record, another quantizer
+    assert "r.prompts.jsonl: a record of a different run" in capsys.readouterr().err
 
 
 def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):

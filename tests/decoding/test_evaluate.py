@@ -53,6 +53,10 @@ def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     assert [r["id"] for r in report["per_prompt"]] == ["7", "2", "3"]
     assert all(r["equal"] and r["first_diff"] is None for r in report["per_prompt"])
     assert len(report["acceptance_per_position"]) == 4 and len(report["kl_per_position"]) == 4
+    assert report["kl_definition"].startswith("KL(P_d || Q) in nats at temperature 1 over the draft vocab only")
+    outside, expected = report["outside_mass_per_position"], report["expected_accept_per_position"]
+    assert len(outside) == len(expected) == 4 and all(0 < x < 1 for x in outside + expected)
+    assert all(e <= 1 - o + 1e-6 for e, o in zip(expected, outside))  # sum min(p, q) <= mass p puts on the draft vocab
     assert report["tau"] == pytest.approx(1 + sum(report["acceptance_per_position"]))  # chain identity
     assert report["target_forwards_per_token"] == pytest.approx(
         report["rounds"] / sum(r["new_tokens"] - 1 for r in report["per_prompt"]))
@@ -61,6 +65,7 @@ def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
     assert report["prompt_lookup_tau"] >= 1
     assert list(tb.glob("events.out.tfevents.*"))
     printed = capsys.readouterr().out
+    assert "(target mass outside the draft vocab)" in printed and "E[acc]_i" in printed
     assert "tau (bonus counted)" in printed and "greedy_equal               3/3" in printed
 
 

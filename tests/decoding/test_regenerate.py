@@ -52,7 +52,7 @@ def _write_source(path, n_good=7):
                                           {"from": "gpt", "value": f"answer {i}"}]}
         for i in range(n_good)
     ]
-    rows.insert(2, ["not", "an", "object"])  # skipped by the reader: not an object
+    rows.insert(2, ["not", "an", "object"])  # skipped by the reader: its turns are not objects
     rows.insert(4, {"id": "bad-role", "messages": [{"role": "wizard", "content": "x"}]})  # unknown role
     rows.append({"id": "long", "messages": [{"role": "user", "content": "y" * 300}, {"role": "assistant", "content": "z"}]})
     with open(path, "w") as f:
@@ -69,14 +69,14 @@ def test_regenerate_first_turns_counts_bad_records_and_reads_back(tmp_path, tiny
     report = regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32", batch_size=3, shard_size=3)
     header = json.loads(out.read_text().splitlines()[0])["header"]
     assert header["counts"]["failed"] == {"prompt too long": 1}
-    assert header["counts"]["skipped_by_reader"] == {"not an object": 1, "unknown role": 1}
+    assert header["counts"]["skipped_by_reader"] == {"turn not an object": 1, "unknown role": 1}
     assert header["source_ids"] == [f"c{i}" for i in range(7)] and header["counts"]["records"] == 7
     assert header["decode"]["temperature"] == 0.0 and header["decode"]["max_new_tokens"] == 6
     assert header["decode"]["stop_token_ids"] == [EOS]
     assert header["target_fingerprint"]["dtype"] == "float32" and len(header["target_fingerprint"]["config"]) == 16
     assert report["counts"] == header["counts"]
     conversations, summary = read_conversations(str(out))
-    assert summary.header == header and summary.ids == header["source_ids"] and not summary.skipped
+    assert summary.header == header and summary.records == header["source_ids"] and not summary.skipped
     for i, messages in enumerate(conversations):
         user = [{"role": "user", "content": f"question {i}" + " more" * i}]
         assert messages[:1] == user and len(messages) == 2

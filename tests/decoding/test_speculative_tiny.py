@@ -221,3 +221,25 @@ def test_bench_scripted_acceptance(tiny, tiny_head):
     assert result["outputs_equal_plain"] == 2
     assert result["scripted_tau"] == pytest.approx(3.0)
     assert result["head_tau"] >= 1.0 and result["draft_ms_per_round"] > 0
+
+
+def test_expected_acceptance_matches_measured_acceptance_rate_at_t1(tiny, tiny_head):
+    """At T = 1 with k = 1 every drafted token is verified, and speculative sampling accepts it with probability
+    sum min(p, q) (q zero outside the draft vocab): the mean of the reported expected acceptance and the
+    measured acceptance rate agree within sampling noise (4 standard deviations of the mean of the rounds'
+    Bernoulli outcomes)."""
+    target, _ = tiny
+    session = TargetSession(target)
+    cfg = DecodeConfig(max_new_tokens=200, temperature=1.0)
+    stats = None
+    for seed in range(10):
+        prompt = torch.tensor(PROMPTS[seed % 2])
+        spec = generate_speculative(session, Eagle3Drafter(tiny_head), prompt, 1, cfg,
+                                    torch.Generator().manual_seed(seed), collect_kl=True)
+        stats = spec.stats if stats is None else (stats.extend(spec.stats) or stats)
+    measured, expected = stats.rate(), stats.per_position_mean("expected_accept")[0]
+    outside = stats.per_position_mean("outside_mass")[0]
+    noise = (expected * (1 - expected) / stats.rounds) ** 0.5
+    assert stats.rounds > 1000
+    assert abs(measured - expected) < 4 * noise, (measured, expected, noise)
+    assert 0.1 < outside < 0.4  # 64 of the 320 ids lie outside the 256-id draft vocab

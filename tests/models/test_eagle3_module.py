@@ -130,3 +130,134 @@ def test_target_lm_head_and_later_steps_run_only_where_the_loss_needs_them(built
     for k in range(1, steps):
         expected = sum(any(supervised(i, p, kk) for kk in range(k, steps)) for i in range(b) for p in range(t))
         assert rows[k] == expected
+
+
+# -- runs without signal (issue 14, item 2) --------------------------------------------------------------------
+
+
+def _fit(model, dm, tmp_path, monitor="val/tau_sim", **trainer_kw):
+    """Fit on CPU with a CSV logger and a "best" checkpoint on ``monitor``; return (trainer, logged rows)."""
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="best-{step}", monitor=monitor, mode="max")
+    trainer = pl.Trainer(accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), callbacks=[ckpt],
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                         num_sanity_val_steps=0, **trainer_kw)
+    try:
+        trainer.fit(model, dm)
+    finally:
+        files = list((tmp_path / "csv").glob("version_*/metrics.csv"))
+        rows = list(csv.DictReader(open(files[0]))) if files else []
+        trainer.rows = rows
+    return trainer, rows
+
+
+def _empty_on(model, batches: set[int]):
+    """Make the TTT loss of the given training batch indices (counted from 0 over the run) supervise nothing."""
+    real, seen = model.ttt_loss, []
+
+    def ttt_loss(batch):
+        total, stats = real(batch)
+        if model.training:
+            seen.append(len(seen))
+            if seen[-1] in batches:
+                return total * 0, [(s[0] * 0, s[1] * 0, s[2] * 0) for s in stats]
+        return total, stats
+
+    model.ttt_loss = ttt_loss
+
+
+def test_case_entropy_filter_removing_every_position_stops_before_anything_is_written(tmp_path, monkeypatch):
+    """shared/cases/b07: tiny-debug with entropy_filter {mode: drop, threshold: 1000} used to run 4 "steps" with
+    no update, write best-step=4.ckpt and log NaN and 0.0 validation metrics."""
+    import yaml
+
+    from draftkit.cli import DraftkitCLI
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    run = tmp_path / "run"
+    override = tmp_path / "b07.yaml"
+    override.write_text(yaml.safe_dump({
+        "model": {"entropy_filter": {"mode": "drop", "threshold": 1000.0}},
+        "trainer": {"max_steps": 4, "default_root_dir": str(run), "logger": {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run)}},
+            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                           "init_args": {"dirpath": str(run / "ckpt"), "monitor": "val/tau_sim", "mode": "max"}}]},
+    }))
+    with pytest.raises(ValueError, match=(
+            r"^no trainable tokens: model.entropy_filter.threshold=1000.0 nats exceeds ln V = 5.768 nats, the largest "
+            r"entropy a 320-token distribution can have, so mode=drop removes every position")):
+        DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(override)])
+    assert not run.exists()
+
+
+def test_batches_without_trainable_tokens_are_not_optimizer_steps(built_module, tmp_path):
+    """Another no-signal input: training batches 1 and 2 supervise nothing. They change no weight, do not
+    advance the step count or the LR schedule, and log no NaN or placeholder."""
+    model, dm = built_module
+    _empty_on(model, {1, 2})
+    heads = []
+
+    class Watch(__import__("lightning.pytorch", fromlist=["Callback"]).Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            heads.append((trainer.global_step, pl_module.head.fc.weight.detach().clone(),
+                          trainer.lr_scheduler_configs[0].scheduler.last_epoch))
+
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[Watch()],
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=2, limit_val_batches=0)
+    trainer.fit(model, dm)
+    assert [s for s, _, _ in heads] == [1, 1, 1, 2]  # batches 1, 2 are not steps; max_steps=2 needs 4 batches
+    assert torch.equal(heads[0][1], heads[1][1]) and torch.equal(heads[1][1], heads[2][1])
+    assert not torch.equal(heads[2][1], heads[3][1])
+    assert [n for _, _, n in heads] == [1, 1, 1, 2]  # LR schedule steps
+    assert model.empty_batches == 2
+
+
+def test_validation_never_logs_nan_or_placeholders(built_module, tmp_path):
+    """TTT steps without a supervised row in validation are left out, not logged as NaN or 0.0, and tau_sim is
+    only logged when every step was measured."""
+    _, dm = built_module
+    model = Eagle3Module(dm.hparams.tokenizer, target_dtype="float32", draft_vocab_size=320,
+                         ttt={"steps": 3, "decay": 0.8})  # full vocab: every validation row is supervised
+    real = model.ttt_loss
+
+    def ttt_loss(batch):  # validation: steps 1 and 2 never supervised
+        total, stats = real(batch)
+        if not model.training:
+            stats = [stats[0]] + [(s[0] * 0, s[1] * 0, s[2] * 0) for s in stats[1:]]
+        return total, stats
+
+    model.ttt_loss = ttt_loss
+    model.hparams.serving_k = 2
+    trainer, rows = _fit(model, dm, tmp_path, "val/loss", max_steps=2, val_check_interval=2, limit_val_batches=1)
+    logged = {k for r in rows for k, v in r.items() if v not in ("", None)}
+    assert {"val/acc_0", "val/loss_0", "val/loss"} <= logged
+    assert not logged & {"val/acc_1", "val/loss_1", "val/acc_2", "val/tau_sim", "val/tau_sim_k2"}
+    values = [float(v) for r in rows for k, v in r.items() if k.startswith(("val/", "train/")) and v]
+    assert values and all(math.isfinite(v) for v in values)
+
+
+def test_no_best_checkpoint_for_a_head_without_update(built_module, tmp_path):
+    """Every training batch empty: validation refuses to score the untouched head and the run stops."""
+    model, dm = built_module
+    _empty_on(model, set(range(100)))
+    with pytest.raises(RuntimeError, match=(
+            r"no trainable tokens: every one of the 2 training batches before validation had no supervised "
+            r"position after the assistant mask, the entropy filter \(model.entropy_filter: off\)")):
+        _fit(model, dm, tmp_path, max_steps=4, val_check_interval=2, limit_val_batches=1)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_epoch_without_trainable_tokens_stops_the_run(built_module, tmp_path):
+    model, dm = built_module
+    _empty_on(model, set(range(100)))
+    with pytest.raises(RuntimeError, match=r"every one of the 2 training batches of epoch 0 had no supervised"):
+        _fit(model, dm, tmp_path, max_steps=4, limit_val_batches=0)
+    assert not (tmp_path / "ckpt").exists()

@@ -52,6 +52,24 @@ def test_qwen3_all_quantized(qwen3_06b):
     assert [round(r, 3) for r in _ratios(wb)] == [0.660, 0.580, 0.580]
 
 
+@pytest.mark.parametrize("group_size, rho, ratios", [
+    (128, 0.710, [0.870, 0.823, 0.756]),
+    (32, 0.717, [0.877, 0.832, 0.763]),
+])
+def test_qwen3_per_group_scale_bytes(qwen3_06b, group_size, rho, ratios):
+    config = QuantConfig(group_size=group_size)
+    bare = weight_bytes(qwen3_06b, config, scale_bytes=0)
+    wb = weight_bytes(qwen3_06b, config)
+    # every decoder-linear input width (1024, 2048, 3072) is a multiple of the group: one scale per g weights
+    assert wb.scales == 28 * 15_728_640 // group_size  # 3,440,640 at 128; 13,762,560 at 32
+    for field in ("high", "low", "other"):  # fp16 scales are read by both precisions
+        assert getattr(wb, field) - getattr(bare, field) == 2 * wb.scales
+    assert wb.high_plane == bare.high_plane  # the planes themselves are unchanged
+    assert round(wb.high / 1e6, 1) == round(751.7 + 2 * wb.scales / 1e6, 1)  # 758.6 at 128, 779.2 at 32
+    assert round(wb.rho, 3) == rho
+    assert [round(r, 3) for r in _ratios(wb)] == ratios  # cost model ii's plane-L re-read includes the scales
+
+
 def test_counts_on_a_quantized_model_equal_the_config_count():
     from transformers import LlamaForCausalLM
 
@@ -67,6 +85,22 @@ def test_counts_on_a_quantized_model_equal_the_config_count():
     norms = (2 * layers + 1) * h
     scales = layers * (h + 32 + 32 + h + 128 + 128 + h)
     assert after.high == linears + (v * h + h + norms + scales) * 2
+
+
+def test_per_group_counts_with_a_shorter_last_group():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    config = QuantConfig(group_size=48)  # 64 inputs -> 2 groups (48 + 16); down_proj's 128 -> 3 (48 + 48 + 32)
+    before = weight_bytes(model, config)
+    quantize_model(model, config)
+    after = weight_bytes(model, config)
+    assert before == after == weight_bytes(model)  # quantized layers count their own groups
+    h, layers = 64, 8
+    scales = layers * (2 * (h + 32 + 32 + h + 128 + 128) + 3 * h)
+    assert after.scales == scales
+    assert after.high - weight_bytes(model, config, scale_bytes=0).high == 2 * scales
 
 
 def test_cost_models_and_bounds():

