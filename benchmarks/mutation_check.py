@@ -74,7 +74,7 @@ METRICS = "tests/decoding/test_decoding_metrics.py"
 # module path -> its mutants; each selection is the few tests that guard the line (seconds each)
 MUTANTS: dict[str, list[Mutant]] = {
     "draftkit/models/eagle3.py": [
-        M("acc-one-row-early", "teacher_argmax[rows + offset]", "teacher_argmax[rows + offset - 1]",
+        M("acc-one-row-early", "teacher_argmax[teacher], w.reshape(-1)", "teacher_argmax[(teacher - 1).clamp_min(0)], w.reshape(-1)",
           MODULE, "-k", "accuracy", issue="17.1"),
         M("acc-counts-mismatches", "correct = (logits.argmax(-1) == teacher_argmax)",
           "correct = (logits.argmax(-1) != teacher_argmax)", MODULE, "-k", "soft_ce or accuracy", issue="17.2"),

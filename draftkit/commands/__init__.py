@@ -27,6 +27,7 @@ from draftkit.commands.cache_hidden_states import cache_hidden_states
 from draftkit.commands.evaluate import evaluate
 from draftkit.commands.evaluate_dual_precision import evaluate_dual_precision
 from draftkit.commands.export import export
+from draftkit.commands.generate import generate
 from draftkit.commands.select_layers import select_layers
 
 __all__ = ["COMMANDS", "LIGHTNING_VERBS", "build_parser", "main"]
@@ -44,6 +45,7 @@ COMMANDS: dict[str, Callable | dict[str, Callable]] = {
     "export": export,
     "bench": {"train": bench_train, "decode": bench_decode},
     "cache-hidden-states": cache_hidden_states,
+    "generate": generate,
 }
 """The draftkit verbs: name -> function (or name -> {sub-verb: function})."""
 
@@ -61,7 +63,7 @@ RENAMED = {
 }
 """Old flag spellings of each verb -> the new ones."""
 
-BARE_FLAGS = {"export": {"--overwrite"}, "cache-hidden-states": {"--dry_run"}, "bench decode": {"--random_weights"}}
+BARE_FLAGS = {"export": {"--overwrite"}, "generate": {"--overwrite"}, "cache-hidden-states": {"--dry_run"}, "bench decode": {"--random_weights"}}
 """Old ``store_true`` flags: given without a value they mean ``true``."""
 
 

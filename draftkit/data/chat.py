@@ -12,6 +12,7 @@ Shapes: T tokens.
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import json
 import logging
@@ -66,6 +67,9 @@ class ReadSummary:
     records: list[str] = field(default_factory=list)
     """Names (as in ``skips``) of the kept conversations, in order."""
     cut_offset: int | None = None
+    header: dict | None = None
+    """The ``header`` object of a chat JSONL whose first line is ``{"header": {...}}`` (written by
+    ``draftkit generate``), else None."""
 
     def skip(self, record: str, reason: str, detail: str = "") -> None:
         """Count one skipped record under ``reason`` and keep its name and detail."""
@@ -192,8 +196,12 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
 
 def _decode(path: Path) -> str:
     """A data file's text: UTF-8 without its byte-order mark; an invalid byte becomes a lone surrogate
-    (``surrogateescape``), which :func:`normalize_record` then names in its record."""
-    return path.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+    (``surrogateescape``), which :func:`normalize_record` then names in its record; ``.gz`` files are
+    decompressed first."""
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    return data.decode("utf-8-sig", errors="surrogateescape")
 
 
 def _iter_json_array(path: Path, summary: ReadSummary):
@@ -273,7 +281,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
 
     Args:
         ref: a local ``.json`` (array of ShareGPT or chat records; a file cut off mid-record is read up to the
-            cut with one warning), a local ``.jsonl`` (one record per line), or a ``datasets`` source (hub id,
+            cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first line
+            ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source (hub id,
             a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local files
             are UTF-8, with or without a byte-order mark, with LF or CRLF line ends.
         split: the ``datasets`` split.
@@ -292,14 +301,17 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     summary = ReadSummary(source=str(ref))
     if path.suffix == ".json" and path.is_file():
         records = _iter_json_array(path, summary)
-    elif path.suffix == ".jsonl" and path.is_file():
+    elif path.name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
         records = _iter_jsonl(path, summary)
-    elif path.suffix in (".json", ".jsonl") and not path.exists():
+    elif path.name.endswith((".json", ".jsonl", ".jsonl.gz")) and not path.exists():
         raise FileNotFoundError(f"data file {ref} does not exist; fix data.path in the recipe")
     else:
         records = _iter_datasets(ref, split)
     conversations = []
-    for name, record in records:
+    for n, (name, record) in enumerate(records):
+        if n == 0 and isinstance(record, dict) and set(record) == {"header"}:
+            summary.header = record["header"]
+            continue
         messages, why = normalize_record(record)
         if messages is None:
             summary.skip(name, *why)

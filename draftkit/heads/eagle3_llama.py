@@ -267,50 +267,176 @@ class Eagle3Attention(nn.Module):
         sin: torch.Tensor,
         ttt_cache: list[tuple[torch.Tensor, torch.Tensor]],
         key_padding_mask: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One training-time-test step (eagle3-format.md §4.2).
 
         Row p at step k attends to the step-0 keys of rows q <= p (pads masked) and to its own keys from
-        steps 1..k: a dense causal block plus per-step diagonal dot products, joined before one softmax
-        (the ``cache_hidden`` scheme of SpecForge ``llama3_eagle.py``). Step 0 is plain causal attention
-        and runs through ``scaled_dot_product_attention``.
+        steps 1..k, joined in one softmax (the ``cache_hidden`` scheme of SpecForge ``llama3_eagle.py``);
+        :data:`TTT_ATTENTION` picks the kernel (see :func:`ttt_attention_lse_merge`).
+
+        With ``rows``, only those rows are computed (their q/k/v projections and ``o_proj``); the other rows
+        of this step's keys are zero and never read, because a row computed at step k was computed at every
+        step before it (the caller keeps the row sets nested).
 
         Args:
-            u: (B, T, 2H) layer input of this step.
-            cos, sin: (B, T, d) RoPE tables at positions pos_p + step.
+            u: (B, T, 2H) layer input of this step, or (n, 2H) for ``rows``.
+            cos, sin: (B, T, d) RoPE tables at positions pos_p + step, or (1, n, d) for ``rows``.
             ttt_cache: [(K_0, V_0), (K_1, V_1), ...], each (B, A_kv, T, d); appended to in place.
             key_padding_mask: (B, T) bool, True for real tokens.
+            rows: optional (n,) int64 flat indices into B*T of the rows to compute (steps >= 1 only).
 
         Returns:
-            (B, T, H) attention output after ``o_proj``.
+            (B, T, H) attention output after ``o_proj``, or (n, H) for ``rows``.
         """
-        q, k, v = self._qkv(u, cos, sin)
+        b, t = key_padding_mask.shape
+        if rows is None:
+            q, k, v = self._qkv(u, cos, sin)  # (B, A, T, d), (B, A_kv, T, d) x2
+        else:
+            if not ttt_cache:
+                raise ValueError("forward_ttt: step 0 computes every row (its keys are the context of all rows)")
+            q, k, v = (_scatter_rows(x, rows, b, t) for x in self._qkv(u[None], cos, sin))  # (B, A|A_kv, T, d)
         ttt_cache.append((k, v))
-        b, _, t, d = q.shape
-        if len(ttt_cache) == 1:
-            causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
-            mask = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        backend = "lse_merge" if q.device.type == "cpu" and _right_padded(key_padding_mask) else "eager"
+        o = TTT_ATTENTION[backend](q, ttt_cache, key_padding_mask, 1.0 / math.sqrt(self.head_dim))  # (B, A, T, d)
+        if rows is None:
             return self._out(o)
-        groups = self.num_heads // self.num_kv_heads
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = ttt_cache[0]
-        # fold the query groups into the row axis so K_0/V_0 are shared without repeat_interleave copies
-        qg = q.reshape(b, self.num_kv_heads, groups * t, d)  # (B, A_kv, g*T, d)
-        dense = torch.matmul(qg, k0.transpose(-1, -2)).view(b, self.num_heads, t, t) * scale  # (B, A, T, T)
-        causal = torch.ones(t, t, dtype=torch.bool, device=u.device).tril()
-        allowed = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
-        dense = dense.masked_fill(~allowed, torch.finfo(dense.dtype).min)
-        diag = torch.stack(
-            [(q * kj.repeat_interleave(groups, dim=1)).sum(-1) * scale for kj, _ in ttt_cache[1:]], dim=-1
-        )  # (B, A, T, k)
-        scores = torch.cat([dense, diag.to(dense.dtype)], dim=-1)  # (B, A, T, T+k)
-        probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-        pd = probs[..., :t].reshape(b, self.num_kv_heads, groups * t, t)  # (B, A_kv, g*T, T)
-        o = torch.matmul(pd, v0).view(b, self.num_heads, t, d)  # (B, A, T, d)
-        for j, (_, vj) in enumerate(ttt_cache[1:]):
-            o = o + probs[..., t + j, None] * vj.repeat_interleave(groups, dim=1)  # (B, A, T, d)
-        return self._out(o)
+        o = o.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)[rows]  # (n, A*d)
+        return self.o_proj(o)
+
+
+def _scatter_rows(x: torch.Tensor, rows: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """(1, heads, n, d) values of flat rows -> (B, heads, T, d) with zeros elsewhere (differentiable)."""
+    src = x[0].transpose(0, 1)  # (n, heads, d)
+    full = src.new_zeros(b * t, *src.shape[1:]).index_copy(0, rows, src)  # (B*T, heads, d)
+    return full.view(b, t, *src.shape[1:]).transpose(1, 2)  # (B, heads, T, d)
+
+
+def _right_padded(key_padding_mask: torch.Tensor) -> bool:
+    """True when every sequence's real tokens come first (then causal attention never lets a real row see a pad)."""
+    return bool((key_padding_mask[:, 1:] <= key_padding_mask[:, :-1]).all())
+
+
+def ttt_attention_eager(q, ttt_cache, key_padding_mask, scale):
+    """Reference TTT attention: dense (B, A, T, T) step-0 scores plus one diagonal column per later step.
+
+    Args:
+        q: (B, A, T, d) this step's queries.
+        ttt_cache: [(K_0, V_0), ..., (K_k, V_k)], each (B, A_kv, T, d), this step's last.
+        key_padding_mask: (B, T) bool, True for real tokens (any padding layout).
+        scale: 1/sqrt(d).
+
+    Returns:
+        (B, A, T, d) attention output before ``o_proj``.
+    """
+    b, heads, t, d = q.shape
+    k0, v0 = ttt_cache[0]
+    kv_heads = k0.shape[1]
+    groups = heads // kv_heads
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, T)
+    if len(ttt_cache) == 1:
+        return F.scaled_dot_product_attention(q, k0, v0, attn_mask=allowed, scale=scale, enable_gqa=groups > 1)
+    # fold the query groups into the row axis so K_0/V_0 are shared without repeat_interleave copies
+    qg = q.reshape(b, kv_heads, groups * t, d)  # (B, A_kv, g*T, d)
+    dense = torch.matmul(qg, k0.transpose(-1, -2)).view(b, heads, t, t) * scale  # (B, A, T, T)
+    dense = dense.masked_fill(~allowed, torch.finfo(dense.dtype).min)
+    diag = torch.stack(
+        [(q * kj.repeat_interleave(groups, dim=1)).sum(-1) * scale for kj, _ in ttt_cache[1:]], dim=-1
+    )  # (B, A, T, k)
+    scores = torch.cat([dense, diag.to(dense.dtype)], dim=-1)  # (B, A, T, T+k)
+    probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    pd = probs[..., :t].reshape(b, kv_heads, groups * t, t)  # (B, A_kv, g*T, T)
+    o = torch.matmul(pd, v0).view(b, heads, t, d)  # (B, A, T, d)
+    for j, (_, vj) in enumerate(ttt_cache[1:]):
+        o = o + probs[..., t + j, None] * vj.repeat_interleave(groups, dim=1)  # (B, A, T, d)
+    return o
+
+
+class _LseMerge(torch.autograd.Function):
+    """softmax over [causal keys K_0 ; each row's own keys of steps 1..k] without a (B, A, T, T) tensor.
+
+    Forward: 1. causal flash attention over K_0/V_0 gives o_c and the log-sum-exp ℓ of each row's context
+    scores; 2. the diagonal scores s_j = scale q·k_j; 3. L = logsumexp(ℓ, s_1..s_k), α = exp(ℓ - L),
+    β_j = exp(s_j - L); 4. o = α o_c + Σ_j β_j v_j (the one softmax, merged as in FlashAttention's
+    split-K, arXiv 2205.14135).
+
+    Backward: with D = rowsum(dO ∘ o), every score's gradient is P (dO·v - D). For the context keys
+    P = α P_c, so the flash backward run with grad α dO, output o and log-sum-exp ℓ (it recomputes P_c
+    from ℓ and takes its D from grad ∘ output = α D) returns their exact gradients; the diagonal terms
+    are elementwise.
+
+    Inputs: q, k0, v0 (B, A, T, d) (K_0/V_0 repeated to A heads); kd, vd (B, A_kv, T, k, d); scale.
+    Output: (B, A, T, d) in q's dtype. CPU only (``aten._scaled_dot_product_flash_attention_for_cpu``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, scale):
+        acc = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
+        with torch.autocast(q.device.type, enabled=False):
+            b, heads, t, d = q.shape
+            kv_heads = kd.shape[1]
+            o_c, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, True, scale=scale)
+            qg = q.to(acc).view(b, kv_heads, heads // kv_heads, t, d)  # (B, A_kv, g, T, d)
+            s = torch.einsum("bkgtd,bktjd->bkgtj", qg, kd.to(acc)).reshape(b, heads, t, -1) * scale  # (B, A, T, k)
+            ell = lse.to(acc)  # (B, A, T)
+            top = torch.maximum(ell, s.amax(-1))  # (B, A, T)
+            total = top + torch.log(torch.exp(ell - top) + torch.exp(s - top[..., None]).sum(-1))  # (B, A, T)
+            alpha = torch.exp(ell - total)  # (B, A, T)
+            beta = torch.exp(s - total[..., None])  # (B, A, T, k)
+            betag = beta.view(b, kv_heads, heads // kv_heads, t, -1)  # (B, A_kv, g, T, k)
+            o = alpha[..., None] * o_c.to(acc) + torch.einsum(
+                "bkgtj,bktjd->bkgtd", betag, vd.to(acc)
+            ).reshape(b, heads, t, d)  # (B, A, T, d)
+            o = o.to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, kd, vd, o, lse, alpha, beta)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k0, v0, kd, vd, o, lse, alpha, beta = ctx.saved_tensors
+        scale, acc = ctx.scale, alpha.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            b, heads, t, d = q.shape
+            kv_heads, g = kd.shape[1], heads // kd.shape[1]
+            ga = grad.to(acc)
+            dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                (alpha[..., None] * ga).to(q.dtype), q, k0, v0, o, lse, 0.0, True, scale=scale
+            )
+            dsum = (ga * o.to(acc)).sum(-1)  # (B, A, T): D
+            gg = ga.view(b, kv_heads, g, t, d)  # (B, A_kv, g, T, d)
+            ds = beta * (torch.einsum("bkgtd,bktjd->bkgtj", gg, vd.to(acc)).reshape(b, heads, t, -1) - dsum[..., None])
+            dsg = ds.view(b, kv_heads, g, t, -1)  # (B, A_kv, g, T, k)
+            dq = dq.to(acc) + scale * torch.einsum("bkgtj,bktjd->bkgtd", dsg, kd.to(acc)).reshape(b, heads, t, d)
+            dkd = scale * torch.einsum("bkgtj,bkgtd->bktjd", dsg, q.to(acc).view(b, kv_heads, g, t, d))  # (B, A_kv, T, k, d)
+            dvd = torch.einsum("bkgtj,bkgtd->bktjd", beta.view(b, kv_heads, g, t, -1), gg)  # (B, A_kv, T, k, d)
+        return dq.to(q.dtype), dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype), None
+
+
+def ttt_attention_lse_merge(q, ttt_cache, key_padding_mask, scale):
+    """TTT attention as causal flash attention over the step-0 keys plus the diagonal terms of later steps,
+    merged through the log-sum-exp (:class:`_LseMerge`): no (B, A, T, T) score tensor, and the causal kernel
+    skips the masked half. Same function as :func:`ttt_attention_eager` on every row that is not padding,
+    for right-padded batches (pads then sit after every real key, so causality alone hides them).
+
+    Args / Returns: as :func:`ttt_attention_eager`.
+    """
+    heads = q.shape[1]
+    k0, v0 = ttt_cache[0]
+    groups = heads // k0.shape[1]
+    k0r = k0.repeat_interleave(groups, dim=1) if groups > 1 else k0  # (B, A, T, d)
+    v0r = v0.repeat_interleave(groups, dim=1) if groups > 1 else v0  # (B, A, T, d)
+    if len(ttt_cache) == 1:
+        return F.scaled_dot_product_attention(q, k0r, v0r, is_causal=True, scale=scale)
+    kd = torch.stack([kj for kj, _ in ttt_cache[1:]], dim=3)  # (B, A_kv, T, k, d)
+    vd = torch.stack([vj for _, vj in ttt_cache[1:]], dim=3)  # (B, A_kv, T, k, d)
+    return _LseMerge.apply(q, k0r, v0r, kd, vd, scale)
+
+
+TTT_ATTENTION = {"eager": ttt_attention_eager, "lse_merge": ttt_attention_lse_merge}
+"""TTT attention kernels by name: ``eager`` (the reference, any device and padding) and ``lse_merge`` (CPU,
+right-padded batches); :meth:`Eagle3Attention.forward_ttt` picks ``lse_merge`` where it applies."""
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -475,26 +601,38 @@ class Eagle3LlamaHead(nn.Module):
         ttt_cache: list,
         key_padding_mask: torch.Tensor,
         logits_index: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training-time-test step over all T rows (training path; see Eagle3Attention.forward_ttt).
+        """One training-time-test step (training path; see Eagle3Attention.forward_ttt).
 
         Args:
             input_ids: (B, T) int64, this step's input token per row (x_{p+1+k}).
-            feature: (B, T, H), ``project(aux)`` at step 0, the previous step's h afterwards.
+            feature: (B, T, H), ``project(aux)`` at step 0, the previous step's h afterwards; (n, H) with ``rows``.
             position_ids: (B, T) int64, pos_p + k.
             ttt_cache: list of per-step (K, V), empty at step 0; appended to in place.
             key_padding_mask: (B, T) bool, True for real tokens.
-            logits_index: optional (n,) int64 flat row indices into B*T; the LM head then runs on those
-                rows only (the supervised ones), which saves most of its cost.
+            logits_index: optional (n',) int64 indices of the rows whose logits are wanted (flat into B*T, or
+                into the n ``rows``); the LM head then runs on those rows only (the supervised ones).
+            rows: optional (n,) int64 flat indices into B*T of the rows to compute at this step (k >= 1): a row
+                no later step supervises is skipped. The sets must be nested over steps (each step's rows
+                were computed at every earlier step).
 
         Returns:
-            logits (B, T, V_d), or (n, V_d) with ``logits_index``, and pre-norm h (B, T, H).
+            logits (B, T, V_d), (n', V_d) with ``logits_index``; pre-norm h (B, T, H), or (n, H) with ``rows``.
         """
-        emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H)
+        if rows is not None:
+            input_ids = input_ids.reshape(-1)[rows][None]  # (1, n)
+            position_ids = position_ids.reshape(-1)[rows][None]  # (1, n)
+            feature = feature[None]  # (1, n, H)
+        emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H) or (1, n, H)
         cos, sin = self.rope(feature, position_ids)
-        h = self.midlayer(emb, feature, lambda u: self.midlayer.self_attn.forward_ttt(u, cos, sin, ttt_cache, key_padding_mask))
+        attend = lambda u: self.midlayer.self_attn.forward_ttt(  # noqa: E731
+            u if rows is None else u[0], cos, sin, ttt_cache, key_padding_mask, rows
+        )
+        h = self.midlayer(emb, feature, attend)  # (B, T, H) or (1, n, H)
+        h = h if rows is None else h[0]  # (n, H)
         if logits_index is not None:
-            return self.logits(h.reshape(-1, h.shape[-1])[logits_index]), h  # (n, V_d)
+            return self.logits(h.reshape(-1, h.shape[-1])[logits_index]), h  # (n', V_d)
         return self.logits(h), h
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

@@ -399,9 +399,10 @@ class Eagle3Module(pl.LightningModule):
         self.kept_fraction.update(float(kept))
         return weights
 
-    def _teacher(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Aux hidden states (B, T, n*H_t) and teacher logits (B, T, V): from the batch's cached states
-        (offline) or from one target forward (online).
+    def _teacher(self, batch: dict[str, torch.Tensor]):
+        """Aux hidden states (B, T, n*H_t), the target's last hidden state (B, T, H_t) and its LM head (a
+        callable (..., H_t) -> (..., V)): from the batch's cached states (offline) or one target forward
+        without logits (online); :meth:`ttt_loss` applies the LM head only where the loss reads z.
 
         Raises:
             ValueError: when a batch carries cached states but the target was not built for offline mode.
@@ -409,15 +410,21 @@ class Eagle3Module(pl.LightningModule):
         if "aux_hidden_states" in batch:
             if not hasattr(self.target, "logits"):
                 raise ValueError("batch carries cached hidden states but the model was built without the cache")
-            return batch["aux_hidden_states"], self.target.logits(batch["last_hidden_state"])
-        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return out.aux_hidden_states, out.logits
+            return batch["aux_hidden_states"], batch["last_hidden_state"], self.target.logits
+        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], compute_logits=False)
+        return out.aux_hidden_states, out.last_hidden_state, self.target.model.get_output_embeddings()
 
     def ttt_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Run the target and K TTT steps on a batch.
 
-        Teacher probabilities P = softmax(z[..., t2d]) are computed once per position; step k gathers
-        them at offset 1+k for its supervised rows, and the draft LM head runs only on those rows.
+        Cost savers, none of which changes the loss or its gradient:
+
+        1. The target's LM head runs only on positions t whose next token t+1 is supervised (the only z_t
+           the loss reads; all positions when the entropy filter needs every z).
+        2. Teacher probabilities P = softmax(z[..., t2d]) are computed once per such position; step k gathers
+           them at offset 1+k for its supervised rows, and the draft LM head runs only on those rows.
+        3. Step k >= 1 computes only the rows that step k or a later step supervises (a row's step-k
+           output feeds only its own later steps); step 0 computes all rows, whose keys every row attends to.
 
         Args:
             batch: ``input_ids``, ``attention_mask``, ``loss_mask``, each (B, T) int64; in offline mode also
@@ -428,27 +435,58 @@ class Eagle3Module(pl.LightningModule):
             (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
         """
         input_ids, attn = batch["input_ids"], batch["attention_mask"]
-        aux, logits = self._teacher(batch)  # (B, T, n*H_t), (B, T, V)
+        aux, last, lm_head = self._teacher(batch)  # (B, T, n*H_t), (B, T, H_t)
         t2d = self.head.t2d
         b, t = input_ids.shape
-        in_draft = t2d[logits.argmax(-1)]  # (B, T) bool
-        weights = self._loss_weights(batch["loss_mask"] * attn, logits)  # (B, T) float
-        probs = F.softmax(logits[..., t2d].float(), dim=-1).reshape(b * t, -1)  # (B*T, V_d), draft order
-        teacher_argmax = probs.argmax(-1)  # (B*T,)
+        flat = b * t
+        if self.entropy_filter.mode == "off":
+            weights = (batch["loss_mask"] * attn).bool().float()  # (B, T)
+            need = _shift(weights, 1).reshape(-1).nonzero().squeeze(-1)  # (n,) positions t with m_{t+1} = 1
+            logits = lm_head(last.reshape(flat, -1)[need])  # (n, V)
+        else:
+            logits = lm_head(last)  # (B, T, V): the filter reads every position's entropy
+            weights = self._loss_weights(batch["loss_mask"] * attn, logits)  # (B, T) float
+            need = torch.arange(flat, device=input_ids.device)  # (B*T,)
+            logits = logits.reshape(flat, -1)  # (B*T, V)
+        in_draft = torch.zeros(flat, dtype=torch.bool, device=input_ids.device)
+        in_draft[need] = t2d[logits.argmax(-1)]
+        in_draft = in_draft.view(b, t)  # (B, T) bool
+        probs = F.softmax(logits[:, t2d].float(), dim=-1)  # (n, V_d), draft order
+        teacher_argmax = probs.argmax(-1)  # (n,)
+        teacher_slot = torch.full((flat,), -1, dtype=torch.long, device=input_ids.device)
+        teacher_slot[need] = torch.arange(need.numel(), device=input_ids.device)  # position -> row of probs
         del logits
         key_padding = attn.bool()
         positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+        targets = [ttt_targets(input_ids, weights, in_draft, k) for k in range(self.ttt.steps)]
+        supervised = [w.reshape(-1).nonzero().squeeze(-1) for _, w, _ in targets]  # per step (n_k,) flat rows
+        active: list[torch.Tensor | None] = [None] * self.ttt.steps  # rows computed at step k >= 1 (nested)
+        later = torch.zeros(flat, dtype=torch.bool, device=input_ids.device)
+        for k in reversed(range(1, self.ttt.steps)):
+            later[supervised[k]] = True
+            active[k] = later.nonzero().squeeze(-1)
         feature = self.head.project(aux.to(self.head.fc.weight.dtype))  # (B, T, H)
         ttt_cache: list = []
         total = feature.new_zeros((), dtype=torch.float32)
         stats = []
         world = self.trainer.world_size if self._trainer is not None else 1
-        for k in range(self.ttt.steps):
-            ids, w, offset = ttt_targets(input_ids, weights, in_draft, k)
-            rows = w.reshape(-1).nonzero().squeeze(-1)  # (n,) flat supervised rows
-            logits, feature = self.head.ttt_step(ids, feature, positions + k, ttt_cache, key_padding, rows)
+        slot = None  # step k-1's row of each flat position (None at step 0: all rows, in order)
+        for k, (ids, w, offset) in enumerate(targets):
+            rows_sup = supervised[k]
+            if k == 0:
+                logits, h = self.head.ttt_step(ids, feature, positions, ttt_cache, key_padding, rows_sup)
+                h = h.reshape(flat, -1)  # (B*T, H)
+            elif active[k].numel() == 0:  # nothing left to supervise in this batch
+                logits = h.new_zeros(0, self.head.config.draft_vocab_size)
+            else:
+                rows = active[k]
+                feat = h[rows] if slot is None else h[slot[rows]]  # (n, H)
+                slot = torch.full((flat,), -1, dtype=torch.long, device=input_ids.device)
+                slot[rows] = torch.arange(rows.numel(), device=input_ids.device)
+                logits, h = self.head.ttt_step(ids, feat, positions + k, ttt_cache, key_padding, slot[rows_sup], rows)
+            teacher = teacher_slot[rows_sup + offset]  # (n_k,) rows of probs
             loss_sum, correct_sum, w_sum = soft_ce(
-                logits, probs[rows + offset], teacher_argmax[rows + offset], w.reshape(-1)[rows]
+                logits, probs[teacher], teacher_argmax[teacher], w.reshape(-1)[rows_sup]
             )
             denom = w_sum.detach()
             if world > 1:  # normalise by the global supervised count (DDP averages gradients over ranks)

@@ -27,12 +27,12 @@ def test_help_lists_every_verb_with_program_name(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: draftkit")
-    for verb in ("fit", "validate", "evaluate", "select-layers", "export", "bench", "cache-hidden-states"):
+    for verb in ("fit", "validate", "evaluate", "select-layers", "export", "bench", "cache-hidden-states", "generate"):
         assert f"    {verb}" in out, verb
     assert " test " not in out and "predict" not in out
     assert set(LIGHTNING_VERBS) | set(COMMANDS) == {
         "fit", "validate", "evaluate", "evaluate-dual-precision", "select-layers", "export", "bench",
-        "cache-hidden-states"}
+        "cache-hidden-states", "generate"}
 
 
 def test_prompt_file_reads_the_same_in_fit_evaluate_and_dual_precision(tmp_path, tiny_target_dir):

@@ -83,3 +83,53 @@ def test_set_vocab_shape_mismatch():
     head = _head()
     with pytest.raises(ValueError, match="do not match the head"):
         head.set_vocab(torch.zeros(10, dtype=torch.long), torch.zeros(320, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_lse_merge_attention_equals_eager_in_value_and_gradient(dtype, tol):
+    """The flash + log-sum-exp TTT attention is the dense reference on every real row, gradients included."""
+    from draftkit.heads.eagle3_llama import ttt_attention_eager, ttt_attention_lse_merge
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, t, d = 2, 4, 2, 9, 8
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 6:] = False  # right padding
+    for steps in (1, 2, 4):
+        q = torch.randn(b, heads, t, d, dtype=dtype, requires_grad=True)
+        cache = [tuple(torch.randn(b, kv_heads, t, d, dtype=dtype, requires_grad=True) for _ in range(2)) for _ in range(steps)]
+        weight = torch.randn(b, heads, t, d, dtype=dtype) * mask[:, None, :, None]  # pad rows carry no loss
+        leaves = [q] + [x for kv in cache for x in kv]
+        results = []
+        for attend in (ttt_attention_eager, ttt_attention_lse_merge):
+            o = attend(q, cache, mask, d**-0.5)
+            results.append([o * mask[:, None, :, None]] + list(torch.autograd.grad((o * weight).sum(), leaves)))
+        for ref, got in zip(*results):
+            torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_ttt_step_on_nested_row_subsets_equals_all_rows():
+    """Steps >= 1 computed only on some rows (nested sets) give those rows' logits and h exactly."""
+    head = _head()
+    b, t = 2, 6
+    torch.manual_seed(2)
+    aux = torch.randn(b, t, 192, dtype=torch.float64)
+    ids = torch.randint(0, 320, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 4:] = False
+    subsets = [None, torch.tensor([0, 2, 3, 5, 6, 8]), torch.tensor([2, 5, 8])]
+    full_cache, part_cache = [], []
+    full_h = part_h = head.project(aux)
+    for k, rows in enumerate(subsets):
+        full_logits, full_h = head.ttt_step(ids, full_h, pos + k, full_cache, mask)
+        if rows is None:
+            part_logits, part_h = head.ttt_step(ids, part_h, pos + k, part_cache, mask)
+            part_h, prev = part_h.reshape(b * t, -1), torch.arange(b * t)
+            continue
+        feat = part_h[torch.searchsorted(prev, rows)]
+        part_logits, part_h = head.ttt_step(ids, feat, pos + k, part_cache, mask, torch.arange(len(rows)), rows)
+        prev = rows
+        torch.testing.assert_close(part_logits, full_logits.reshape(b * t, -1)[rows], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(part_h, full_h.reshape(b * t, -1)[rows], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="step 0"):
+        head.ttt_step(ids, head.project(aux).reshape(b * t, -1)[:3], pos, [], mask, None, torch.arange(3))

@@ -230,6 +230,40 @@ def test_init_from_target_copies_the_draft_vocab_rows(tiny_target_dir, tiny_chat
     assert not torch.equal(heads[False].lm_head.weight, target.lm_head_weight()[ids])
 
 
+def test_target_lm_head_and_later_steps_run_only_where_the_loss_needs_them(built_module):
+    """The target LM head sees only positions whose next token is supervised, and TTT step k >= 1 computes
+    only rows that step k or a later one supervises (the loss itself is checked against the reference above)."""
+    model, dm = built_module
+    batch = next(iter(dm.train_dataloader()))
+    seen = {"lm_head": [], "fc_rows": []}
+    lm_head = model.target.model.get_output_embeddings()
+    hooks = [
+        lm_head.register_forward_hook(lambda m, i, o: seen["lm_head"].append(i[0].shape[0])),
+        model.head.midlayer.mlp.register_forward_hook(lambda m, i, o: seen["fc_rows"].append(i[0].shape[:-1].numel())),
+    ]
+    try:
+        model.ttt_loss(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    m = batch["loss_mask"] * batch["attention_mask"]
+    assert seen["lm_head"] == [int(m[:, 1:].sum())] and seen["lm_head"][0] < m.numel()
+    b, t = m.shape
+    rows = seen["fc_rows"]
+    assert rows[0] == b * t and len(rows) == model.ttt.steps
+    assert all(rows[k] >= rows[k + 1] for k in range(1, len(rows) - 1)) and rows[1] < b * t
+    # step k >= 1 computes row (i, p) iff some step k' >= k supervises it (plain loops, eagle3-format.md §4.1)
+    z = model.target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    steps = model.ttt.steps
+
+    def supervised(i, p, k):
+        return p + 2 + k < t and bool(m[i, p + 2 + k]) and bool(model.head.t2d[z[i, p + 1 + k].argmax()])
+
+    for k in range(1, steps):
+        expected = sum(any(supervised(i, p, kk) for kk in range(k, steps)) for i in range(b) for p in range(t))
+        assert rows[k] == expected
+
+
 # -- runs without signal (issue 14, item 2) --------------------------------------------------------------------
 
 

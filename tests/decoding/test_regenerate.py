@@ -1,0 +1,169 @@
+"""``draftkit generate``: batched decoding equals plain decoding, resume, counted failures, the reader."""
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from draftkit.data.chat import read_conversations
+from draftkit.decoding.regenerate import RegenerateConfig, generate_batch, regenerate
+from draftkit.decoding.speculative import DecodeConfig, TargetSession, generate_plain
+
+EOS = 257  # <|im_end|> of the tiny tokenizer
+
+
+def _plain(target, prompt, max_new, stops=(), temperature=0.0, generator=None):
+    cfg = DecodeConfig(max_new, temperature, eos_token_ids=tuple(stops))
+    return generate_plain(TargetSession(target), torch.tensor(prompt), cfg, generator).tokens
+
+
+def _prompt(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_greedy_batch_equals_plain_decoding_token_for_token(tiny):
+    """Left-padded batched greedy decoding with a KV cache (rows leaving the batch as they stop) gives, row by
+    row, exactly the tokens of plain cached decoding of the same prompt alone."""
+    target, _ = tiny
+    prompts = [[256, 10, 72, 101, 108, 108, 111], [256, 33] + list(range(40, 70)), [256, 5, 6], list(range(100, 117))]
+    free = [_plain(target, p, 20) for p in prompts]
+    stops = [free[0][4], free[2][9]]  # make rows 0 and 2 stop early, the others run to the length limit
+    expected = [_plain(target, p, 20, stops) for p in prompts]
+    assert len(expected[0]) <= 5 and len(expected[2]) <= 10 and max(map(len, expected)) == 20
+    got = generate_batch(target.model, prompts, RegenerateConfig(max_new_tokens=20), stops, pad_id=258)
+    assert [tokens for tokens, _ in got] == expected
+    assert [stop for _, stop in got] == ["eos" if e[-1] in stops else "length" for e in expected]
+
+
+def test_sampled_batch_equals_plain_decoding_with_the_same_generator(tiny):
+    target, _ = tiny
+    prompts = [[256, 10, 72, 101], [256, 33, 44, 55, 66, 77, 88, 99, 5]]
+    cfg = RegenerateConfig(max_new_tokens=12, temperature=1.0)
+    got = generate_batch(target.model, prompts, cfg, [], 258, [torch.Generator().manual_seed(s) for s in (3, 4)])
+    for (tokens, _), p, s in zip(got, prompts, (3, 4)):
+        assert tokens == _plain(target, p, 12, temperature=1.0, generator=torch.Generator().manual_seed(s))
+
+
+def _write_source(path, n_good=7):
+    rows = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}" + " more" * i},
+                                          {"from": "gpt", "value": f"answer {i}"}]}
+        for i in range(n_good)
+    ]
+    rows.insert(2, ["not", "an", "object"])  # skipped by the reader: its turns are not objects
+    rows.insert(4, {"id": "bad-role", "messages": [{"role": "wizard", "content": "x"}]})  # unknown role
+    rows.append({"id": "long", "messages": [{"role": "user", "content": "y" * 300}, {"role": "assistant", "content": "z"}]})
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def test_regenerate_first_turns_counts_bad_records_and_reads_back(tmp_path, tiny, tiny_target_dir):
+    target, tokenizer = tiny
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenerateConfig(max_new_tokens=6, max_prompt_tokens=200)
+    report = regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32", batch_size=3, shard_size=3)
+    header = json.loads(out.read_text().splitlines()[0])["header"]
+    assert header["counts"]["failed"] == {"prompt too long": 1}
+    assert header["counts"]["skipped_by_reader"] == {"turn not an object": 1, "unknown role": 1}
+    assert header["source_ids"] == [f"c{i}" for i in range(7)] and header["counts"]["records"] == 7
+    assert header["decode"]["temperature"] == 0.0 and header["decode"]["max_new_tokens"] == 6
+    assert header["decode"]["stop_token_ids"] == [EOS]
+    assert header["target_fingerprint"]["dtype"] == "float32" and len(header["target_fingerprint"]["config"]) == 16
+    assert report["counts"] == header["counts"]
+    conversations, summary = read_conversations(str(out))
+    assert summary.header == header and summary.records == header["source_ids"] and not summary.skipped
+    for i, messages in enumerate(conversations):
+        user = [{"role": "user", "content": f"question {i}" + " more" * i}]
+        assert messages[:1] == user and len(messages) == 2
+        tokens = _plain(target, _prompt(tokenizer, user), 6, [EOS])
+        answer = tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
+        assert messages[1] == {"role": "assistant", "content": answer}
+    assert not (tmp_path / "regen.jsonl.parts").exists()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32")
+
+
+def test_resume_after_an_interrupted_shard_writes_the_same_file(tmp_path, tiny_target_dir):
+    src = _write_source(tmp_path / "src.jsonl")
+    cfg = RegenerateConfig(max_new_tokens=5, temperature=0.8, top_p=0.9, max_prompt_tokens=200, seed=7)
+    kw = dict(cfg=cfg, dtype="float32", batch_size=2, shard_size=3)
+    whole = tmp_path / "whole.jsonl.gz"
+    regenerate(str(src), str(whole), str(tiny_target_dir), **kw)
+
+    calls = []
+
+    def crash():
+        calls.append(1)
+        if len(calls) == 4:  # shard 0 has 2 batches; the crash hits shard 1 after its first batch
+            raise KeyboardInterrupt
+
+    resumed = tmp_path / "resumed.jsonl.gz"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(str(src), str(resumed), str(tiny_target_dir), _after_batch=crash, **kw)
+    index = json.loads((tmp_path / "resumed.jsonl.gz.parts" / "index.json").read_text())
+    assert list(index["shards"]) == ["0"] and not resumed.exists()
+    later = []
+    regenerate(str(src), str(resumed), str(tiny_target_dir), _after_batch=lambda: later.append(1), **kw)
+    assert len(later) == 3  # shards 1 and 2 only (2 + 1 batches), shard 0 was kept
+    assert resumed.read_bytes() == whole.read_bytes()
+    lines = gzip.decompress(whole.read_bytes()).decode().splitlines()
+    assert len(lines) == 1 + 7 and json.loads(lines[0])["header"]["decode"]["seed"] == 7
+
+
+def test_parts_made_with_other_settings_are_refused(tmp_path, tiny_target_dir):
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "o.jsonl"
+
+    def crash():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3), dtype="float32",
+                   shard_size=2, _after_batch=crash)
+    with pytest.raises(FileExistsError, match="other settings"):
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=4), dtype="float32",
+                   shard_size=2)
+
+
+def test_every_turn_answers_the_regenerated_conversation(tmp_path, tiny, tiny_target_dir):
+    target, tokenizer = tiny
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "old 1"}, {"role": "user", "content": "and?"},
+            {"role": "assistant", "content": "old 2"}, {"role": "user", "content": "dangling"}]
+    src = tmp_path / "src.jsonl"
+    src.write_text(json.dumps({"messages": conv}) + "\n")
+    out = tmp_path / "o.jsonl"
+    regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=4, turns="all"), dtype="float32")
+    (messages,), _ = read_conversations(str(out))
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    for turn in (2, 4):
+        tokens = _plain(target, _prompt(tokenizer, messages[:turn]), 4, [EOS])
+        assert messages[turn]["content"] == tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
+    assert messages[3] == conv[3] and messages[2]["content"] != "old 1"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(turns="some"), "--turns"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(top_p=0.0), "top_p"),
+    (dict(max_prompt_tokens=0), "max_prompt_tokens"),
+])
+def test_bad_settings_name_the_option(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RegenerateConfig(**kw)
+
+
+def test_generate_verb_writes_the_file_the_library_writes(tmp_path, tiny_target_dir):
+    from draftkit.commands import main
+
+    src = _write_source(tmp_path / "src.jsonl", n_good=3)
+    lib, cli = tmp_path / "lib.jsonl", tmp_path / "cli.jsonl"
+    regenerate(str(src), str(lib), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200),
+               dtype="float32")
+    cli.write_text("stale")
+    assert main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(cli),
+                 "--max_new_tokens", "3", "--max_prompt_tokens", "200", "--dtype", "float32", "--overwrite"]) in (0, None)
+    assert cli.read_bytes() == lib.read_bytes()
