@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from draftkit.decoding.dual_precision import (
+from draftkit.dual_precision import (
     DualPrecisionConfig,
     DualPrecisionLM,
     Gate,
@@ -241,7 +241,7 @@ def test_evaluation_resumes_from_the_per_prompt_record(tmp_path):
 def test_sampled_evaluation_verified_is_exact_in_distribution():
     high, low = _markov_tables()
     lm = MarkovDualLM(high, low)
-    from draftkit.decoding.dual_precision import top2_margin
+    from draftkit.dual_precision import top2_margin
 
     margins = top2_margin(low.log()).sort().values  # (V,) one 4-bit margin per last token
     config = DualPrecisionConfig(margin_threshold=float(margins[1:3].mean()), max_new_tokens=16, k=2,
