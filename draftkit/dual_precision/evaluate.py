@@ -46,13 +46,8 @@ from draftkit.decoding.sampling import check_sampling
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate
 from draftkit.dual_precision.lm import DualLM
-from draftkit.dual_precision.replay import (
-    DEFAULT_BUDGETS,
-    ReplaySteps,
-    calibrate_thresholds,
-    replay_metrics,
-    replay_steps,
-)
+from draftkit.dual_precision.replay import DEFAULT_BUDGETS, ReplaySteps, calibrate_thresholds
+from draftkit.dual_precision.replay import replay_metrics, replay_steps
 from draftkit.dual_precision.stats import bootstrap_ci, cat_groups, mcnemar_exact
 from draftkit.quant import COST_MODELS, WeightBytes, expected_verified_ratio, gated_bytes_per_token
 

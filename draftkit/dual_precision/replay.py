@@ -151,4 +151,5 @@ def calibrate_thresholds(steps: list[ReplaySteps], budget: float) -> dict[str, G
     Raises:
         ValueError: on a budget outside (0, 1) or fewer than 2 calibration steps.
     """
-    return {kind: Gate(kind, threshold_for_budget(cat_groups([s.scores[kind] for s in steps]), budget)) for kind in GATES}
+    pooled = {kind: cat_groups([s.scores[kind] for s in steps]) for kind in GATES}
+    return {kind: Gate(kind, threshold_for_budget(scores, budget)) for kind, scores in pooled.items()}

@@ -1,4 +1,4 @@
-"""Dual-precision decoding: gates, calibration, replay, verified speculation, the evaluation and the command (§4-7, §10)."""
+"""Dual-precision decoding: gates, calibration, replay, verified speculation, evaluation, the command (§4-7)."""
 
 from __future__ import annotations
 
