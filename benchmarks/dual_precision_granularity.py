@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from draftkit.artifacts import GEMMA3_270M_REF
-from draftkit.decoding.dual_precision import DualPrecisionLM, greedy_decode, replay_metrics, replay_steps
+from draftkit.dual_precision import DualPrecisionLM, greedy_decode, replay_metrics, replay_steps
 from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
 from draftkit.data.prompts import load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic

@@ -12,7 +12,7 @@ The target's decoder linears are quantized to int8, per output channel or per ``
 head kept 16-bit), the 4-bit model is the mid-point (or ``--slicing``) slice of the same codes; thresholds
 come from ``--budget`` on calibration prompts split off the same source (disjoint), or are given with
 ``--entropy_threshold``/``--margin_threshold``. See
-``draftkit.decoding.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
+``draftkit.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
 """
@@ -194,8 +194,8 @@ def evaluate_dual_precision(
     """
     import torch
 
-    from draftkit.decoding.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
-    from draftkit.decoding.dual_precision import evaluate_dual_precision as run
+    from draftkit.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
+    from draftkit.dual_precision import evaluate_dual_precision as run
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target

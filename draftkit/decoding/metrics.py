@@ -6,6 +6,9 @@ Definitions (eagle3-format.md §8):
 - tau = mean over all rounds of (a_r + 1), the bonus token counted (SafeAILab/EAGLE #132, #195);
 - unconditional per-position acceptance alpha_i = fraction of rounds with a_r >= i (i = 1..k), so that a
   chain has tau = 1 + sum_i alpha_i; conditional beta_i = alpha_i / alpha_{i-1};
+- chain acceptance alpha_i given proposal (:func:`chain_acceptance`) = P(draft i accepted | drafts 1..i-1
+  accepted and draft i proposed): unlike beta_i it leaves out of position i the rounds that drafted fewer
+  than i tokens (near the token limit, or after a drafted EOS); equal to beta_i when every round drafts k;
 - acceptance rate = accepted drafts / drafted tokens (prefixes only, never matches after the first
   rejection; vllm #9565);
 - distribution metrics at draft position i (:func:`distribution_metrics`), all at temperature 1 (no top-k or
@@ -36,8 +39,10 @@ __all__ = [
     "acceptance_per_position",
     "acceptance_rate",
     "accepted_prefix",
+    "chain_acceptance",
     "conditional_acceptance",
     "distribution_metrics",
+    "kl_from_logits",
     "kl_target_draft",
     "DISTRIBUTION_METRICS",
     "KL_DEFINITION",
@@ -95,6 +100,25 @@ def conditional_acceptance(alpha: Sequence[float]) -> list[float]:
     return [a / p if p > 0 else 0.0 for a, p in zip(alpha, prev)]
 
 
+def chain_acceptance(accepted: Sequence[int], drafted: Sequence[int], k: int) -> list[float | None]:
+    """alpha_i = P(draft i accepted | drafts 1..i-1 accepted and draft i proposed), i = 1..k.
+
+    Args:
+        accepted: a_r per round.
+        drafted: k_r per round (k_r <= k).
+        k: positions reported.
+
+    Returns:
+        k rates; None at a position no round reached.
+    """
+    reached, hits = [0] * k, [0] * k
+    for acc, n in zip(accepted, drafted):
+        for i in range(min(n, acc + 1)):
+            reached[i] += 1
+            hits[i] += int(i < acc)
+    return [hits[i] / reached[i] if reached[i] else None for i in range(k)]
+
+
 def acceptance_rate(accepted: Sequence[int], drafted: int | Sequence[int]) -> float:
     """Accepted draft tokens / drafted tokens.
 
@@ -109,6 +133,15 @@ def acceptance_rate(accepted: Sequence[int], drafted: int | Sequence[int]) -> fl
     return sum(accepted) / total if total else 0.0
 
 
+def kl_from_logits(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """(n, V), (n, V) -> (n,) KL(P || Q) = sum_v p (log p - log q) per row in nats, fp32 log_softmax over the
+    given vocab (the full target vocab for dual precision's KL(high || method); the draft vocab in
+    :func:`kl_target_draft`)."""
+    log_p = p_logits.float().log_softmax(-1)  # (n, V)
+    log_q = q_logits.float().log_softmax(-1)  # (n, V)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
 def kl_target_draft(target_logits: torch.Tensor, draft_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """KL(P || Q) per row over the draft vocab, in nats.
 
@@ -121,9 +154,7 @@ def kl_target_draft(target_logits: torch.Tensor, draft_logits: torch.Tensor, t2d
     Returns:
         (k,) float32 KL per draft position.
     """
-    log_p = target_logits[:, t2d].float().log_softmax(-1)  # (k, V_d)
-    log_q = draft_logits.float().log_softmax(-1)  # (k, V_d)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
+    return kl_from_logits(target_logits[:, t2d], draft_logits)  # (k,), target renormalised on V_d
 
 
 def distribution_metrics(
@@ -205,6 +236,10 @@ class AcceptanceStats:
         """tau over the rounds that drafted at least one token (how vLLM quotes n-gram acceptance)."""
         acc = [a for a, d in zip(self.accepted, self.drafted) if d > 0]
         return acceptance_length(acc) if acc else None
+
+    def chain_acceptance(self) -> list[float | None]:
+        """:func:`chain_acceptance` of the recorded rounds (None at positions no round reached)."""
+        return chain_acceptance(self.accepted, self.drafted, self.k)
 
     def per_position(self) -> list[float] | None:
         return acceptance_per_position(self.accepted, self.k) if self.accepted else None

@@ -78,7 +78,7 @@ def test_generation_config_eos_stops_evaluate_and_dual_precision_alike(tiny_targ
     """A target whose end token is only in its generation config stops there in both evaluators."""
     from draftkit.decoding.harness import evaluate_drafter
     from draftkit.decoding.speculative import PromptLookupDrafter
-    from draftkit.decoding.dual_precision import DualPrecisionLM, greedy_decode
+    from draftkit.dual_precision import DualPrecisionLM, greedy_decode
     from draftkit.target.frozen import FrozenTarget
     from draftkit.target.tokens import encode_chat, stop_token_ids
 

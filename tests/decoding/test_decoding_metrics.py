@@ -11,8 +11,10 @@ from draftkit.decoding.metrics import (
     acceptance_per_position,
     acceptance_rate,
     accepted_prefix,
+    chain_acceptance,
     conditional_acceptance,
     distribution_metrics,
+    kl_from_logits,
     kl_target_draft,
 )
 
@@ -78,3 +80,27 @@ def test_outside_mass_and_expected_acceptance_exact():
     assert dist["expected_accept"].item() == pytest.approx(1 - 0.5 * float((p - q_full).abs().sum()), abs=1e-6)
     # the KL renormalises the target on {0, 2}: P_d = (2/3, 1/3), blind to the 0.4 outside
     assert dist["kl"].item() == pytest.approx(2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3), rel=1e-5)
+
+
+def test_chain_acceptance_counts_only_proposed_drafts():
+    # rounds (drafted, accepted): a short last round proposes 1 draft, so positions 2-3 do not see it
+    drafted, accepted = [3, 3, 3, 1], [2, 3, 1, 1]
+    assert chain_acceptance(accepted, drafted, 3) == [1.0, 2 / 3, 0.5]
+    stats = AcceptanceStats(3)
+    for a, d in zip(accepted, drafted):
+        stats.update(a, d)
+    assert stats.chain_acceptance() == [1.0, 2 / 3, 0.5] and stats.tau_drafted() == 11 / 4
+    # every round drafts k: the same as the conditional beta_i of the unconditional alpha_i
+    full = [2, 3, 1, 0]
+    beta = conditional_acceptance(acceptance_per_position(full, 3))
+    assert chain_acceptance(full, [3] * 4, 3) == pytest.approx(beta)
+    assert chain_acceptance([], [], 2) == [None, None]
+
+
+def test_kl_target_draft_is_kl_from_logits_on_the_draft_vocab():
+    gen = torch.Generator().manual_seed(0)
+    target, draft = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+    t2d = torch.tensor([True, True, False, True, True, False, True])
+    assert torch.equal(kl_target_draft(target, draft, t2d), kl_from_logits(target[:, t2d], draft))
+    p, q = target.softmax(-1), torch.randn(4, 7, generator=gen)
+    torch.testing.assert_close(kl_from_logits(target, q), (p * (p.log() - q.log_softmax(-1))).sum(-1))

@@ -1,0 +1,239 @@
+"""Decoding loops of a two-precision target: single precision, gated, verified speculation, teacher forcing.
+
+Definitions: shared/reference/dual-precision.md §3-4 (gated steps, KV drift) and §7 (verified speculation:
+self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424; greedy or by
+rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
+read; sampling (T > 0) draws from the warped distribution of the logits a step ends with
+(``draftkit.decoding.sampling``), and the accept rules are those of ``draftkit.decoding.speculative``.
+
+Shapes: n generated tokens, V target vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from draftkit.decoding.sampling import check_sampling, probs_from_logits, sample, sample_from_probs
+from draftkit.decoding.speculative import greedy_verify, rejection_verify
+from draftkit.dual_precision.gates import Gate
+from draftkit.dual_precision.lm import DualLM
+from draftkit.quant import WeightBytes
+
+__all__ = ["Trajectory", "greedy_decode", "teacher_forced_logits", "verified_decode"]
+
+
+@dataclass
+class Trajectory:
+    """One greedy decode.
+
+    Attributes:
+        tokens: n generated ids (EOS included when hit).
+        logits: (n, V) float32 logits each token was chosen from (the 8-bit re-run on escalated steps; the
+            verify pass for verified speculation), or None when not kept.
+        escalated: n flags (gated decoding), empty otherwise.
+        scores: n gate scores of the 4-bit pass (gated decoding), empty otherwise.
+        low_forwards: 4-bit forwards run (each reads a bytes).
+        high_forwards: 8-bit forwards run (each reads A bytes).
+        rounds: verified speculation rounds as (drafted, accepted) pairs.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    escalated: list[bool] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    low_forwards: int = 0
+    high_forwards: int = 0
+    rounds: list[tuple[int, int]] = field(default_factory=list)
+
+    def weight_bytes_read(self, wb: WeightBytes) -> float:
+        """Bytes counted from the forwards actually run: low_forwards*a + high_forwards*A."""
+        return self.low_forwards * wb.low + self.high_forwards * wb.high
+
+
+def _check_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+@torch.inference_mode()
+def greedy_decode(
+    lm: DualLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    precision: str = "high",
+    gate: Gate | None = None,
+    keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Greedy (or sampled) decoding at one precision, or gated (dual-precision.md §3-4).
+
+    Gated step (``gate`` given; ``precision`` ignored):
+    1. run the step's tokens (the prompt at step 0, else the last token) at 4 bits; its K/V enter the cache;
+    2. score p_lo with the gate (on the untempered softmax, the scale the thresholds are calibrated on);
+    3. if score > tau: crop those tokens from the cache and re-run the step at 8 bits, which overwrites
+       its K/V, and take the 8-bit logits;
+    4. emit the argmax, or at ``temperature`` > 0 a draw from the warped distribution of the step's final
+       logits (``draftkit.decoding.sampling``); stop at EOS or after ``max_new_tokens``.
+
+    Args:
+        lm: the two-precision target.
+        prompt_ids: prompt token ids (chat template applied).
+        max_new_tokens: n_max >= 1.
+        eos_ids: ids that end generation.
+        precision: ``high`` or ``low`` for single-precision decoding.
+        gate: the escalation gate, or None.
+        keep_logits: keep the (n, V) logits in the trajectory.
+        temperature: 0 = greedy; > 0 samples (one draw per step from ``generator``).
+        top_p: nucleus cut of the sampled distribution (1 = off).
+        top_k: top-k cut of the sampled distribution (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
+
+    Returns:
+        :class:`Trajectory`.
+
+    Raises:
+        ValueError: if ``max_new_tokens`` < 1 or a sampling option is out of range.
+    """
+    _check_new_tokens(max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    eos = set(eos_ids)
+    first = "low" if gate is not None else precision
+    cache = lm.new_cache()
+    traj, kept, x = Trajectory(), [], list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = lm.forward(x, cache, first)[-1]  # (V,)
+        if first == "low":
+            traj.low_forwards += 1
+        else:
+            traj.high_forwards += 1
+        if gate is not None:
+            score = float(gate.score(logits))
+            escalate = score > gate.threshold
+            if escalate:
+                cache = lm.rollback(cache, len(x))
+                logits = lm.forward(x, cache, "high")[-1]  # (V,), K/V of this step now 8-bit
+                traj.high_forwards += 1
+            traj.scores.append(score)
+            traj.escalated.append(escalate)
+        token = int(sample(logits, temperature, top_k, top_p, generator))
+        traj.tokens.append(token)
+        if keep_logits:
+            kept.append(logits)
+        if token in eos:
+            break
+        x = [token]
+    if keep_logits:
+        traj.logits = torch.stack(kept)  # (n, V)
+    return traj
+
+
+@torch.inference_mode()
+def verified_decode(
+    lm: DualLM,
+    prompt_ids: Sequence[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int] = (),
+    keep_logits: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> Trajectory:
+    """Verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
+
+    Steps (Leviathan et al. arXiv 2211.17192; shared-weight drafter as in QSpec arXiv 2410.11305):
+    0. prefill the prompt at 8 bits; emit its argmax, or a draw from its warped distribution p_hi (one A read,
+       one token);
+    1. draft: k 4-bit forwards from the last emitted token give d_1..d_k, each the argmax or a draw from the
+       warped 4-bit distribution q_i (stop early at EOS), writing 4-bit K/V that step 2 discards;
+    2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 distributions p_0..p_k;
+    3. accept: greedy (``temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
+       first mismatch or the bonus token (``draftkit.decoding.speculative.greedy_verify``); sampled,
+       rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)), else draw from
+       norm(max(0, p - q)) (``rejection_verify``). Crop the K/V of rejected drafts; the cache stays all
+       8-bit, so greedy output is the all-high output and sampled output is distributed as all-high sampling.
+
+    Args:
+        lm: the two-precision target.
+        prompt_ids: prompt token ids.
+        k: draft tokens per round, >= 1 (fewer near ``max_new_tokens``).
+        max_new_tokens: n_max >= 1.
+        eos_ids: ids that end generation.
+        keep_logits: keep the (n, V) verify logits each token was chosen from.
+        temperature: 0 = greedy; > 0 samples drafts and verifies by rejection sampling.
+        top_p: nucleus cut applied to both p and q (1 = off).
+        top_k: top-k cut applied to both p and q (0 = off).
+        generator: torch RNG of the draws (None = global RNG); unused when greedy.
+
+    Returns:
+        :class:`Trajectory` with ``rounds`` = [(drafted, accepted), ...] (the prefill is not a round).
+
+    Raises:
+        ValueError: if k < 1, ``max_new_tokens`` < 1 or a sampling option is out of range.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    _check_new_tokens(max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    eos, warp = set(eos_ids), (temperature, top_k, top_p)
+    cache = lm.new_cache()
+    logits = lm.forward(list(prompt_ids), cache, "high")[-1]  # (V,)
+    traj = Trajectory(tokens=[int(sample(logits, *warp, generator))], high_forwards=1)
+    kept = [logits]
+    while len(traj.tokens) < max_new_tokens and traj.tokens[-1] not in eos:
+        k_round = min(k, max_new_tokens - len(traj.tokens) - 1)  # drafts + 1 correction/bonus fit the limit
+        drafts, q_rows, x = [], [], traj.tokens[-1]
+        for _ in range(k_round):
+            z = lm.forward([x], cache, "low")[-1]  # (V,)
+            if temperature == 0:
+                x = int(z.argmax())
+            else:
+                q_rows.append(probs_from_logits(z, *warp))  # (V,)
+                x = int(sample_from_probs(q_rows[-1], generator))
+            drafts.append(x)
+            traj.low_forwards += 1
+            if x in eos:
+                break
+        cache = lm.rollback(cache, len(drafts))
+        verify = lm.forward([traj.tokens[-1], *drafts], cache, "high", logits_to_keep=len(drafts) + 1)  # (m+1, V)
+        traj.high_forwards += 1
+        draft_ids = torch.tensor(drafts, dtype=torch.long, device=verify.device)  # (m,)
+        if temperature == 0:
+            accepted, last = greedy_verify(draft_ids, verify)
+        else:
+            q = torch.stack(q_rows) if q_rows else verify.new_zeros(0, verify.shape[-1])  # (m, V)
+            accepted, last = rejection_verify(draft_ids, q, probs_from_logits(verify, *warp), generator)
+        cache = lm.rollback(cache, len(drafts) - accepted)
+        traj.rounds.append((len(drafts), accepted))
+        for j, token in enumerate([*drafts[:accepted], last]):
+            traj.tokens.append(token)
+            kept.append(verify[j])
+            if token in eos:
+                break
+    if keep_logits:
+        traj.logits = torch.stack(kept)  # (n, V)
+    return traj
+
+
+@torch.inference_mode()
+def teacher_forced_logits(lm: DualLM, prompt_ids: Sequence[int], tokens: Sequence[int], precision: str) -> torch.Tensor:
+    """Logits of every generated position of a fixed trajectory, one cache-free forward at one precision.
+
+    Args:
+        prompt_ids: prompt ids.
+        tokens: n >= 1 generated ids.
+        precision: ``high`` or ``low``.
+
+    Returns:
+        (n, V) float32: row t is the distribution that chose ``tokens[t]``, on the exact same prefix.
+    """
+    seq = [*prompt_ids, *tokens[:-1]]
+    return lm.forward(seq, None, precision, logits_to_keep=len(tokens))  # (n, V)
