@@ -172,6 +172,11 @@ class TimeBudget(Callback):
         """One line for the end-of-fit summary."""
         if self.budget_s is None:
             return "no time budget (trainer.max_time unset)"
-        step = f"{self.step_s:.2f} s/step measured" if self.step_s is not None else "horizon from the checkpoint"
+        if self.step_s is not None:
+            step = f"{self.step_s:.2f} s/step measured"
+        elif self.horizon is not None:
+            step = "horizon from the checkpoint"
+        else:
+            step = "stopped before s/step was measured (set-up took the budget)"
         return f"{self.elapsed():.0f} s of the {self.budget_s:.0f} s budget since process start; {step}; " \
                f"schedule horizon {self.horizon}"
