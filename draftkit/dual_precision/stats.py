@@ -45,28 +45,25 @@ def threshold_for_budget(scores: torch.Tensor, budget: float) -> float:
     return float((desc[m - 1] + desc[m]) / 2)
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """AUC = P(s+ > s-) + 0.5 P(s+ = s-) = U / (n+ n-), the Mann-Whitney form with tied ranks averaged.
+    """Area under the ROC curve of ``scores`` for ``labels`` (torchmetrics ``binary_auroc``), nan when one class is
+    empty. Equals P(s+ > s-) + 0.5 P(s+ = s-) (the Mann-Whitney form, ties counted half) to ~1e-7: torchmetrics
+    builds its curve in float32.
 
     Args:
-        scores: (N,) real scores, higher = more likely positive.
+        scores: (N,) real scores, higher = more likely positive (any range: passed in float64, so torchmetrics'
+            sigmoid for scores outside [0, 1] keeps their order).
         labels: (N,) 0/1 or bool.
 
     Returns:
         The AUC, or nan when one class is empty.
     """
-    s = scores.detach().double().flatten()
-    y = labels.detach().flatten().bool()
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
+    from torchmetrics.functional.classification import binary_auroc
+
+    y = labels.detach().flatten().long()
+    n_pos = int(y.sum())
+    if n_pos == 0 or n_pos == y.numel():
         return float("nan")
-    sorted_s, order = s.sort()
-    _, inverse, counts = torch.unique_consecutive(sorted_s, return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()  # (U,) 1-based rank of the last member of each tie group
-    avg_rank = ends - (counts.double() - 1) / 2  # (U,)
-    ranks = torch.empty_like(s)
-    ranks[order] = avg_rank[inverse]
-    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2
-    return float(u / (n_pos * n_neg))
+    return float(binary_auroc(scores.detach().double().flatten(), y, validate_args=False))
 
 
 def pr_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
