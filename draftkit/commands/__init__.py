@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] in LIGHTNING_VERBS:
         from draftkit.cli import DraftkitCLI
 
+        if logging.getLogger().handlers:  # Lightning adds a handler of its own that also propagates: print once
+            logging.getLogger("lightning").handlers.clear()
         DraftkitCLI(args=argv, parser_kwargs={"prog": "draftkit"})
         return 0
     verb = " ".join(args[:2]) if args[:1] == ["bench"] else (args[0] if args else "")
