@@ -20,7 +20,9 @@ def export(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     target: Optional[str] = None,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: Optional[int] = None,
+    tree: Optional[str] = None,
+    from_report: Optional[str] = None,
     sglang_version: Optional[str] = None,
     sglang_aux_rule: Optional[str] = None,
     verifier: Optional[str] = None,
@@ -35,7 +37,9 @@ def export(
         dtype: weight dtype: bfloat16 (default), float16 or float32.
         overwrite: replace an existing out_dir.
         target: target reference overriding the checkpoint's (local dir, hub id, pypi:..., .gguf).
-        num_speculative_tokens: draft tokens per round written into speculators/TensorRT-LLM configs and the launch line (old spelling -k).
+        num_speculative_tokens: chain of k draft tokens per round written into speculators/TensorRT-LLM configs and the launch line (default 3; old spelling -k).
+        tree: speculate with a tree depth,topk,N (e.g. 5,4,16: N draft nodes verified per round): SGLang --speculative-num-steps D --speculative-eagle-topk K --speculative-num-draft-tokens N+1, TensorRT-LLM dynamic tree in trtllm_spec.yaml; vLLM serves only chains and gets the chain of depth D (the sidecar says so).
+        from_report: take the shape from a `draftkit evaluate` JSON report: the cost model's choice (--k auto / --tree auto), else the report's tree or k; the sidecar records it with the report's device, CPU capability, predicted and measured speedup and path.
         sglang_version: SGLang release the export targets (selects the aux-id rule; default the newest verified).
         sglang_aux_rule: explicit SGLang aux-id rule (plus_one or plus_one_if_first_is_one) for newer releases.
         verifier: speculators verifier name_or_path (default: the target name).
@@ -45,21 +49,26 @@ def export(
         The export directory.
 
     Raises:
-        ValueError, FileNotFoundError, FileExistsError: as ``draftkit.export.export_checkpoint``; nothing is
-            written then.
+        ValueError, FileNotFoundError, FileExistsError: as ``draftkit.export.export_checkpoint``, and for more
+            than one of --num_speculative_tokens / --tree / --from_report, a malformed --tree, or a report without
+            a speculation shape (``draftkit.export.speculation.resolve_speculation``); nothing is written then.
     """
     import json
 
     from draftkit.export import ENGINES, export_checkpoint
     from draftkit.export.common import SIDECAR
+    from draftkit.export.speculation import resolve_speculation
 
     if to is None:
         raise ValueError(f"give the engine layout with --to, one of {', '.join(ENGINES)}")
+    k, speculation = resolve_speculation(num_speculative_tokens, tree, from_report)
     options = {"sglang_version": sglang_version, "sglang_aux_rule": sglang_aux_rule, "verifier": verifier}
     path = export_checkpoint(
         checkpoint, to, out_dir, dtype=dtype, overwrite=overwrite, target=target, target_name=target_name,
-        num_speculative_tokens=num_speculative_tokens, **{k: v for k, v in options.items() if v is not None},
+        num_speculative_tokens=k, speculation=speculation, **{n: v for n, v in options.items() if v is not None},
     )
-    launch = json.loads((path / SIDECAR).read_text())["launch"]
-    print(f"exported {checkpoint} for {to} ({dtype}) into {path}\nlaunch: {launch}")
+    sidecar = json.loads((path / SIDECAR).read_text())
+    shape = sidecar.get("speculation")
+    shape = "" if shape is None else f", {shape['topology']} {shape['depth']},{shape['topk']},{shape['num_nodes']}"
+    print(f"exported {checkpoint} for {to} ({dtype}{shape}) into {path}\nlaunch: {sidecar['launch']}")
     return str(path)

@@ -187,7 +187,9 @@ def evaluate_drafter(
 
     Raises:
         ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
-            ``auto``, or a prompt that does not fit the target's context window (names the prompt).
+            ``auto``, or a prompt that does not fit the target's context window (names the prompt): prompt +
+            ``max_new_tokens`` + the depth that can run (k, the tree's depth, or with ``auto`` the deepest
+            candidate it may pick), and for a calibration prompt prompt + ``calibration_tokens``.
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
@@ -202,16 +204,24 @@ def evaluate_drafter(
     cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
     session = TargetSession(target)
     device = next(target.parameters()).device
+    depth, depth_name = _draft_depth(k, tree, auto)
     encoded = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = _tokenize(p, tokenizer, chat_template)
         if not ids:
             raise ValueError(f"prompt {p.id} is empty after templating; remove it from the prompt file")
-        need = len(ids) + max_new_tokens + k
+        need = len(ids) + max_new_tokens + depth
         if need > session.max_length:
             raise ValueError(
-                f"prompt {p.id}: {len(ids)} tokens + max_new_tokens {max_new_tokens} + k {k} = {need} does not fit "
-                f"the target's context window of {session.max_length} tokens; shorten it or lower --max_new_tokens"
+                f"prompt {p.id}: {len(ids)} tokens + max_new_tokens {max_new_tokens} + {depth_name} {depth} = {need} "
+                f"does not fit the target's context window of {session.max_length} tokens; shorten it or lower "
+                "--max_new_tokens"
+            )
+        if auto and i < calibration_prompts and len(ids) + calibration_tokens > session.max_length:
+            raise ValueError(
+                f"prompt {p.id}: {len(ids)} tokens + calibration_tokens {calibration_tokens} = "
+                f"{len(ids) + calibration_tokens} does not fit the target's context window of {session.max_length} "
+                "tokens; lower --calibration_tokens"
             )
         encoded.append(torch.tensor(ids, dtype=torch.long, device=device))
 
@@ -336,6 +346,20 @@ def evaluate_drafter(
         "per_prompt": rows,
     }
     return report
+
+
+def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None) -> tuple[int, str]:
+    """Most drafts one round can add past the output, for the context-window check, and its name.
+
+    A round's verify reaches position L + depth (the drafts of a chain, a tree's longest path), so a prompt
+    needs prompt + max_new_tokens + depth positions. ``auto`` picks its topology only after a calibration, so
+    the deepest candidate it may pick (``cost.candidate_topologies``) is checked up front, not the k passed in.
+    """
+    if auto:
+        return max(t.depth for t in cost.candidate_topologies(auto == "tree")), f"the deepest --{auto} auto depth"
+    if tree is not None:
+        return tree.depth, "tree depth"
+    return k, "k"
 
 
 def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos) -> dict:

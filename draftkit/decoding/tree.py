@@ -97,15 +97,20 @@ class TreeConfig:
         return cls(k, 1, k)
 
     @classmethod
-    def parse(cls, text: str, option: str = "--tree") -> "TreeConfig":
+    def parse(cls, text: str, option: str = "--tree", auto: bool = True) -> "TreeConfig":
         """Read ``"depth,topk,N"`` (e.g. ``"5,4,16"``).
+
+        Args:
+            text: the option's value.
+            option: the option named in errors.
+            auto: whether the option also takes ``auto`` (said in the error message).
 
         Raises:
             ValueError: naming ``option`` when the text is not three integers or the tree is invalid.
         """
         parts = str(text).replace(" ", "").split(",")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"{option} takes depth,topk,N (e.g. 5,4,16) or auto, got {text!r}")
+            raise ValueError(f"{option} takes depth,topk,N (e.g. 5,4,16){' or auto' if auto else ''}, got {text!r}")
         try:
             return cls(*(int(p) for p in parts))
         except ValueError as exc:

@@ -8,10 +8,15 @@ engine module has one conversion function that states its rule. Engines are a re
 - ``ENGINE`` (its name), ``ENGINE_VERSION``, ``LAYER_PREFIX`` (``midlayer.`` or ``layers.0.``), optional
   ``EXPORT_DIR`` (its sub-directory under a run's ``export/``; default ``ENGINE``);
 - ``build_files(source, out_dir, dtype_name, k, options) -> {"config", "engine_aux_layer_ids"[, "text_files",
-  "engine_version", "sidecar"]}``;
+  "engine_version", "sidecar", "speculation"]}``; ``options["tree"]`` is the ``TreeConfig`` of a tree export
+  (k is then its depth) and ``speculation`` the engine's settings for it, recorded in the sidecar;
 - ``read_view(directory, config, sidecar) -> (layer fields, EAGLE fields, written aux ids)``;
 - ``from_engine_ids(written, num_layers, sidecar) -> HF ids``;
-- ``launch_command(source, out_dir, k) -> str``.
+- ``launch_command(source, out_dir, k[, tree]) -> str``; an engine without the ``tree`` keyword exports chains
+  only.
+
+``speculation`` holds the speculation shape (chain k, or tree depth/top-k/N, by hand or from an evaluate
+report) that ``draftkit export --tree`` / ``--from_report`` give the exporter.
 
 ``load`` holds the reference loader and a plain reference forward (eagle3-format.md §3).
 
@@ -43,12 +48,14 @@ def register_engine(module: ModuleType) -> ModuleType:
 
 from draftkit.export.exporter import export_checkpoint, verify_export  # noqa: E402  (engines first)
 from draftkit.export.load import load_exported_head, load_head, reference_forward  # noqa: E402
+from draftkit.export.speculation import Speculation  # noqa: E402
 from draftkit.heads.checkpoint import HeadSource, read_checkpoint  # noqa: E402
 
 __all__ = [
     "DTYPES",
     "ENGINES",
     "HeadSource",
+    "Speculation",
     "export_checkpoint",
     "load_exported_head",
     "load_head",

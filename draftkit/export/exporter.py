@@ -4,8 +4,8 @@ Steps (eagle3-format.md §7):
 1. read the checkpoint and its target config; refuse a head trained for another target (hidden size, vocab)
    or without a draft-vocab map;
 2. rename/cast the serving tensors for the engine and validate them strictly (names, shapes, dtypes, d2t);
-3. build ``config.json`` (aux ids converted by the engine module, all four norm flags explicit) and the
-   ``draftkit_export.json`` sidecar;
+3. build ``config.json`` (aux ids converted by the engine module, all four norm flags explicit), the launch
+   line for the chain k or the tree shape (``export.speculation``) and the ``draftkit_export.json`` sidecar;
 4. write everything into a temporary sibling directory, reload it with :func:`load_exported_head`, compare its
    logits with the checkpoint's head (same dtype rounding) and with :func:`reference_forward`, and only then
    rename it into place.
@@ -16,6 +16,7 @@ Shapes: B batch, T tokens, H draft hidden, H_t target hidden, V target vocab, V_
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +35,7 @@ from draftkit.export.common import (
     write_directory,
 )
 from draftkit.export.load import load_exported_head, read_export, reference_forward
+from draftkit.export.speculation import Speculation
 from draftkit.heads.checkpoint import HeadSource, read_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
 
@@ -58,8 +60,9 @@ def export_checkpoint(
     dtype: str = "bfloat16",
     overwrite: bool = False,
     target: str | None = None,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = None,
     target_name: str | None = None,
+    speculation: Speculation | None = None,
     **engine_options,
 ) -> Path:
     """Export a draftkit training checkpoint for one serving engine.
@@ -75,8 +78,13 @@ def export_checkpoint(
         target: target reference overriding the checkpoint's ``meta["target"]``.
         target_name: the name the serving host loads the target by (hub id or its path there), written into
             the launch line, speculators' verifier and the sidecar; default :func:`serving_target_name`.
-        num_speculative_tokens: k, written where the format carries it (speculators, TensorRT-LLM options) and
-            into the launch command.
+        num_speculative_tokens: k, a chain's draft tokens (default 3), written where the format carries it
+            (speculators, TensorRT-LLM options) and into the launch command.
+        speculation: a chain or tree shape (``draftkit.export.speculation.Speculation``: ``--tree`` or an
+            evaluate report) instead of ``num_speculative_tokens``; k is then its depth, the engines write its
+            settings (SGLang steps/topk/draft tokens, TensorRT-LLM dynamic tree; vLLM serves the chain of its
+            depth) and the sidecar records it under ``speculation``. None (default) writes what a chain of k
+            always wrote, byte for byte.
         engine_options: options the engine module reads (``sglang_version``, ``sglang_aux_rule`` for SGLang,
             ``verifier`` for speculators; see each module's ``build_files``).
 
@@ -84,8 +92,9 @@ def export_checkpoint(
         The export directory.
 
     Raises:
-        ValueError: on an unknown engine or dtype, k < 1, a bad checkpoint (see :func:`read_checkpoint`), a
-            head the engine cannot express, or a failed self-check (nothing is written then).
+        ValueError: on an unknown engine or dtype, k < 1, both ``num_speculative_tokens`` and a ``speculation``
+            of another depth, a bad checkpoint (see :func:`read_checkpoint`), a head or a speculation shape the
+            engine cannot express, or a failed self-check (nothing is written then).
         FileExistsError: if ``out_dir`` exists and ``overwrite`` is false.
     """
     from draftkit.export import ENGINES
@@ -94,16 +103,32 @@ def export_checkpoint(
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    k = _draft_tokens(num_speculative_tokens, speculation)
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
     source = read_checkpoint(checkpoint, target=target)
     return export_head_source(
-        source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=num_speculative_tokens,
-        target_name=target_name, **engine_options,
+        source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=k,
+        target_name=target_name, speculation=speculation, **engine_options,
     )
+
+
+def _draft_tokens(num_speculative_tokens: int | None, speculation: Speculation | None) -> int:
+    """k: the speculation's depth, the given k, or 3.
+
+    Raises:
+        ValueError: if k < 1, or k and a speculation of another depth are both given.
+    """
+    if speculation is not None:
+        if num_speculative_tokens not in (None, speculation.k):
+            raise ValueError(f"num_speculative_tokens {num_speculative_tokens} and the speculation shape "
+                             f"{speculation.tree} (depth {speculation.k}) disagree; give one of them")
+        return speculation.k
+    k = 3 if num_speculative_tokens is None else num_speculative_tokens
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+    return k
 
 
 def serving_target_name(source: HeadSource, target_name: str | None = None) -> str:
@@ -133,13 +158,17 @@ def export_head_source(
     out_dir: str | Path,
     dtype: str = "bfloat16",
     overwrite: bool = False,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = None,
     target_name: str | None = None,
+    speculation: Speculation | None = None,
     **engine_options,
 ) -> Path:
-    """Export an already-read :class:`HeadSource` (see :func:`export_checkpoint` for the arguments)."""
+    """Export an already-read :class:`HeadSource` (see :func:`export_checkpoint` for the arguments and errors)."""
     from draftkit.export import ENGINES
 
+    k = _draft_tokens(num_speculative_tokens, speculation)
+    if speculation is not None:
+        engine_options = {**engine_options, "tree": speculation.tree}
     source = dataclasses.replace(source, target_name=serving_target_name(source, target_name))
 
     module = ENGINES[engine]
@@ -152,7 +181,8 @@ def export_head_source(
     tensors = serving_tensors(source.state, torch_dtype, module.LAYER_PREFIX)
     validate_tensors(tensors, cfg, torch_dtype, module.LAYER_PREFIX, where=f"{source.path} -> {engine}")
 
-    files = module.build_files(source, str(out_dir), dtype, num_speculative_tokens, engine_options)
+    files = module.build_files(source, str(out_dir), dtype, k, engine_options)
+    launch = _launch_command(module, source, str(out_dir), k, speculation)
     config, written = files["config"], files["engine_aux_layer_ids"]
     engine_version = files.get("engine_version", module.ENGINE_VERSION)
 
@@ -186,9 +216,13 @@ def export_head_source(
         "head_config": head_config_dict(cfg),
         "chat_template": meta.get("chat_template"),
         "ttt": meta.get("ttt"),
-        "num_speculative_tokens": num_speculative_tokens,
-        "launch": module.launch_command(source, str(out_dir), num_speculative_tokens),
+        "num_speculative_tokens": k,
+        **({} if speculation is None else {"speculation": speculation.record(files.get("speculation"))}),
+        "launch": launch,
     }
+    note = (files.get("speculation") or {}).get("note") if speculation is not None else None
+    if note:
+        log.warning("%s: %s", engine, note)
 
     def check(tmp: Path) -> None:
         verify_export(tmp, source)
@@ -197,6 +231,23 @@ def export_head_source(
                            overwrite, check)
     log.info("exported %s for %s into %s", source.path, engine, path)
     return path
+
+
+def _launch_command(module, source: HeadSource, out_dir: str, k: int, speculation: Speculation | None) -> str:
+    """The engine's launch line; the tree goes to ``launch_command(..., tree=)`` only when one is given, so an
+    engine written before trees (``launch_command(source, out_dir, k)``) still exports chains.
+
+    Raises:
+        ValueError: for a tree and an engine whose ``launch_command`` takes no ``tree``.
+    """
+    if speculation is None:
+        return module.launch_command(source, out_dir, k)
+    if "tree" not in inspect.signature(module.launch_command).parameters:
+        if speculation.is_chain:
+            return module.launch_command(source, out_dir, k)
+        raise ValueError(f"engine {module.ENGINE!r} takes no tree shape (its launch_command has no `tree` "
+                         f"parameter); export tree {speculation.tree} to sglang or trtllm, or a chain with -k")
+    return module.launch_command(source, out_dir, k, tree=speculation.tree)
 
 
 def _small_embedding(head: Eagle3LlamaHead, rows: torch.Tensor) -> None:

@@ -12,13 +12,16 @@ the SGLang version and picks the rule from it (:func:`sglang_aux_rule`); both ar
 
 Launch (chain, k = 3): ``python -m sglang.launch_server --model-path <target> --speculative-algorithm EAGLE3
 --speculative-draft-model-path <dir> --speculative-num-steps 3 --speculative-eagle-topk 1
---speculative-num-draft-tokens 4``.
+--speculative-num-draft-tokens 4``. A tree (depth D, top-k K, N draft nodes) launches with
+``--speculative-num-steps D --speculative-eagle-topk K --speculative-num-draft-tokens N+1`` (the root counted;
+:func:`speculation_settings`).
 
 Shapes: H draft hidden, H_t target hidden, N target layers.
 """
 
 from __future__ import annotations
 
+from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
@@ -26,7 +29,7 @@ from draftkit.selection.layers import default_aux_layer_ids
 
 __all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "PLUS_ONE", "PLUS_ONE_IF_FIRST_IS_ONE", "build_config",
            "build_files", "check_supported", "from_engine_ids", "hf_aux_layer_ids", "launch_command", "read_view",
-           "sglang_aux_layer_ids", "sglang_aux_rule"]
+           "sglang_aux_layer_ids", "sglang_aux_rule", "speculation_settings"]
 
 ENGINE = "sglang"
 ENGINE_VERSION = "0.5.23"
@@ -183,19 +186,42 @@ def build_config(cfg: Eagle3Config, aux_layer_ids: list[int], num_layers: int, d
     return config
 
 
-def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
-    """The ``sglang.launch_server`` command for a chain of k draft tokens (topk 1, k + 1 draft tokens)."""
+def speculation_settings(k: int, tree: TreeConfig | None = None) -> dict:
+    """SGLang's EAGLE settings for a chain of k drafts or a tree (D, K, N).
+
+    ``--speculative-num-steps`` is the depth D (draft passes), ``--speculative-eagle-topk`` the top-k K, and
+    ``--speculative-num-draft-tokens`` counts the verified tokens *including* the root: SGLang
+    (``python/sglang/srt/speculative/eagle_utils.py::organize_draft_results``) keeps the best
+    ``num_draft_tokens - 1`` of the K + (D-1) K^2 candidates by cumulative score, the EAGLE-2 rule draftkit's
+    ``decoding.tree`` uses, so it is N + 1 (a chain: k + 1).
+
+    Args:
+        k: the chain's drafts (used when ``tree`` is None or a chain).
+        tree: a tree topology, or None.
+
+    Returns:
+        ``{"speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"}``.
+    """
+    steps, topk, nodes = (k, 1, k) if tree is None or tree.is_chain else (tree.depth, tree.topk, tree.num_nodes)
+    return {"speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": nodes + 1}
+
+
+def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
+    """The ``sglang.launch_server`` command for a chain of k draft tokens (topk 1, k + 1 draft tokens) or a tree
+    (steps D, topk K, N + 1 draft tokens; :func:`speculation_settings`)."""
+    s = speculation_settings(k, tree)
     return (
         f"python -m sglang.launch_server --model-path {source.serving_name} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {k + 1}"
+        f"--speculative-draft-model-path {out_dir} --speculative-num-steps {s['speculative_num_steps']} "
+        f"--speculative-eagle-topk {s['speculative_eagle_topk']} "
+        f"--speculative-num-draft-tokens {s['speculative_num_draft_tokens']}"
     )
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
     """The engine's files (registry protocol): config.json for the release ``options["sglang_version"]``
     (default :data:`ENGINE_VERSION`) and its aux-id rule (``options["sglang_aux_rule"]`` overrides), both
-    recorded in the sidecar.
+    recorded in the sidecar; ``speculation`` holds the launch settings of ``options["tree"]`` (or the chain k).
 
     Raises:
         ValueError: see :func:`sglang_aux_rule`, :func:`build_config`.
@@ -207,6 +233,7 @@ def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, optio
         "engine_aux_layer_ids": sglang_aux_layer_ids(source.aux_layer_ids, source.num_layers, rule),
         "engine_version": version,
         "sidecar": {"engine_aux_rule": rule},
+        "speculation": speculation_settings(k, options.get("tree")),
     }
 
 

@@ -12,7 +12,9 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
+from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.export.speculation import chain_only_note
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
@@ -102,20 +104,24 @@ def build_config(
     return config
 
 
-def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
-    """``vllm serve <dir>``: verifier and k are read from the directory's ``speculators_config``."""
+def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
+    """``vllm serve <dir>``: verifier and k (a tree's depth) are read from the directory's ``speculators_config``."""
     return f"vllm serve {out_dir}"
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
     """The engine's files (registry protocol): config.json with the verifier (``options["verifier"]``, default
-    the target's serving name, ``HeadSource.serving_name``) and k."""
+    the target's serving name, ``HeadSource.serving_name``) and k; for a tree (``options["tree"]``) k is its
+    depth, and ``speculation`` says that vLLM serves the chain."""
     archs = list(getattr(source.target_config, "architectures", None) or ["LlamaForCausalLM"])
     config = build_config(
         source.config, source.aux_layer_ids, source.num_layers, dtype_name,
         verifier=options.get("verifier") or source.serving_name, verifier_architectures=archs, num_speculative_tokens=k,
     )
-    return {"config": config, "engine_aux_layer_ids": speculators_aux_layer_ids(source.aux_layer_ids, source.num_layers)}
+    note = chain_only_note(options.get("tree"))
+    return {"config": config,
+            "engine_aux_layer_ids": speculators_aux_layer_ids(source.aux_layer_ids, source.num_layers),
+            "speculation": {"speculative_tokens": int(k), **({"note": note} if note else {})}}
 
 
 def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:

@@ -8,7 +8,10 @@ so the exporter writes them (when non-default) into ``trtllm_spec.yaml`` beside 
 out of ``config.json``.
 
 Launch: ``trtllm-serve <target> --extra_llm_api_options <dir>/trtllm_spec.yaml`` (newer releases:
-``--config``).
+``--config``). A chain writes ``max_draft_len: k``; a tree (depth D, top-k K, N draft nodes) writes TensorRT-LLM's
+dynamic-tree keys ``max_draft_len: D``, ``use_dynamic_tree: true``, ``dynamic_tree_max_topK: K`` and
+``max_total_draft_tokens: N`` (:func:`speculation_settings`; the keys are verified against TensorRT-LLM's
+``llm_args.py`` and its 1.3/1.4 API reference, not against the pinned 1.2.1).
 
 Shapes: H draft hidden, H_t target hidden, N target layers.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
@@ -24,7 +28,7 @@ from draftkit.selection.layers import default_aux_layer_ids
 
 __all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "SPEC_FILE", "build_config", "build_files", "build_spec_yaml",
            "check_supported", "from_engine_ids", "hf_aux_layer_ids", "launch_command", "read_view",
-           "trtllm_aux_layer_ids"]
+           "speculation_settings", "trtllm_aux_layer_ids"]
 
 ENGINE = "trtllm"
 ENGINE_VERSION = "1.2.1"
@@ -84,41 +88,96 @@ def build_config(cfg: Eagle3Config, dtype_name: str) -> dict:
     return config
 
 
-def build_spec_yaml(out_dir: str, aux_layer_ids: list[int], num_layers: int, k: int) -> str:
-    """The LLM-API options file (``--extra_llm_api_options``) for a chain of k draft tokens.
+def speculation_settings(k: int, tree: TreeConfig | None = None) -> dict:
+    """The ``speculative_config`` keys of a chain of k drafts or of a tree (D, K, N).
+
+    A chain is ``max_draft_len: k`` (TensorRT-LLM's linear tree). A tree is TensorRT-LLM's EAGLE-2 dynamic tree:
+    ``max_draft_len: D`` (drafter layers = depth), ``use_dynamic_tree: true``, ``dynamic_tree_max_topK: K``
+    ("the number of nodes to expand each time") and ``max_total_draft_tokens: N`` ("the number of all nodes in
+    the tree (except the root)"). Key names and meanings are read from TensorRT-LLM's
+    ``tensorrt_llm/llmapi/llm_args.py`` (``EagleDecodingConfig.validate_eagle_config``, main branch),
+    ``tensorrt_llm/_torch/speculative/spec_tree_manager.py`` and the ``Eagle3DecodingConfig`` API reference of
+    1.3.0rc27 and 1.4.0rc4; whether the pinned release (:data:`ENGINE_VERSION`) accepts them on the PyTorch
+    backend with ``eagle3_one_model`` is unverified. Its validator requires D <= N <= K * D: the dynamic tree
+    keeps the K nodes it expands per layer and selects N of those K * D, where SGLang and draftkit select among
+    all K + (D-1) K^2 proposed children, so the same (D, K, N) may build a different tree.
+
+    Args:
+        k: the chain's drafts (used when ``tree`` is None or a chain).
+        tree: a tree topology, or None.
+
+    Returns:
+        The keys, in the order written.
+
+    Raises:
+        ValueError: for a tree with N outside [D, K * D] (TensorRT-LLM refuses it).
+    """
+    if tree is None or tree.is_chain:
+        return {"max_draft_len": int(k)}
+    d, topk, n = tree.depth, tree.topk, tree.num_nodes
+    if not d <= n <= topk * d:
+        raise ValueError(
+            f"tree {tree}: TensorRT-LLM's dynamic tree needs max_draft_len <= max_total_draft_tokens <= "
+            f"dynamic_tree_max_topK * max_draft_len, i.e. {d} <= N <= {topk * d}, got N = {n}; choose N in that range"
+        )
+    return {"max_draft_len": d, "use_dynamic_tree": True, "dynamic_tree_max_topK": topk, "max_total_draft_tokens": n}
+
+
+def build_spec_yaml(
+    out_dir: str, aux_layer_ids: list[int], num_layers: int, k: int, tree: TreeConfig | None = None
+) -> str:
+    """The LLM-API options file (``--extra_llm_api_options``) for a chain of k draft tokens or a tree.
 
     Args:
         out_dir: the final export directory (``speculative_model_dir``).
         aux_layer_ids: HF ``hidden_states`` indices.
         num_layers: N.
-        k: ``max_draft_len``.
+        k: ``max_draft_len`` of a chain.
+        tree: a tree topology (dynamic-tree keys of :func:`speculation_settings`), or None for the chain k.
+
+    Raises:
+        ValueError: see :func:`speculation_settings`.
     """
     ids = trtllm_aux_layer_ids(aux_layer_ids, num_layers)
+    spec = speculation_settings(k, tree)
     lines = [
         "# TensorRT-LLM LLM-API options written by draftkit export (eagle3-format.md §7.5).",
         "speculative_config:",
         "  decoding_type: Eagle3          # \"Eagle\" is an accepted alias in some releases",
-        f"  max_draft_len: {int(k)}",
+        f"  max_draft_len: {spec['max_draft_len']}",
         f"  speculative_model_dir: {out_dir}   # newer releases name this key speculative_model",
         "  eagle3_one_model: true",
     ]
+    if "use_dynamic_tree" in spec:
+        lines += [
+            "  use_dynamic_tree: true         # EAGLE-2 dynamic tree (EagleDecodingConfig; unverified for 1.2.1)",
+            f"  dynamic_tree_max_topK: {spec['dynamic_tree_max_topK']}       # top-k expanded per drafter layer",
+            f"  max_total_draft_tokens: {spec['max_total_draft_tokens']}     # draft nodes verified per round, "
+            "root excluded",
+        ]
     if ids is not None:
         lines.append(f"  eagle3_layers_to_capture: {ids}   # output-of-layer ids = HF ids {list(aux_layer_ids)} - 1")
     return "\n".join(lines) + "\n"
 
 
-def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
-    """The ``trtllm-serve`` command using the exported options file."""
+def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
+    """The ``trtllm-serve`` command using the exported options file (which carries k or the tree)."""
     return f"trtllm-serve {source.serving_name} --extra_llm_api_options {out_dir}/{SPEC_FILE}"
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
-    """The engine's files (registry protocol): config.json without aux ids, and :data:`SPEC_FILE` with them."""
-    aux, n = source.aux_layer_ids, source.num_layers
+    """The engine's files (registry protocol): config.json without aux ids, and :data:`SPEC_FILE` with them and
+    the chain k or the tree ``options["tree"]``; ``speculation`` holds those :data:`SPEC_FILE` keys.
+
+    Raises:
+        ValueError: see :func:`build_config`, :func:`speculation_settings`.
+    """
+    aux, n, tree = source.aux_layer_ids, source.num_layers, options.get("tree")
     return {
         "config": build_config(source.config, dtype_name),
         "engine_aux_layer_ids": trtllm_aux_layer_ids(aux, n),
-        "text_files": {SPEC_FILE: build_spec_yaml(str(out_dir), aux, n, k)},
+        "text_files": {SPEC_FILE: build_spec_yaml(str(out_dir), aux, n, k, tree)},
+        "speculation": speculation_settings(k, tree),
     }
 
 

@@ -7,7 +7,8 @@ layer ids from the top-level ``eagle_aux_hidden_state_layer_ids`` of the draft c
 exactly the HF ``hidden_states[j]`` convention draftkit uses.
 
 Launch: ``vllm serve <target> --speculative-config '{"method": "eagle3", "model": "<dir>",
-"num_speculative_tokens": 3}'``.
+"num_speculative_tokens": 3}'``. vLLM drafts chains only: a tree export (depth D, top-k K, N nodes)
+launches the chain of depth D (``num_speculative_tokens`` D) and says so in the sidecar.
 
 Shapes: H draft hidden, H_t target hidden, N target layers.
 """
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 import json
 
+from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.export.speculation import chain_only_note
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
 
 __all__ = ["ENGINE", "ENGINE_VERSION", "LAYER_PREFIX", "build_config", "build_files", "from_engine_ids",
-           "hf_aux_layer_ids", "launch_command", "read_view", "vllm_aux_layer_ids"]
+           "hf_aux_layer_ids", "launch_command", "read_view", "speculation_settings", "vllm_aux_layer_ids"]
 
 ENGINE = "vllm"
 ENGINE_VERSION = "0.32.0"
@@ -80,17 +83,28 @@ def build_config(cfg: Eagle3Config, aux_layer_ids: list[int], num_layers: int, d
     return config
 
 
-def launch_command(source: HeadSource, out_dir: str, k: int) -> str:
-    """The ``vllm serve`` command for this export (chain of k draft tokens)."""
-    spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": k})
+def speculation_settings(k: int, tree: TreeConfig | None = None) -> dict:
+    """vLLM's ``num_speculative_tokens``: the chain's k, or a tree's depth D with a note (vLLM drafts chains
+    only; :func:`~draftkit.export.speculation.chain_only_note`)."""
+    note = chain_only_note(tree)
+    out: dict = {"num_speculative_tokens": int(k) if tree is None else tree.depth}
+    return {**out, "note": note} if note else out
+
+
+def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
+    """The ``vllm serve`` command for this export: a chain of k draft tokens (for a tree, its depth)."""
+    n = speculation_settings(k, tree)["num_speculative_tokens"]
+    spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": n})
     return f"vllm serve {source.serving_name} --speculative-config '{spec}'"
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:
     """The engine's files (registry protocol, ``draftkit.export.ENGINES``): ``config`` (config.json), the
-    ``engine_aux_layer_ids`` written, and no extra text files or sidecar fields."""
+    ``engine_aux_layer_ids`` written, no extra text files or sidecar fields, and ``speculation`` (the chain
+    served for k or ``options["tree"]``)."""
     return {"config": build_config(source.config, source.aux_layer_ids, source.num_layers, dtype_name),
-            "engine_aux_layer_ids": vllm_aux_layer_ids(source.aux_layer_ids, source.num_layers)}
+            "engine_aux_layer_ids": vllm_aux_layer_ids(source.aux_layer_ids, source.num_layers),
+            "speculation": speculation_settings(k, options.get("tree"))}
 
 
 def read_view(directory, config: dict, sidecar: dict) -> tuple[dict, dict, list[int] | None]:

@@ -9,6 +9,7 @@ from decoding_stubs import make_head
 
 from draftkit.commands import main as draftkit_main
 from draftkit.decoding.harness import _first_diff, check_head_matches_target, evaluate_head
+from draftkit.decoding.tree import TreeConfig
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.target.frozen import FrozenTarget, load_target
 
@@ -151,6 +152,25 @@ def test_bad_input_errors(tiny, tiny_head):
         evaluate_head(tiny_head, target, tokenizer, ["hi"], temperature=-0.5)
     with pytest.raises(ValueError, match=r"prompt 0: 600 tokens .* context window of 512"):
         evaluate_head(tiny_head, target, tokenizer, [[5] * 600], max_new_tokens=4)
+
+
+def test_context_window_check_uses_the_depth_that_runs(tiny, tiny_head):
+    target, tokenizer = tiny
+    window = target.model.config.max_position_embeddings
+    prompt = [5] * (window - 4 - 5)  # prompt + max_new_tokens 4 + k 5 fills the window exactly
+    # --k/--tree auto may pick depth 6 (cost.candidate_topologies), not the k = 5 passed in: refused up front,
+    # before the calibration runs, naming the prompt
+    for auto in ("k", "tree"):
+        with pytest.raises(ValueError, match=rf"prompt 0: {len(prompt)} tokens \+ max_new_tokens 4 \+ the deepest "
+                                             rf"--{auto} auto depth 6 = {window + 1} does not fit .* of {window}"):
+            evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, auto=auto, warmup=False)
+    with pytest.raises(ValueError, match=rf"prompt 0: .* \+ tree depth 6 = {window + 1} does not fit"):
+        evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, tree=TreeConfig(6, 2, 8))
+    with pytest.raises(ValueError, match=r"prompt 0: 500 tokens \+ calibration_tokens 48 = 548 does not fit"):
+        evaluate_head(tiny_head, target, tokenizer, [[5] * 500], max_new_tokens=4, auto="k", warmup=False)
+    report = evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, baseline=False,
+                           prompt_lookup=False, warmup=False)  # the chain k = 5 itself fits
+    assert report["k"] == 5 and report["new_tokens"] == 4
 
 
 def test_head_target_mismatch_names_both(tiny, tiny_head):
