@@ -7,19 +7,29 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["collate", "collate_offline"]
+__all__ = ["SUPERVISE", "collate", "collate_offline"]
+
+SUPERVISE = ("assistant", "all")
 
 
-def collate(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+def collate(rows: list[dict], pad_token_id: int = 0, supervise: str = "assistant") -> dict[str, torch.Tensor]:
     """Right-pad tokenized rows into a batch.
 
     Args:
         rows: dicts with ``input_ids`` and ``loss_mask`` lists of equal length.
         pad_token_id: id written into padding (masked out by ``attention_mask``).
+        supervise: ``assistant`` = ``loss_mask`` as tokenized (assistant tokens); ``all`` = every real token
+            (``loss_mask`` = ``attention_mask``): the head then also learns the target's distribution at user
+            and template positions (the labels are the target's own probabilities either way).
 
     Returns:
         ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) int64.
+
+    Raises:
+        ValueError: on an unknown ``supervise``.
     """
+    if supervise not in SUPERVISE:
+        raise ValueError(f"data.supervise must be one of {', '.join(SUPERVISE)}, got {supervise!r}")
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -28,18 +38,18 @@ def collate(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"])
         attn[i, :n] = 1
-        mask[i, :n] = torch.as_tensor(r["loss_mask"])
+        mask[i, :n] = 1 if supervise == "all" else torch.as_tensor(r["loss_mask"])
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
-def collate_offline(rows: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad cached rows into a batch: the ``collate`` keys plus the hidden states.
+def collate_offline(rows: list[dict], pad_token_id: int = 0, supervise: str = "assistant") -> dict[str, torch.Tensor]:
+    """Right-pad cached rows into a batch: the ``collate`` keys (``supervise`` as there) plus the hidden states.
 
     Returns:
         ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T) int64; ``aux_hidden_states``
         (B, T, n_aux*H_t) and ``last_hidden_state`` (B, T, H_t) bf16, zero on padding.
     """
-    batch = collate(rows, pad_token_id)
+    batch = collate(rows, pad_token_id, supervise)
     b, t = batch["input_ids"].shape
     for key in ("aux_hidden_states", "last_hidden_state"):
         out = rows[0][key].new_zeros((b, t, rows[0][key].shape[-1]))  # (B, T, width)

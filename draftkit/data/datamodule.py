@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve_model_dir
 from draftkit.data.chat import describe_skips, read_conversations, tokenization_fingerprint, tokenize_conversation
-from draftkit.data.collate import collate, collate_offline
+from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import HiddenStateCache, tokenizer_fingerprint
 from draftkit.data.sampler import ResumableLoader
 from draftkit.target.tokens import pad_token_id
@@ -77,6 +77,9 @@ class ChatDataModule(pl.LightningDataModule):
             Cuts padding; the batch order stays seeded, so resume stays exact.
         hidden_states_cache: offline mode: a directory written by ``python -m draftkit cache-hidden-states``;
             batches then carry the cached target states and the model skips the target forward.
+        supervise: training positions with a loss: ``assistant`` (default; the assistant tokens) or ``all``
+            (every token: user and template positions too, labelled with the target's own distribution).
+            Validation always scores the assistant tokens, so ``val/*`` stays comparable.
 
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
@@ -105,8 +108,11 @@ class ChatDataModule(pl.LightningDataModule):
         num_proc: int = 1,
         bucket_window: int = 0,
         hidden_states_cache: str | None = None,
+        supervise: str = "assistant",
     ) -> None:
         super().__init__()
+        if supervise not in SUPERVISE:
+            raise ValueError(f"data.supervise must be one of {', '.join(SUPERVISE)}, got {supervise!r}")
         if bucket_window < 0:
             raise ValueError(f"data.bucket_window must be >= 0 sequences, got {bucket_window}")
         if max_length < 8:
@@ -364,7 +370,8 @@ class ChatDataModule(pl.LightningDataModule):
             dataset, seed=hp.seed, shuffle=shuffle, num_replicas=dist.get("num_replicas", 1), rank=dist.get("rank", 0),
             lengths=self.train_lengths if split == "train" else None, bucket_window=hp.bucket_window if shuffle else 0,
             batch_size=hp.batch_size, num_workers=hp.num_workers,
-            collate_fn=functools.partial(collate_fn, pad_token_id=self.pad_token_id),
+            collate_fn=functools.partial(collate_fn, pad_token_id=self.pad_token_id,
+                                         supervise=hp.supervise if split == "train" else "assistant"),
         )
 
     def train_dataloader(self) -> DataLoader:

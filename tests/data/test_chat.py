@@ -183,3 +183,25 @@ def test_max_records_still_reads_the_whole_file(tmp_path):
         convs, summary = read_conversations(str(path), max_records=2)
     assert [c[0]["content"] for c in convs] == ["q0", "q1"]
     assert (summary.kept, summary.usable) == (2, 4) and "first 2 of 4 usable" in str(summary)
+
+
+def test_collate_supervise_all_marks_every_real_token():
+    rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [0]}]
+    batch = collate(rows, 0, supervise="all")
+    assert batch["loss_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] == batch["attention_mask"].tolist()
+    assert collate(rows, 0)["loss_mask"].tolist() == [[0, 1, 1], [0, 0, 0]]
+    with pytest.raises(ValueError, match="data.supervise must be one of assistant, all, got 'user'"):
+        collate(rows, 0, supervise="user")
+
+
+def test_supervise_all_trains_on_every_token_and_validates_on_the_assistant_ones(tiny_target_dir, tiny_chat_jsonl):
+    dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=2, batch_size=2, supervise="all")
+    dm.setup("fit")
+    train = next(iter(dm.train_dataloader()))
+    assert torch.equal(train["loss_mask"], train["attention_mask"])
+    val = next(iter(dm.val_dataloader()))
+    rows = [dm.val_set[i] for i in range(2)]
+    assert torch.equal(val["loss_mask"], collate(rows, dm.pad_token_id)["loss_mask"])
+    assert val["loss_mask"].sum() < val["attention_mask"].sum()
+    with pytest.raises(ValueError, match="data.supervise must be one of assistant, all"):
+        ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), supervise="everything")
