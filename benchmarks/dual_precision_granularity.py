@@ -28,6 +28,7 @@ from draftkit.artifacts import GEMMA3_270M_REF
 from draftkit.dual_precision import DualPrecisionLM, greedy_decode, replay_metrics, replay_steps
 from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
 from draftkit.data.prompts import load_prompts, split_prompts
+from draftkit.decoding.speculative import DecodeConfig
 from draftkit.jsonio import write_json_atomic
 from draftkit.quant import COST_MODELS, QuantConfig, expected_verified_ratio, gated_bytes_per_token
 
@@ -65,7 +66,7 @@ def main() -> None:
             prompts.append(encode_chat(tok, r.messages))
         else:
             prompts.append(tok(r.text)["input_ids"])  # plain text after <bos>
-    eos = stop_token_ids(tok, model.generation_config)
+    decoding = DecodeConfig(args.max_new_tokens, eos_token_ids=tuple(stop_token_ids(tok, model.generation_config)))
     for group in args.groups.split(","):
         group_size = None if group == "none" else int(group)
         keys = {s: f"{args.target}/{group}/{s}" for s in args.slicings.split(",")}
@@ -77,7 +78,7 @@ def main() -> None:
         t0 = time.perf_counter()
         trajs = []
         for i, prompt in enumerate(prompts):
-            trajs.append(greedy_decode(first, prompt, args.max_new_tokens, eos, "high", keep_logits=False).tokens)
+            trajs.append(greedy_decode(first, prompt, decoding, "high", keep_logits=False).tokens)
             log.info("%s group %s: all-high prompt %d/%d (%d tokens)", args.target, group, i + 1, len(prompts),
                      len(trajs[-1]))
         t_decode = time.perf_counter() - t0

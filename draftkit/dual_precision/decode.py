@@ -3,8 +3,10 @@
 Definitions: shared/reference/dual-precision.md §3-4 (gated steps, KV drift) and §7 (verified speculation:
 self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424; greedy or by
 rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
-read; sampling (T > 0) draws from the warped distribution of the logits a step ends with
-(``draftkit.decoding.sampling``), and the accept rules are those of ``draftkit.decoding.speculative``.
+read; the token limit, the stop ids and the sampling options come in one
+``draftkit.decoding.speculative.DecodeConfig``; sampling (T > 0) draws from the warped distribution of the
+logits a step ends with (``draftkit.decoding.sampling``), and the accept rules are those of
+``draftkit.decoding.speculative``.
 
 Shapes: n generated tokens, V target vocab.
 """
@@ -16,8 +18,8 @@ from typing import Sequence
 
 import torch
 
-from draftkit.decoding.sampling import check_sampling, probs_from_logits, sample, sample_from_probs
-from draftkit.decoding.speculative import greedy_verify, rejection_verify
+from draftkit.decoding.sampling import probs_from_logits, sample, sample_from_probs
+from draftkit.decoding.speculative import DecodeConfig, greedy_verify, rejection_verify
 from draftkit.dual_precision.gates import Gate
 from draftkit.dual_precision.lm import DualLM
 from draftkit.quant import WeightBytes
@@ -53,23 +55,14 @@ class Trajectory:
         return self.low_forwards * wb.low + self.high_forwards * wb.high
 
 
-def _check_new_tokens(max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
 @torch.inference_mode()
 def greedy_decode(
     lm: DualLM,
     prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: Sequence[int] = (),
+    cfg: DecodeConfig,
     precision: str = "high",
     gate: Gate | None = None,
     keep_logits: bool = True,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Trajectory:
     """Greedy (or sampled) decoding at one precision, or gated (dual-precision.md §3-4).
@@ -79,35 +72,33 @@ def greedy_decode(
     2. score p_lo with the gate (on the untempered softmax, the scale the thresholds are calibrated on);
     3. if score > tau: crop those tokens from the cache and re-run the step at 8 bits, which overwrites
        its K/V, and take the 8-bit logits;
-    4. emit the argmax, or at ``temperature`` > 0 a draw from the warped distribution of the step's final
-       logits (``draftkit.decoding.sampling``); stop at EOS or after ``max_new_tokens``.
+    4. emit the argmax, or at ``cfg.temperature`` > 0 a draw from the warped distribution of the step's final
+       logits (``draftkit.decoding.sampling``); stop at an id of ``cfg.eos_token_ids`` or after
+       ``cfg.max_new_tokens``.
 
     Args:
         lm: the two-precision target.
         prompt_ids: prompt token ids (chat template applied).
-        max_new_tokens: n_max >= 1.
-        eos_ids: ids that end generation.
+        cfg: n_max (``max_new_tokens``), the ids that end generation (``eos_token_ids``, kept in the output)
+            and the sampling: ``temperature`` 0 = greedy, > 0 one draw per step from ``generator``; ``top_p``
+            and ``top_k`` cut the sampled distribution.
         precision: ``high`` or ``low`` for single-precision decoding.
         gate: the escalation gate, or None.
         keep_logits: keep the (n, V) logits in the trajectory.
-        temperature: 0 = greedy; > 0 samples (one draw per step from ``generator``).
-        top_p: nucleus cut of the sampled distribution (1 = off).
-        top_k: top-k cut of the sampled distribution (0 = off).
         generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory`.
 
     Raises:
-        ValueError: if ``max_new_tokens`` < 1 or a sampling option is out of range.
+        nothing of its own: ``DecodeConfig`` refuses ``max_new_tokens`` < 1 and out-of-range sampling options
+        (ValueError) when it is built.
     """
-    _check_new_tokens(max_new_tokens)
-    check_sampling(temperature, top_k, top_p)
-    eos = set(eos_ids)
+    eos = set(cfg.eos_token_ids)
     first = "low" if gate is not None else precision
     cache = lm.new_cache()
     traj, kept, x = Trajectory(), [], list(prompt_ids)
-    for _ in range(max_new_tokens):
+    for _ in range(cfg.max_new_tokens):
         logits = lm.forward(x, cache, first)[-1]  # (V,)
         if first == "low":
             traj.low_forwards += 1
@@ -122,7 +113,7 @@ def greedy_decode(
                 traj.high_forwards += 1
             traj.scores.append(score)
             traj.escalated.append(escalate)
-        token = int(sample(logits, temperature, top_k, top_p, generator))
+        token = int(sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator))
         traj.tokens.append(token)
         if keep_logits:
             kept.append(logits)
@@ -139,12 +130,8 @@ def verified_decode(
     lm: DualLM,
     prompt_ids: Sequence[int],
     k: int,
-    max_new_tokens: int,
-    eos_ids: Sequence[int] = (),
+    cfg: DecodeConfig,
     keep_logits: bool = True,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Trajectory:
     """Verified speculation: 4-bit drafts, one 8-bit verify pass per round (dual-precision.md §7).
@@ -155,7 +142,7 @@ def verified_decode(
     1. draft: k 4-bit forwards from the last emitted token give d_1..d_k, each the argmax or a draw from the
        warped 4-bit distribution q_i (stop early at EOS), writing 4-bit K/V that step 2 discards;
     2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 distributions p_0..p_k;
-    3. accept: greedy (``temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
+    3. accept: greedy (``cfg.temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
        first mismatch or the bonus token (``draftkit.decoding.speculative.greedy_verify``); sampled,
        rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)), else draw from
        norm(max(0, p - q)) (``rejection_verify``). Crop the K/V of rejected drafts; the cache stays all
@@ -164,26 +151,23 @@ def verified_decode(
     Args:
         lm: the two-precision target.
         prompt_ids: prompt token ids.
-        k: draft tokens per round, >= 1 (fewer near ``max_new_tokens``).
-        max_new_tokens: n_max >= 1.
-        eos_ids: ids that end generation.
+        k: draft tokens per round, >= 1 (fewer near ``cfg.max_new_tokens``).
+        cfg: n_max (``max_new_tokens``), the ids that end generation (``eos_token_ids``, kept in the output)
+            and the sampling: ``temperature`` 0 = greedy, > 0 samples drafts and verifies by rejection
+            sampling; ``top_p`` and ``top_k`` cut both p and q.
         keep_logits: keep the (n, V) verify logits each token was chosen from.
-        temperature: 0 = greedy; > 0 samples drafts and verifies by rejection sampling.
-        top_p: nucleus cut applied to both p and q (1 = off).
-        top_k: top-k cut applied to both p and q (0 = off).
         generator: torch RNG of the draws (None = global RNG); unused when greedy.
 
     Returns:
         :class:`Trajectory` with ``rounds`` = [(drafted, accepted), ...] (the prefill is not a round).
 
     Raises:
-        ValueError: if k < 1, ``max_new_tokens`` < 1 or a sampling option is out of range.
+        ValueError: if k < 1 (``DecodeConfig`` refuses ``max_new_tokens`` < 1 and out-of-range sampling
+            options when it is built).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    _check_new_tokens(max_new_tokens)
-    check_sampling(temperature, top_k, top_p)
-    eos, warp = set(eos_ids), (temperature, top_k, top_p)
+    eos, warp, max_new_tokens = set(cfg.eos_token_ids), (cfg.temperature, cfg.top_k, cfg.top_p), cfg.max_new_tokens
     cache = lm.new_cache()
     logits = lm.forward(list(prompt_ids), cache, "high")[-1]  # (V,)
     traj = Trajectory(tokens=[int(sample(logits, *warp, generator))], high_forwards=1)
@@ -193,7 +177,7 @@ def verified_decode(
         drafts, q_rows, x = [], [], traj.tokens[-1]
         for _ in range(k_round):
             z = lm.forward([x], cache, "low")[-1]  # (V,)
-            if temperature == 0:
+            if cfg.greedy:
                 x = int(z.argmax())
             else:
                 q_rows.append(probs_from_logits(z, *warp))  # (V,)
@@ -206,7 +190,7 @@ def verified_decode(
         verify = lm.forward([traj.tokens[-1], *drafts], cache, "high", logits_to_keep=len(drafts) + 1)  # (m+1, V)
         traj.high_forwards += 1
         draft_ids = torch.tensor(drafts, dtype=torch.long, device=verify.device)  # (m,)
-        if temperature == 0:
+        if cfg.greedy:
             accepted, last = greedy_verify(draft_ids, verify)
         else:
             q = torch.stack(q_rows) if q_rows else verify.new_zeros(0, verify.shape[-1])  # (m, V)

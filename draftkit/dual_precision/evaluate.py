@@ -43,6 +43,7 @@ import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, kl_from_logits
 from draftkit.decoding.sampling import check_sampling
+from draftkit.decoding.speculative import DecodeConfig
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate
 from draftkit.dual_precision.lm import DualLM
@@ -122,10 +123,9 @@ class DualPrecisionConfig:
         """Whether thresholds come from a budget on calibration prompts."""
         return self.budget is not None
 
-    def sampling(self, seed: int) -> dict:
-        """Keyword arguments of the decoding loops for one prompt: the warping and a generator at ``seed``."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "generator": torch.Generator().manual_seed(seed)}
+    def decoding(self, eos_ids: Sequence[int]) -> DecodeConfig:
+        """What every decoding loop generates: ``max_new_tokens``, the stop ids and the sampling options."""
+        return DecodeConfig(self.max_new_tokens, self.temperature, self.top_k, self.top_p, tuple(eos_ids))
 
 
 def _traj_row(traj: Trajectory) -> dict:
@@ -226,6 +226,7 @@ def evaluate_dual_precision(
     if not eval_prompts:
         raise ValueError("no evaluation prompts")
     wb, n_max = lm.bytes, config.max_new_tokens
+    decoding = config.decoding(eos_ids)
     run = {k: v for k, v in asdict(config).items() if k not in ("budgets", "bootstrap_samples")}
     header = {"config": run, "weight_bytes": wb.to_dict(), "eos_ids": sorted(eos_ids), **(record_header or {}),
               "eval_prompts": [list(x) for x in eval_prompts], "calib_prompts": [list(x) for x in calib_prompts]}
@@ -245,8 +246,8 @@ def evaluate_dual_precision(
         for i, prompt in enumerate(calib_prompts):
             row = rec.get(f"calibration/{i}")
             if row is None:
-                sampling = config.sampling(config.seed * 100_003 + 50_000 + i)
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, "high", keep_logits=False, **sampling)
+                g = torch.Generator().manual_seed(config.seed * 100_003 + 50_000 + i)
+                traj = greedy_decode(lm, prompt, decoding, "high", keep_logits=False, generator=g)
                 row = _steps_row(replay_steps(lm, prompt, traj.tokens)[0])
                 rec.add(f"calibration/{i}", row)
                 _progress("calibration prompt", i + 1, len(calib_prompts), t0, resumed)
@@ -275,7 +276,7 @@ def evaluate_dual_precision(
         row: dict = {"methods": {}, "timing_s": {}}
         seed = config.seed * 100_003 + i
         t = time.perf_counter()
-        high = greedy_decode(lm, prompt, n_max, eos_ids, "high", **config.sampling(seed))
+        high = greedy_decode(lm, prompt, decoding, "high", generator=torch.Generator().manual_seed(seed))
         row["timing_s"]["all_high"] = time.perf_counter() - t
         t = time.perf_counter()
         steps, tf_high = replay_steps(lm, prompt, high.tokens)
@@ -286,12 +287,12 @@ def evaluate_dual_precision(
             if m == "all_high":
                 traj = high
             elif m == "all_low":
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, "low", **config.sampling(seed))
+                traj = greedy_decode(lm, prompt, decoding, "low", generator=torch.Generator().manual_seed(seed))
             elif m == "verified":
-                traj = verified_decode(lm, prompt, config.k, n_max, eos_ids, **config.sampling(seed))
+                traj = verified_decode(lm, prompt, config.k, decoding, generator=torch.Generator().manual_seed(seed))
             else:
-                traj = greedy_decode(lm, prompt, n_max, eos_ids, gate=gates[m[: -len("_gate")]],
-                                     **config.sampling(seed))
+                traj = greedy_decode(lm, prompt, decoding, gate=gates[m[: -len("_gate")]],
+                                     generator=torch.Generator().manual_seed(seed))
             exact = traj.tokens == high.tokens
             ref = tf_high if exact else teacher_forced_logits(lm, prompt, traj.tokens, "high")  # (n, V)
             row["methods"][m] = {

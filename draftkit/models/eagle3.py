@@ -216,8 +216,13 @@ class Eagle3Module(pl.LightningModule):
         self.tokens_trained = 0
         """Real (non-padding) tokens of the training batches this rank stepped on, checkpointed."""
         self.lr_horizon: int | None = None
-        """Optimizer step at which the cosine schedule ends, when fixed by a callback (``TimeBudget``) or a
-        checkpoint; None = ``trainer.estimated_stepping_batches``."""
+        """H, the optimizer step at which the cosine schedule reaches its floor, when fixed by a callback
+        (``TimeBudget``, through :meth:`set_lr_horizon`) or a checkpoint; None =
+        ``trainer.estimated_stepping_batches``."""
+        self.lr_anchor: tuple[int, int, float] | None = None
+        """(W warmup steps, a optimizer step, p_a cosine progress) set by the last re-plan (:meth:`set_lr_horizon`):
+        from step a on, the progress runs linearly from p_a to 1 at ``lr_horizon``. None = the first plan, from
+        (W, 0.0) with W = min(warmup_steps, H // 2). Checkpointed with ``lr_horizon``."""
         self.val_acc = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
         self.val_step_loss = torch.nn.ModuleList([MeanMetric() for _ in range(self.ttt.steps)])
         self.val_loss = MeanMetric()
@@ -369,6 +374,7 @@ class Eagle3Module(pl.LightningModule):
             "ttt": dataclasses.asdict(self.ttt),
             "tokens_trained": self.tokens_trained,
             "lr_horizon": self.lr_horizon,
+            "lr_anchor": None if self.lr_anchor is None else list(self.lr_anchor),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -376,6 +382,8 @@ class Eagle3Module(pl.LightningModule):
         if meta:
             self.tokens_trained = int(meta.get("tokens_trained", 0))
             self.lr_horizon = meta.get("lr_horizon")
+            anchor = meta.get("lr_anchor")  # absent in checkpoints written before re-planning: the first plan
+            self.lr_anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), float(anchor[2]))
         stored = (meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")) if meta else None
         if stored and self.head is not None and list(stored) != list(self.head.config.aux_layer_ids):
             raise ValueError(
@@ -596,24 +604,79 @@ class Eagle3Module(pl.LightningModule):
             log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation",
                         [k for k in range(self.ttt.steps) if not weight[k] > 0])
 
+    # -- schedule ---------------------------------------------------------------------------------------
+    def _lr_progress(self, step: int, total: int | None) -> tuple[int, float | None]:
+        """(W, p): the warmup length and the cosine progress after ``step`` optimizer steps for horizon
+        ``total`` (p None in the warmup or without a horizon); see :meth:`lr_factor`."""
+        if self.lr_anchor is not None:
+            warm, start, start_progress = self.lr_anchor
+        else:
+            # warmup takes at most half the horizon, so that a short run still ends at the cosine floor
+            warm = min(self.optim.warmup_steps, total // 2) if total else self.optim.warmup_steps
+            start, start_progress = warm, 0.0
+        if step < warm or total is None:
+            return warm, None
+        done = min(1.0, (step - start) / max(1, total - start))  # share of the plan's steps after a: 0 at a
+        return warm, start_progress + (1 - start_progress) * done  # p_a at a, exactly 1 from H on
+
+    def lr_factor(self, step: int, default_total: int | None = None) -> float:
+        """The learning rate after ``step`` optimizer steps, as a fraction of ``optim.lr``.
+
+        1. warmup: (step + 1) / W for step < W, W = min(warmup_steps, H // 2) (kept by a re-plan);
+        2. cosine: r + (1 - r) (1 + cos(pi p)) / 2, r = ``min_lr_ratio``, with the progress
+           p = p_a + (1 - p_a) min(1, (step - a) / max(1, H - a)): linear from (a, p_a) to (H, 1), then 1
+           (the floor, exactly lr * r). The first plan has (a, p_a) = (W, 0), i.e. p = (step - W) / (H - W); a
+           re-plan (:meth:`set_lr_horizon`) moves (a, p_a) to the step where it took over, so that the LR
+           there is unchanged and the floor comes exactly at the new H.
+
+        H is ``lr_horizon``, else ``default_total``; with neither (a time budget still measuring) the peak is
+        held after the warmup.
+
+        Args:
+            step: optimizer steps done (not micro-batches).
+            default_total: horizon in optimizer steps when ``lr_horizon`` is None, or None.
+
+        Returns:
+            the multiplier of ``optim.lr``: (step + 1) / W in the warmup, then in [``min_lr_ratio``, 1].
+        """
+        warm, progress = self._lr_progress(step, self.lr_horizon or default_total)
+        if step < warm:
+            return (step + 1) / max(1, warm)
+        if progress is None:
+            return 1.0
+        r = self.optim.min_lr_ratio
+        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def set_lr_horizon(self, horizon: int, step: int) -> None:
+        """Fix, or move, the optimizer step H at which the cosine schedule reaches its floor.
+
+        The first plan (``lr_horizon`` None) only sets H. A re-plan to another H stores the current plan's
+        progress at a = max(step, W) in ``lr_anchor`` = (W, a, p_a), so that :meth:`lr_factor` keeps the
+        warmup and the LR at a (for a = ``step``, the LR already in use) bit for bit, and reaches the floor
+        exactly at the new H. Steps between W and a lie behind the scheduler and are not described any more.
+        Re-planning to the same H changes nothing.
+
+        Args:
+            horizon: H, optimizer steps in all.
+            step: optimizer steps done when the plan is made (``trainer.global_step``).
+
+        Raises:
+            ValueError: if horizon < 1 or step < 0.
+        """
+        if horizon < 1 or step < 0:
+            raise ValueError(f"set_lr_horizon needs horizon >= 1 and step >= 0, got {horizon}, {step}")
+        if self.lr_horizon is not None and horizon != self.lr_horizon:
+            warm, _ = self._lr_progress(step, self.lr_horizon)
+            at = max(step, warm)
+            self.lr_anchor = (warm, at, self._lr_progress(at, self.lr_horizon)[1])
+        self.lr_horizon = horizon
+
     def configure_optimizers(self):
         cfg = self.optim
         params = [p for p in self.head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
         estimated = self.trainer.estimated_stepping_batches
         default_total = max(1, int(estimated)) if math.isfinite(estimated) else None
-
-        def schedule(step: int) -> float:
-            # the horizon is read at every step: a TimeBudget callback fixes it after measuring s/step
-            total = self.lr_horizon or default_total
-            # warmup takes at most half the horizon, so that a short run still ends at the cosine floor
-            warm = min(cfg.warmup_steps, total // 2) if total else cfg.warmup_steps
-            if step < warm:
-                return (step + 1) / max(1, warm)
-            if total is None:  # no horizon yet (time budget still measuring): hold the peak
-                return 1.0
-            progress = (step - warm) / max(1, total - warm)
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        # the plan is read at every step: a TimeBudget callback fixes and re-plans it while training runs
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: self.lr_factor(step, default_total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

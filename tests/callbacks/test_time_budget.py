@@ -1,5 +1,6 @@
 """TimeBudget on a fake clock: the schedule ends exactly at its end, a final validation runs, the best checkpoint
-is written, and a resumed run keeps the planned horizon."""
+is written, a resumed run keeps the planned horizon, and validations re-plan it when steps slow down or speed
+up, with a continuous LR."""
 
 import csv
 import math
@@ -17,15 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock(Callback):
-    """A clock that moves only when the run does: ``train_s`` per training batch, ``val_s`` per validation batch."""
+    """A clock that moves only when the run does: ``train_s`` per training batch, ``val_s`` per validation batch;
+    ``changes`` maps an optimizer step to the ``train_s`` of the batches after it (a machine that slows down or
+    frees up)."""
 
-    def __init__(self, start: float, train_s: float, val_s: float) -> None:
+    def __init__(self, start: float, train_s: float, val_s: float, changes: dict[int, float] | None = None) -> None:
         self.now, self.train_s, self.val_s = start, train_s, val_s
+        self.changes = dict(changes or {})
 
     def __call__(self) -> float:
         return self.now
 
-    def on_train_batch_start(self, *args) -> None:
+    def on_train_batch_start(self, trainer, *args) -> None:
+        for step in [s for s in self.changes if trainer.global_step >= s]:
+            self.train_s = self.changes.pop(step)
         self.now += self.train_s
 
     def on_validation_batch_start(self, *args) -> None:
@@ -48,9 +54,44 @@ def _recipe(tmp_path: Path, **trainer) -> Path:
     return path
 
 
-def _fit(tmp_path: Path, clock: FakeClock, budget: TimeBudget, *extra: str, ckpt_path=None) -> DraftkitCLI:
+class PlanRecorder(Callback):
+    """Records, after each optimizer step s, the LR then set (the one step s + 1 uses) and the plan
+    (``lr_horizon``, ``lr_anchor``) in force, and after each real validation the plan it left."""
+
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+        self.plans: dict[int, tuple] = {}
+        self.after_val: dict[int, tuple] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+        self.plans[trainer.global_step] = (pl_module.lr_horizon, pl_module.lr_anchor)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.after_val[trainer.global_step] = (pl_module.lr_horizon, pl_module.lr_anchor)
+
+    def replans(self) -> list[int]:
+        """Steps at whose validation the plan changed."""
+        return [s for s, plan in self.after_val.items() if plan != self.plans[s]]
+
+
+def _lr_with(model, plan: tuple, step: int) -> float:
+    """The LR ``model``'s schedule gives after ``step`` optimizer steps under ``plan`` = (lr_horizon, lr_anchor)."""
+    kept = model.lr_horizon, model.lr_anchor
+    model.lr_horizon, model.lr_anchor = plan
+    try:
+        return model.optim.lr * model.lr_factor(step)
+    finally:
+        model.lr_horizon, model.lr_anchor = kept
+
+
+def _fit(tmp_path: Path, clock: FakeClock, budget: TimeBudget, *extra: str, ckpt_path=None,
+         callbacks: tuple = ()) -> DraftkitCLI:
     cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_recipe(tmp_path)), *extra], run=False)
-    cli.trainer.callbacks[:0] = [clock, budget]  # before ModelCheckpoint: the stop is decided first
+    # before ModelCheckpoint (Lightning moves checkpoint callbacks last anyway): the stop and the re-plan are
+    # decided first, so the checkpoint of a validation holds the plan it made
+    cli.trainer.callbacks[:0] = [clock, budget, *callbacks]
     cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
     return cli
 
@@ -65,17 +106,20 @@ def test_schedule_ends_exactly_at_the_budget_on_a_fake_clock(tmp_path, monkeypat
     # steps 2-3 timed: 10 s/step; at step 3: elapsed 60 + 4 + 3*10 = 94 s of 600 s;
     # H = 3 + floor((600 - 94 - 4 - 30) / (10 + 4/4)) = 3 + 42 = 45
     assert (budget.budget_s, budget.val_batch_s, budget.step_s) == (600.0, 2.0, 10.0)
-    assert model.lr_horizon == 45 and trainer.global_step == 45
+    # the plan counts a validation every 4 steps, the run has 3 per 14-step epoch: the validations re-plan,
+    # keeping 45 until the one after step 32 (412 s used): 32 + floor((600 - 412 - 4 - 30) / 11) = 46
+    # (before re-planning existed the run ended at 45 with 30 s unused)
+    assert model.lr_horizon == 46 and trainer.global_step == 46 and budget.replans == 1
     cfg = model.optim
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=1e-12)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == cfg.lr * cfg.min_lr_ratio
     # validations every 4 batches of each 14-batch epoch (logged at step - 1: 3, 7, 11, 17, ...), the last
-    # regular one after step 40, then the final one at step 45, and the best checkpoint
+    # regular one after step 40, then the final one at step 46 (a regular one too), and the best checkpoint
     rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("version_*/metrics.csv")))))
     val_steps = sorted({int(r["step"]) for r in rows if r.get("val/tau_sim")})
-    assert val_steps == [3, 7, 11, 17, 21, 25, 31, 35, 39, 44]
-    assert clock.now == 60 + 4 + 45 * 10 + 10 * 4 <= 600 - 30  # set-up, sanity check, steps, validations
+    assert val_steps == [3, 7, 11, 17, 21, 25, 31, 35, 39, 45]
+    assert clock.now == 60 + 4 + 46 * 10 + 10 * 4 <= 600 - 30  # set-up, sanity check, steps, validations
     best = torch.load(trainer.checkpoint_callback.best_model_path, map_location="cpu", weights_only=False)
-    assert best["draftkit"]["lr_horizon"] == 45 and 0 < best["global_step"] <= 45
+    assert best["draftkit"]["lr_horizon"] == (45 if best["global_step"] < 32 else 46) and 0 < best["global_step"] <= 46
     assert 0 < best["draftkit"]["tokens_trained"] <= model.tokens_trained
 
 
@@ -85,15 +129,95 @@ def test_resume_keeps_the_planned_horizon(tmp_path, monkeypatch):
     clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0)
     run = _fit(first, clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0))
     ckpt = run.trainer.checkpoint_callback.best_model_path
-    assert 3 < torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] < 45
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert 3 < saved["global_step"] < 46
+    horizon = saved["draftkit"]["lr_horizon"]  # 45, or 46 from the re-plan at step 32 (see the test above)
     # the resumed run is much faster: it must not re-plan, only finish the saved horizon
     fast = FakeClock(start=0.0, train_s=0.1, val_s=0.1)
     second = tmp_path / "second"
     budget = TimeBudget(measure_steps=2, skip_steps=1, clock=fast, started_at=0.0)
     cli = _fit(second, fast, budget, ckpt_path=str(ckpt))
-    assert cli.model.lr_horizon == 45 and cli.trainer.global_step == 45 and budget.step_s is None
+    assert cli.model.lr_horizon == horizon and cli.trainer.global_step == horizon and budget.step_s is None
+    assert budget.replans == 0
     cfg = cli.model.optim
-    assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=1e-12)
+    assert cli.trainer.optimizers[0].param_groups[0]["lr"] == cfg.lr * cfg.min_lr_ratio
+
+
+@pytest.mark.parametrize("after", [14.0, 6.0], ids=["slow-down", "speed-up"])
+def test_validation_replans_the_horizon_when_steps_change_speed(tmp_path, monkeypatch, after):
+    """Steps take 10 s until step 8, then ``after`` s: the validation after step 12 re-measures s/step over steps
+    9-12 (its own 4 s left out) and moves H down (slow-down) or up (speed-up); the run ends at the new H, LR at
+    its floor, within the budget."""
+    monkeypatch.chdir(REPO)
+    clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0, changes={8: after})
+    budget = TimeBudget(measure_steps=2, skip_steps=1, margin_s=30.0, clock=clock, started_at=0.0)
+    rec = PlanRecorder()
+    cli = _fit(tmp_path, clock, budget, callbacks=(rec,))
+    model, trainer = cli.model, cli.trainer
+    # first plan at step 3: 45 (see the first test); the validation after step 4 has too few steps to re-plan,
+    # the one after step 8 re-plans to the same 45 (no anchor); after step 12 (4 steps at `after` s, the
+    # validation 4 s): used 60 + 4 + 8*10 + 2*4 + 4*after + 4 s, H = 12 + floor((600 - used - 4 - 30) / (after + 1))
+    assert rec.plans[3] == (45, None) and rec.after_val[8] == (45, None)
+    used = 60 + 4 + 8 * 10 + 2 * 4 + 4 * after + 4
+    replanned = 12 + math.floor((600 - used - 4 - 30) / (after + 1))
+    assert replanned == (35 if after > 10 else 67)
+    assert rec.replans()[0] == 12 and rec.after_val[12][0] == replanned and budget.step_s == after
+    assert (model.lr_horizon < 45) if after > 10 else (model.lr_horizon > 45)
+    # the run ends at its (last) horizon, LR exactly at the floor, within the budget
+    cfg = model.optim
+    assert trainer.global_step == model.lr_horizon and budget.horizon == model.lr_horizon
+    assert trainer.optimizers[0].param_groups[0]["lr"] == rec.lrs[model.lr_horizon] == cfg.lr * cfg.min_lr_ratio
+    assert clock.now <= 600 - 30
+    assert all(rec.lrs[s] > cfg.lr * cfg.min_lr_ratio for s in rec.lrs if 3 <= s < model.lr_horizon)
+
+
+def test_replan_keeps_the_lr_continuous(tmp_path, monkeypatch):
+    """At each re-plan step r the new formula gives exactly the LR the old one set after step r (the LR step
+    r + 1 trains with); from r + 1 on the new plan is in force; the LR never rises after the warmup."""
+    monkeypatch.chdir(REPO)
+    clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0, changes={8: 14.0, 20: 8.0})
+    rec = PlanRecorder()
+    cli = _fit(tmp_path, clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0),
+               callbacks=(rec,))
+    model = cli.model
+    replans = rec.replans()
+    assert len(replans) >= 2 and {12, 22} <= set(replans)  # down after the slow-down, up after the speed-up
+    for r in replans:
+        new = rec.after_val[r]
+        assert new[1][1] == r  # anchored where it re-planned (after the warmup)
+        assert _lr_with(model, new, r) == rec.lrs[r] == _lr_with(model, rec.plans[r], r)
+        assert rec.plans[r + 1] == new and rec.lrs[r + 1] == _lr_with(model, new, r + 1)
+    lrs = [rec.lrs[s] for s in sorted(rec.lrs) if s >= 3]
+    assert all(b <= a for a, b in zip(lrs, lrs[1:]))
+
+
+def test_resume_after_a_replan_keeps_it(tmp_path, monkeypatch):
+    """A checkpoint written by the validation that re-planned holds that plan (horizon and anchor); a resumed
+    run (which re-plans nothing) sets the same LRs as the uninterrupted run at every step both ran under that
+    plan, and ends at its horizon at the floor."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    monkeypatch.chdir(REPO)
+    clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0, changes={8: 14.0})
+    rec = PlanRecorder()
+    every = ModelCheckpoint(dirpath=tmp_path / "every", filename="v-{step}", monitor="val/loss", save_top_k=-1)
+    _fit(tmp_path / "first", clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0),
+         callbacks=(rec, every))
+    r = rec.replans()[0]
+    plan = rec.after_val[r]
+    assert plan[1] is not None
+    saved = torch.load(tmp_path / "every" / f"v-step={r}.ckpt", map_location="cpu", weights_only=False)
+    assert (saved["draftkit"]["lr_horizon"], tuple(saved["draftkit"]["lr_anchor"])) == plan
+    fast = FakeClock(start=0.0, train_s=0.1, val_s=0.1)
+    budget, resumed = TimeBudget(measure_steps=2, skip_steps=1, clock=fast, started_at=0.0), PlanRecorder()
+    cli = _fit(tmp_path / "second", fast, budget, ckpt_path=str(tmp_path / "every" / f"v-step={r}.ckpt"),
+               callbacks=(resumed,))
+    assert (cli.model.lr_horizon, cli.model.lr_anchor) == plan and budget.replans == 0
+    same = [s for s in resumed.lrs if rec.plans.get(s) == plan]
+    assert len(same) >= 5 and min(resumed.lrs) == r + 1
+    assert all(resumed.lrs[s] == rec.lrs[s] for s in same)
+    cfg = cli.model.optim
+    assert cli.trainer.global_step == plan[0] and resumed.lrs[plan[0]] == cfg.lr * cfg.min_lr_ratio
 
 
 def test_max_steps_caps_the_horizon_and_no_budget_means_steps(tmp_path, monkeypatch):

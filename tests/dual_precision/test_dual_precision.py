@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from draftkit.decoding.metrics import kl_from_logits
+from draftkit.decoding.speculative import DecodeConfig
 from draftkit.dual_precision import (
     DualPrecisionConfig,
     DualPrecisionLM,
@@ -77,7 +78,7 @@ def _expected_high(prompt, n):
 def test_verified_stub_always_accept(k):
     lm = StubLM()
     rounds = 3
-    traj = verified_decode(lm, [0, 3], k, 1 + rounds * (k + 1))
+    traj = verified_decode(lm, [0, 3], k, DecodeConfig(1 + rounds * (k + 1)))
     assert traj.tokens == _expected_high([0, 3], 1 + rounds * (k + 1))
     assert traj.rounds == [(k, k)] * rounds  # tau = k + 1 (bonus token counted)
     assert traj.low_forwards == rounds * k and traj.high_forwards == 1 + rounds
@@ -88,7 +89,7 @@ def test_verified_stub_always_accept(k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_verified_stub_never_accept(k):
     lm = StubLM(always_disagree=True)
-    traj = verified_decode(lm, [0, 3], k, 6)
+    traj = verified_decode(lm, [0, 3], k, DecodeConfig(6))
     assert traj.tokens == _expected_high([0, 3], 6)
     assert [a for _, a in traj.rounds] == [0] * 5  # one corrected token per round
     assert traj.weight_bytes_read(lm.bytes) == 100.0 + sum(d * 60.0 + 100.0 for d, _ in traj.rounds)
@@ -97,7 +98,7 @@ def test_verified_stub_never_accept(k):
 def test_verified_stub_sometimes_accept_exact_lengths():
     # the prompt holds positions 0-1 and the prefill emits position 2; low is wrong when predicting 5 and 11
     lm = StubLM(disagree_at={5, 11})
-    traj = verified_decode(lm, [0, 3], 3, 12)
+    traj = verified_decode(lm, [0, 3], 3, DecodeConfig(12))
     assert traj.tokens == _expected_high([0, 3], 12)
     # drafts 3,4,5 -> 2 accepted + correction at 5; drafts 6,7,8 -> all + bonus 9; drafts 10,11,12 -> 1 accepted
     # + correction at 11; one token left before the limit of 12 -> k = 1: draft 12 accepted + bonus 13
@@ -121,8 +122,8 @@ def test_gated_stub_escalates_by_score():
     # low logits are one-hot-ish with the same shape everywhere: entropy is constant, so tau decides
     lm = StubLM(always_disagree=True)
     h = float(gate_scores(lm._logits([0], 0, "low"))["entropy"])
-    never = greedy_decode(lm, [0, 3], 5, gate=Gate("entropy", h + 1.0))
-    always = greedy_decode(lm, [0, 3], 5, gate=Gate("entropy", h - 1.0))
+    never = greedy_decode(lm, [0, 3], DecodeConfig(5), gate=Gate("entropy", h + 1.0))
+    always = greedy_decode(lm, [0, 3], DecodeConfig(5), gate=Gate("entropy", h - 1.0))
     assert never.escalated == [False] * 5 and never.high_forwards == 0 and never.low_forwards == 5
     assert always.escalated == [True] * 5 and always.high_forwards == 5 and always.low_forwards == 5
     assert always.tokens == _expected_high([0, 3], 5)
@@ -172,7 +173,7 @@ def test_sampled_verified_reproduces_the_8bit_distribution(temperature, top_p):
     g = torch.Generator().manual_seed(0)
     n, counts, rounds = 3000, torch.zeros(4, 4, 4), []
     for _ in range(n):
-        traj = verified_decode(lm, [2], 2, 3, temperature=temperature, top_p=top_p, generator=g)
+        traj = verified_decode(lm, [2], 2, DecodeConfig(3, temperature, top_p=top_p), generator=g)
         counts[tuple(traj.tokens)] += 1
         rounds += traj.rounds
     exact = (p[2][:, None, None] * p[:, :, None] * p[None, :, :]).flatten()  # p(t1|2) p(t2|t1) p(t3|t2)
@@ -190,21 +191,19 @@ def test_sampled_verified_reproduces_the_8bit_distribution(temperature, top_p):
 def test_sampled_gates_follow_the_sampled_path():
     high, low = _markov_tables()
     lm = MarkovDualLM(high, low)
-    kwargs = dict(temperature=1.0, top_p=0.9)
-    ref = greedy_decode(lm, [2], 12, precision="high", generator=torch.Generator().manual_seed(5), **kwargs)
+    cfg = DecodeConfig(12, temperature=1.0, top_p=0.9)
+    ref = greedy_decode(lm, [2], cfg, precision="high", generator=torch.Generator().manual_seed(5))
     # every step escalates: the same draws from the same 8-bit distributions give the all-high sample
-    always = greedy_decode(lm, [2], 12, gate=Gate("margin", -2.0), generator=torch.Generator().manual_seed(5),
-                           **kwargs)
+    always = greedy_decode(lm, [2], cfg, gate=Gate("margin", -2.0), generator=torch.Generator().manual_seed(5))
     assert always.tokens == ref.tokens and always.escalated == [True] * 12 and always.high_forwards == 12
-    never = greedy_decode(lm, [2], 12, gate=Gate("margin", 2.0), generator=torch.Generator().manual_seed(5),
-                          **kwargs)
-    low_ref = greedy_decode(lm, [2], 12, precision="low", generator=torch.Generator().manual_seed(5), **kwargs)
+    never = greedy_decode(lm, [2], cfg, gate=Gate("margin", 2.0), generator=torch.Generator().manual_seed(5))
+    low_ref = greedy_decode(lm, [2], cfg, precision="low", generator=torch.Generator().manual_seed(5))
     assert never.tokens == low_ref.tokens and never.high_forwards == 0
     # the gate scored the 4-bit distribution of each sampled prefix
     assert never.scores == pytest.approx([float(gate_scores(lm.tables["low"][t])["margin"])
                                           for t in [2, *never.tokens[:-1]]])
     with pytest.raises(ValueError, match="top_p"):
-        greedy_decode(lm, [2], 3, temperature=1.0, top_p=0.0)
+        greedy_decode(lm, [2], DecodeConfig(3, temperature=1.0, top_p=0.0))
 
 
 def _without_timing(report):
@@ -272,8 +271,8 @@ def tiny_lm(dp_tiny_dir):
 def test_verified_equals_all_high_on_tiny_model(tiny_lm, k):
     accepted = rejected = 0
     for prompt in PROMPTS[:3]:
-        high = greedy_decode(tiny_lm, prompt, 16, precision="high")
-        traj = verified_decode(tiny_lm, prompt, k, 16)
+        high = greedy_decode(tiny_lm, prompt, DecodeConfig(16), precision="high")
+        traj = verified_decode(tiny_lm, prompt, k, DecodeConfig(16))
         assert traj.tokens == high.tokens
         torch.testing.assert_close(traj.logits, high.logits, rtol=1e-5, atol=1e-5)
         wb = tiny_lm.bytes
@@ -285,10 +284,10 @@ def test_verified_equals_all_high_on_tiny_model(tiny_lm, k):
 
 def test_gated_all_escalate_is_all_high_with_zero_kl(tiny_lm):
     for prompt in PROMPTS[:2]:
-        high = greedy_decode(tiny_lm, prompt, 16, precision="high")
-        low = greedy_decode(tiny_lm, prompt, 16, precision="low")
-        every = greedy_decode(tiny_lm, prompt, 16, gate=Gate("margin", -2.0))  # -margin > -2 always
-        none = greedy_decode(tiny_lm, prompt, 16, gate=Gate("entropy", 1e9))
+        high = greedy_decode(tiny_lm, prompt, DecodeConfig(16), precision="high")
+        low = greedy_decode(tiny_lm, prompt, DecodeConfig(16), precision="low")
+        every = greedy_decode(tiny_lm, prompt, DecodeConfig(16), gate=Gate("margin", -2.0))  # -margin > -2 always
+        none = greedy_decode(tiny_lm, prompt, DecodeConfig(16), gate=Gate("entropy", 1e9))
         assert every.tokens == high.tokens and all(every.escalated)
         assert none.tokens == low.tokens and not any(none.escalated)
         ref = teacher_forced_logits(tiny_lm, prompt, every.tokens, "high")
@@ -300,9 +299,9 @@ def test_gated_all_escalate_is_all_high_with_zero_kl(tiny_lm):
 def test_gated_overwrites_kv_of_escalated_steps(tiny_lm):
     """Mixed run == a cache-free recomputation with each position's K/V at the precision the run used."""
     prompt = PROMPTS[1]
-    steps, _ = replay_steps(tiny_lm, prompt, greedy_decode(tiny_lm, prompt, 12).tokens)
+    steps, _ = replay_steps(tiny_lm, prompt, greedy_decode(tiny_lm, prompt, DecodeConfig(12)).tokens)
     gate = Gate("entropy", threshold_for_budget(steps.scores["entropy"], 0.5))
-    traj = greedy_decode(tiny_lm, prompt, 12, gate=gate)
+    traj = greedy_decode(tiny_lm, prompt, DecodeConfig(12), gate=gate)
     assert 0 < sum(traj.escalated) < len(traj.tokens)
     # replay the run with a fresh cache, step by step, using the recorded decisions
     cache, x = tiny_lm.new_cache(), list(prompt)
@@ -315,7 +314,7 @@ def test_gated_overwrites_kv_of_escalated_steps(tiny_lm):
 def test_threshold_from_budget_hits_it_on_calibration_data(tiny_lm):
     steps = []
     for prompt in PROMPTS:
-        traj = greedy_decode(tiny_lm, prompt, 24, keep_logits=False)
+        traj = greedy_decode(tiny_lm, prompt, DecodeConfig(24), keep_logits=False)
         steps.append(replay_steps(tiny_lm, prompt, traj.tokens)[0])
     n = sum(s.flip.numel() for s in steps)
     for budget in (0.05, 0.10, 0.15, 0.30):
@@ -330,7 +329,7 @@ def test_threshold_from_budget_hits_it_on_calibration_data(tiny_lm):
 
 def test_replay_flip_labels(tiny_lm):
     prompt = PROMPTS[0]
-    high = greedy_decode(tiny_lm, prompt, 10)
+    high = greedy_decode(tiny_lm, prompt, DecodeConfig(10))
     steps, tf_high = replay_steps(tiny_lm, prompt, high.tokens)
     torch.testing.assert_close(tf_high, high.logits, rtol=1e-5, atol=1e-5)  # same prefix, same distribution
     low = teacher_forced_logits(tiny_lm, prompt, high.tokens, "low")
@@ -500,8 +499,9 @@ def test_smollm2_verified_equals_all_high():
     text = load_prompts("mt-bench")[0].text
     chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     prompt = tok(chat, add_special_tokens=False)["input_ids"]
-    high = greedy_decode(lm, prompt, 12, [tok.eos_token_id])
-    verified = verified_decode(lm, prompt, 2, 12, [tok.eos_token_id])
+    cfg = DecodeConfig(12, eos_token_ids=(tok.eos_token_id,))
+    high = greedy_decode(lm, prompt, cfg)
+    verified = verified_decode(lm, prompt, 2, cfg)
     assert verified.tokens == high.tokens
     steps, _ = replay_steps(lm, prompt, high.tokens)
     assert steps.flip.shape == (len(high.tokens),) and (steps.scores["entropy"] >= 0).all()

@@ -393,3 +393,41 @@ def test_an_epoch_without_trainable_tokens_stops_the_run(built_module, tmp_path)
     with pytest.raises(RuntimeError, match=r"every one of the 2 training batches of epoch 0 had no supervised"):
         _fit(model, dm, tmp_path, max_steps=4, limit_val_batches=0)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_lr_replan_is_continuous_and_ends_at_the_new_horizon():
+    """set_lr_horizon: the first plan is the plain schedule; a re-plan at step r keeps LR(r) bit for bit and
+    reaches lr * min_lr_ratio exactly at the new H (down or up); one during the warmup keeps the warmup;
+    lr_anchor survives the checkpoint meta, and a checkpoint without it loads as the first plan."""
+    model = Eagle3Module("unused", optim=OptimConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1))
+    model.set_lr_horizon(110, 12)
+    assert model.lr_anchor is None
+    plain = [model.lr_factor(s) for s in range(121)]
+    assert plain[110] == 0.1 and plain[60] == pytest.approx(0.55, rel=1e-12)
+    for r, horizon in [(40, 80), (60, 150), (149, 152)]:  # down, up, one step before the end
+        before = model.lr_factor(r)
+        model.set_lr_horizon(horizon, r)
+        assert model.lr_anchor[:2] == (10, r) and model.lr_factor(r) == before
+        assert model.lr_factor(horizon) == model.lr_factor(horizon + 5) == 0.1
+        assert all(model.lr_factor(s) == plain[s] for s in range(10))  # the warmup is kept
+        lrs = [model.lr_factor(s) for s in range(r, horizon + 1)]
+        assert all(b < a for a, b in zip(lrs, lrs[1:]))
+    anchor = model.lr_anchor
+    model.set_lr_horizon(152, 150)  # same horizon: nothing changes
+    assert model.lr_anchor == anchor
+    # a re-plan during the warmup anchors at its end, W = 10 kept though 30 // 2 = 15
+    early = Eagle3Module("unused", optim=OptimConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1))
+    early.set_lr_horizon(110, 3)
+    early.set_lr_horizon(30, 5)
+    assert early.lr_anchor == (10, 10, 0.0)
+    assert [early.lr_factor(s) for s in range(11)] == [*plain[:10], 1.0] and early.lr_factor(30) == 0.1
+    with pytest.raises(ValueError, match="horizon >= 1"):
+        early.set_lr_horizon(0, 5)
+    # checkpoint meta: lr_anchor is saved as a list and restored as a tuple; absent = the first plan
+    meta = {"head_config": {}, "lr_horizon": 152, "lr_anchor": list(anchor), "tokens_trained": 0}
+    fresh = Eagle3Module("unused", optim=OptimConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1))
+    fresh.on_load_checkpoint({"draftkit": meta})
+    assert (fresh.lr_horizon, fresh.lr_anchor) == (152, anchor)
+    assert [fresh.lr_factor(s) for s in range(149, 155)] == [model.lr_factor(s) for s in range(149, 155)]
+    fresh.on_load_checkpoint({"draftkit": {"head_config": {}, "lr_horizon": 110}})
+    assert fresh.lr_anchor is None and [fresh.lr_factor(s) for s in range(121)] == plain
