@@ -12,7 +12,8 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``sharegpt`` (the default recipe as it was: ShareGPT's GPT-3.5 answers); ``regen``
   (``recipes/ablation/regen-data.yaml``: the target's own answers, ``recipes/data/smollm2-135m-regen.jsonl.gz``);
   ``regen-init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target);
-  ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7).
+  ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7); ``regen-all``
+  (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -72,9 +73,10 @@ STUDIES = {
             "regen": [A / "regen-data.yaml"],
             "regen-init": [A / "regen-data.yaml", A / "init-from-target.yaml"],
             "regen-ttt5": [A / "regen-data.yaml", A / "ttt5.yaml"],
+            "regen-all": [A / "regen-data.yaml", A / "supervise-all.yaml"],
         },
         diffs={"regen_minus_sharegpt": ("regen", "sharegpt"), "init_minus_random": ("regen-init", "regen"),
-               "ttt5_minus_ttt7": ("regen-ttt5", "regen")},
+               "ttt5_minus_ttt7": ("regen-ttt5", "regen"), "all_minus_assistant": ("regen-all", "regen")},
     ),
 }
 

