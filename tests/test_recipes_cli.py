@@ -109,6 +109,9 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
                    if r.get("val/acc_0"))
     accs = [float(val_row[f"val/acc_{k}"]) for k in range(7)]
     assert float(metrics["val/tau_sim"]) == pytest.approx(1 + sum(math.prod(accs[:i + 1]) for i in range(7)), rel=1e-5)
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("version_*/metrics.csv")))))
+    tokens = [float(r["train/tokens_trained"]) for r in rows if r.get("train/tokens_trained")]
+    assert len(tokens) == 3 and tokens == sorted(tokens) and tokens[-1] == cli.model.tokens_trained > 0
     assert float(metrics["val/tau_sim_k5"]) == pytest.approx(1 + sum(math.prod(accs[:i + 1]) for i in range(5)), rel=1e-5)
     from draftkit.data.prompts import load_prompts
     from draftkit.decoding.harness import evaluate_head

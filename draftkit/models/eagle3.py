@@ -533,6 +533,9 @@ class Eagle3Module(pl.LightningModule):
             self.log("train/tau_sim", tau_sim([float(c / w) for _, c, w in stats]), on_step=True, prog_bar=True,
                      batch_size=bs)
         self.log("train/supervised_tokens", float(stats[0][2]), on_step=True, reduce_fx="sum", batch_size=bs)
+        # x axis of learning curves (benchmarks/learning_curve.py): real tokens trained so far, all ranks
+        self.log("train/tokens_trained", float(self.tokens_trained), on_step=True, reduce_fx="sum", sync_dist=True,
+                 batch_size=bs)
         if self.entropy_filter.mode != "off":
             self.log("train/kept_fraction", self.kept_fraction, on_step=True, batch_size=bs)
         return total

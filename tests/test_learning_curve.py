@@ -1,0 +1,38 @@
+"""benchmarks/learning_curve.py: validation points placed at the tokens trained by their step, from real event files."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_curve.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("learning_curve", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    mod = _module()
+    with SummaryWriter(str(tmp_path / "version_0")) as w:
+        for step in range(0, 10, 2):  # logged every 2 steps: 1000 tokens per step
+            w.add_scalar("train/tokens_trained", 1000.0 * (step + 1), step)
+        w.add_scalar("val/accept_len", 1.25, 3)
+        w.add_scalar("val/accept_len", 1.5, 9)
+        w.add_scalar("val/tau_sim", 1.4, 9)
+    rows = mod.curve(mod.read_run(tmp_path), "val/accept_len")
+    assert rows == [(3, 3000.0, 1.25), (9, 9000.0, 1.5)]  # step 3 -> tokens logged at step 2
+    assert mod.curve(mod.read_run(tmp_path), "val/tau_sim") == [(9, 9000.0, pytest.approx(1.4))]
+    out = tmp_path / "curve.png"
+    assert mod.main([f"run={tmp_path}", "--output", str(out)]) == 0
+    assert out.stat().st_size > 1000 and out.with_suffix(".json").exists()
+
+
+def test_a_directory_without_event_files_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no TensorBoard event file"):
+        _module().read_run(tmp_path)
