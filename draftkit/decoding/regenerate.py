@@ -144,9 +144,13 @@ def generate_batch(
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T)
     step_ids = ids
     while True:
+        # the last position as an index tensor, not logits_to_keep=1: HF slices hidden[:, -1:] (a strided view for
+        # B > 1), and torch's matmul then expands the LM head weight to (B, H, V) and copies it (12 s for B = 16
+        # on one SmolLM2 core); an index gathers a contiguous (B, 1, H) first
+        last = torch.tensor([step_ids.shape[1] - 1], device=device)
         logits = model(
             input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{cache_kw: cache}, logits_to_keep=1,
+            **{cache_kw: cache}, logits_to_keep=last,
         ).logits[:, -1].float()  # (B', V)
         nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i]) for r, i in enumerate(live)])
         keep = []
