@@ -13,7 +13,8 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   (``recipes/ablation/regen-data.yaml``: the target's own answers, ``recipes/data/smollm2-135m-regen.jsonl.gz``);
   ``regen-init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target);
   ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7); ``regen-all``
-  (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``).
+  (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``); ``regen-ttt3``
+  (+ ``recipes/ablation/ttt3.yaml``: 3 TTT steps); ``regen-lr2e-3`` (+ ``recipes/ablation/lr2e-3.yaml``: peak lr 2e-3).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -74,9 +75,12 @@ STUDIES = {
             "regen-init": [A / "regen-data.yaml", A / "init-from-target.yaml"],
             "regen-ttt5": [A / "regen-data.yaml", A / "ttt5.yaml"],
             "regen-all": [A / "regen-data.yaml", A / "supervise-all.yaml"],
+            "regen-ttt3": [A / "regen-data.yaml", A / "ttt3.yaml"],
+            "regen-lr2e-3": [A / "regen-data.yaml", A / "lr2e-3.yaml"],
         },
         diffs={"regen_minus_sharegpt": ("regen", "sharegpt"), "init_minus_random": ("regen-init", "regen"),
-               "ttt5_minus_ttt7": ("regen-ttt5", "regen"), "all_minus_assistant": ("regen-all", "regen")},
+               "ttt5_minus_ttt7": ("regen-ttt5", "regen"), "all_minus_assistant": ("regen-all", "regen"),
+               "ttt3_minus_ttt7": ("regen-ttt3", "regen"), "lr2e3_minus_lr6e4": ("regen-lr2e-3", "regen")},
     ),
 }
 
