@@ -81,7 +81,7 @@ MUTANTS: dict[str, list[Mutant]] = {
         M("entropy-key-offset", "key_offset=-1, downweight=cfg.downweight", "key_offset=1, downweight=cfg.downweight",
           MODULE, "-k", "entropy", issue="17.3"),
         M("lr-constant-after-warmup",
-          "return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))",
+          "return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress))",
           "return 1.0", MODULE, "-k", "lr", issue="17.4"),
         M("init-from-target-ignored", "if self.hparams.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
           issue="17.11"),

@@ -1,7 +1,6 @@
 """benchmarks/ablation.py: per-arm means and seed-paired differences on a hand-made table; every study's arm
 recipes stack on the default and set exactly their lever."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,19 +8,24 @@ import pytest
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("ablation", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+
+def _stacked(study, arm, expected_arms, monkeypatch):
+    """The CLI (not run) of one arm's recipe stack with seed 1, from the repository root."""
+    from draftkit.cli import DraftkitCLI
+
+    assert set(study.arms) == set(expected_arms)
+    monkeypatch.chdir(PATH.parents[1])
+    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
+    return DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
 
 
 def _row(arm, seed, tau, val):
     return {"arm": arm, "seed": seed, "tau": tau, "val_tau_sim": val, "alpha": [tau - 1.0]}
 
 
-def test_means_and_seed_paired_differences():
-    mod = _module()
+def test_means_and_seed_paired_differences(benchmark_module):
+    mod = benchmark_module("ablation")
     rows = [
         _row("fixed", 0, 1.25, 1.20), _row("fixed", 1, 1.27, 1.22),
         _row("chosen", 0, 1.30, 1.21), _row("chosen", 1, 1.26, 1.25),
@@ -42,16 +46,9 @@ LAYERS = {"fixed": None, "chosen": [5, 26, 29], "chosen-filter": [5, 26, 29], "c
 
 
 @pytest.mark.parametrize("arm", list(LAYERS))
-def test_arm_recipes_stack_on_the_default(arm, monkeypatch):
+def test_arm_recipes_stack_on_the_default(arm, monkeypatch, benchmark_module):
     """Each arm's recipe stack parses and sets exactly its arm's layers, filter and the shared budget."""
-    from draftkit.cli import DraftkitCLI
-
-    mod = _module()
-    study = mod.STUDIES["layers"]
-    assert set(study.arms) == set(LAYERS)
-    monkeypatch.chdir(PATH.parents[1])
-    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
-    cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    cli = _stacked(benchmark_module("ablation").STUDIES["layers"], arm, LAYERS, monkeypatch)
     assert cli.trainer.max_steps == 120 and cli.trainer.val_check_interval == 120
     assert cli.model.hparams.aux_layer_ids == LAYERS[arm]
     assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
@@ -74,16 +71,9 @@ HEAD_ARMS = {  # arm -> (data path, init_from_target, TTT steps, supervise)
 
 
 @pytest.mark.parametrize("arm", list(HEAD_ARMS))
-def test_head_study_arms_change_only_their_lever(arm, monkeypatch):
+def test_head_study_arms_change_only_their_lever(arm, monkeypatch, benchmark_module):
     """The issue-13 arms keep the default recipe's 30-minute budget, head and batch; each sets its data, init and TTT."""
-    from draftkit.cli import DraftkitCLI
-
-    mod = _module()
-    study = mod.STUDIES["head"]
-    assert set(study.arms) == set(HEAD_ARMS)
-    monkeypatch.chdir(PATH.parents[1])
-    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
-    cli = DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    cli = _stacked(benchmark_module("ablation").STUDIES["head"], arm, HEAD_ARMS, monkeypatch)
     path, init, steps, supervise = HEAD_ARMS[arm]
     assert cli.datamodule.hparams.path == path and cli.datamodule.hparams.supervise == supervise
     assert cli.model.hparams.init_from_target is init and cli.model.ttt.steps == steps
@@ -92,8 +82,8 @@ def test_head_study_arms_change_only_their_lever(arm, monkeypatch):
     assert cli.model.optim.lr == (2e-3 if arm == "regen-lr2e-3" else 6e-4)
 
 
-def test_head_study_differences_pair_by_seed():
-    mod = _module()
+def test_head_study_differences_pair_by_seed(benchmark_module):
+    mod = benchmark_module("ablation")
     rows = [_row("sharegpt", 0, 1.30, 1.35), _row("regen", 0, 1.80, 2.00), _row("regen", 1, 1.70, 1.90),
             _row("regen-init", 1, 1.90, 2.10)]
     d = mod.summarize(rows, mod.STUDIES["head"])["paired_differences"]

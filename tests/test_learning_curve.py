@@ -1,24 +1,12 @@
 """benchmarks/learning_curve.py: validation points placed at the tokens trained by their step, from real event files."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_curve.py"
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("learning_curve", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path):
+def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path, benchmark_module):
     from torch.utils.tensorboard import SummaryWriter
 
-    mod = _module()
+    mod = benchmark_module("learning_curve")
     with SummaryWriter(str(tmp_path / "version_0")) as w:
         for step in range(0, 10, 2):  # logged every 2 steps: 1000 tokens per step
             w.add_scalar("train/tokens_trained", 1000.0 * (step + 1), step)
@@ -33,6 +21,6 @@ def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path):
     assert out.stat().st_size > 1000 and out.with_suffix(".json").exists()
 
 
-def test_a_directory_without_event_files_is_named(tmp_path):
+def test_a_directory_without_event_files_is_named(tmp_path, benchmark_module):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no TensorBoard event file"):
-        _module().read_run(tmp_path)
+        benchmark_module("learning_curve").read_run(tmp_path)

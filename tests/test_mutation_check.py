@@ -1,6 +1,5 @@
 """benchmarks/mutation_check.py: the mutation list still matches the code; the whole check is opt-in."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,18 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("mutation_check", REPO / "benchmarks" / "mutation_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
 
 
-def test_every_mutant_applies_exactly_once():
+def test_every_mutant_applies_exactly_once(benchmark_module):
     """Each original snippet occurs once in its module, names are unique and every selection names test files
     that exist: when code moves, this names the mutants to repoint."""
-    mod = _module()
+    mod = benchmark_module("mutation_check")
     mutants = mod.all_mutants()
     assert len(mutants) >= 36 and sum(bool(m.issue) for _, m in mutants) == 11
     assert mod.check_snippets(REPO) == []
