@@ -7,10 +7,22 @@ slicing (mid-point, round) teacher-forced 4-bit and 8-bit forwards over them: fl
 (rho, and a/A, A per cost model), and the i.i.d. prediction of verified speculation's bytes ratio from the
 replay agreement 1 - flip rate (a lower bound on live acceptance: live drafts run over 8-bit K/V).
 
-Resumable: each finished (target, group, slicing) entry is written to --output at once and skipped on rerun.
+``--scheme asymmetric`` (min/max codes in [0, --code_range], a zero point per group; R = 240 nests the
+4-bit levels) and ``--quantize_lm_head`` select the quantizer; entries are keyed
+``target/{sym|asym<R>}[+head]/group/slicing``. ``--by_source`` adds, per entry, the GGML type of every
+quantized linear in the target's GGUF (Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, ...), weight statistics per type
+(fraction of weights whose 4-bit level differs from the 8-bit code, ||W_lo - W_hi||^2 / ||W_hi||^2, and the
+8-bit error against the dequantized source) and a replay with only that type's linears at 4 bits (the rest
+at 8): which source tensors produce the flips, and the 4-bit margin p_(1) - p_(2) at those flips.
+
+Resumable: each finished (target, quantizer, group, slicing) entry is written to --output at once and skipped
+on rerun.
 
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/dual_precision_granularity.py --target smollm2 \
         --num_prompts 12 --max_new_tokens 64 --output benchmarks/out/dp_granularity_smollm2.json
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/dual_precision_granularity.py --target smollm2 \
+        --scheme asymmetric --groups 32 --slicings truncate,midpoint,round --by_source \
+        --num_prompts 8 --max_new_tokens 64 --output benchmarks/out/dp_asym_smollm2.json
 """
 
 from __future__ import annotations
@@ -19,21 +31,140 @@ import argparse
 import copy
 import json
 import logging
+import os
+import re
 import time
 from pathlib import Path
 
 import torch
 
-from draftkit.artifacts import GEMMA3_270M_REF
-from draftkit.dual_precision import DualPrecisionLM, greedy_decode, replay_metrics, replay_steps
+from draftkit.artifacts import GEMMA3_270M_REF, resolve_artifact
+from draftkit.dual_precision import (
+    DualPrecisionLM,
+    ReplaySteps,
+    gate_scores,
+    greedy_decode,
+    replay_metrics,
+    replay_steps,
+    teacher_forced_logits,
+)
 from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
 from draftkit.data.prompts import load_prompts, split_prompts
 from draftkit.decoding.speculative import DecodeConfig
 from draftkit.jsonio import write_json_atomic
-from draftkit.quant import COST_MODELS, QuantConfig, expected_verified_ratio, gated_bytes_per_token
+from draftkit.quant import (
+    COST_MODELS,
+    QuantConfig,
+    expected_verified_ratio,
+    gated_bytes_per_token,
+    nested_linears,
+    set_precision,
+)
 
 TARGETS = {"smollm2": (SMOLLM2_REF, True), "gemma3": (GEMMA3_270M_REF, False)}  # (reference, chat template)
 log = logging.getLogger("dp_granularity")
+
+# GGUF tensor stem -> Hugging Face module suffix (llama.cpp's convert_hf_to_gguf names, Llama and Gemma 3)
+GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def source_types(gguf_path: str) -> dict[str, str]:
+    """GGML type of every linear weight of a GGUF, by Hugging Face module name.
+
+    Args:
+        gguf_path: a .gguf file.
+
+    Returns:
+        {"model.layers.{i}.self_attn.q_proj": "Q4_1", ..., "lm_head": type of ``output.weight``, or of
+        ``token_embd.weight`` when the head is tied (no ``output.weight``)}.
+    """
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(gguf_path).tensors}
+    out = {}
+    for name, kind in types.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if m and m.group(2) in GGUF_TO_HF:
+            out[f"model.layers.{m.group(1)}.{GGUF_TO_HF[m.group(2)]}"] = kind
+    out["lm_head"] = types.get("output.weight", types["token_embd.weight"])
+    return out
+
+
+def by_source(lm: DualPrecisionLM, float_model, prompts, trajs, high_argmax, types) -> dict:
+    """Weight statistics and flips per GGML source type (see the module docstring).
+
+    Args:
+        lm: the quantized target.
+        float_model: the unquantized target (same module names), for the 8-bit error against the source.
+        prompts: P prompts as token ids; trajs: their all-high trajectories.
+        high_argmax: P tensors (n,), the teacher-forced 8-bit argmax of each trajectory.
+        types: :func:`source_types` of the target's GGUF.
+
+    Returns:
+        {GGML type (``lm_head:<type>`` for the LM head): {"linears", "weights", "frac_low_differs",
+        "rel_err_low_vs_high", "rel_err_high_vs_source", "flips", "flip_rate", "flip_margin_median",
+        "flip_margin_below_0.1", "step_margin_median"}}.
+    """
+    nested = set(nested_linears(lm.model))
+    named = {n: m for n, m in lm.model.named_modules() if m in nested}
+    groups: dict[str, list[str]] = {}
+    for name in named:  # the LM head is its own group (its GGML type may also be a decoder linear's)
+        kind = types.get(name, "?")
+        groups.setdefault(f"lm_head:{kind}" if name == "lm_head" else kind, []).append(name)
+    out = {}
+    for kind, names in sorted(groups.items()):
+        stats = {"linears": len(names), "weights": 0, "differs": 0, "lo_hi": 0.0, "hi": 0.0, "hi_src": 0.0,
+                 "src": 0.0}
+        for name in names:
+            layer, source = named[name], float_model.get_submodule(name).weight.detach().double()
+            lo_codes, hi_codes = layer.codes("low"), layer.codes("high")  # (O, I)
+            stats["weights"] += hi_codes.numel()
+            stats["differs"] += int((lo_codes != hi_codes).sum())
+            with torch.no_grad():
+                layer.precision = "high"
+                w_hi = layer.weight.double()
+                layer.precision = "low"
+                w_lo = layer.weight.double()
+                layer.precision = "high"
+            stats["lo_hi"] += float(((w_lo - w_hi) ** 2).sum())
+            stats["hi"] += float((w_hi**2).sum())
+            stats["hi_src"] += float(((w_hi - source) ** 2).sum())
+            stats["src"] += float((source**2).sum())
+        subset = [named[n] for n in names]
+        all_layers = lm.layers
+        set_precision(all_layers, "high")
+        lm.layers = subset  # forward(precision="low") now switches only this type's linears
+        flips, margins_at_flips, margins = 0, [], []
+        try:
+            for prompt, tokens, hi in zip(prompts, trajs, high_argmax):
+                low = teacher_forced_logits(lm, prompt, tokens, "low")  # (n, V)
+                flip = low.argmax(dim=-1) != hi  # (n,)
+                margin = -gate_scores(low)["margin"]  # (n,) p_(1) - p_(2) of p_lo
+                flips += int(flip.sum())
+                margins_at_flips.append(margin[flip])
+                margins.append(margin)
+        finally:
+            lm.layers = all_layers
+            set_precision(all_layers, "high")
+        at_flips, steps = torch.cat(margins_at_flips), torch.cat(margins)
+        out[kind] = {
+            "linears": stats["linears"], "weights": stats["weights"],
+            "frac_low_differs": stats["differs"] / stats["weights"],
+            "rel_err_low_vs_high": stats["lo_hi"] / stats["hi"],
+            "rel_err_high_vs_source": stats["hi_src"] / stats["src"],
+            "flips": flips, "flip_rate": flips / steps.numel(),
+            "flip_margin_median": float(at_flips.median()) if flips else None,
+            "flip_margin_below_0.1": float((at_flips < 0.1).double().mean()) if flips else None,
+            "step_margin_median": float(steps.median()),
+        }
+        log.info("  source %s: %d linears, low differs on %.4f of weights, rel err lo/hi %.2e, flips %d (%.4f)",
+                 kind, stats["linears"], out[kind]["frac_low_differs"], out[kind]["rel_err_low_vs_high"], flips,
+                 out[kind]["flip_rate"])
+    return out
 
 
 def main() -> None:
@@ -43,6 +174,10 @@ def main() -> None:
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--groups", type=str, default="none,128,64,32", help="'none' = per-channel")
     p.add_argument("--slicings", type=str, default="midpoint,round")
+    p.add_argument("--scheme", choices=("symmetric", "asymmetric"), default="symmetric")
+    p.add_argument("--code_range", type=int, default=240, help="R, the largest asymmetric code")
+    p.add_argument("--quantize_lm_head", action="store_true")
+    p.add_argument("--by_source", action="store_true", help="weight statistics and flips per GGML source type")
     p.add_argument("--bootstrap_samples", type=int, default=300)
     p.add_argument("--output", type=str, required=True)
     args = p.parse_args()
@@ -57,7 +192,11 @@ def main() -> None:
     report["setup"] = {
         "target": ref, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+        "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
     }
+    tag = "sym" if args.scheme == "symmetric" else f"asym{args.code_range}"
+    tag += "+head" if args.quantize_lm_head else ""
+    types = source_types(resolve_artifact(ref)) if args.by_source else None
     model, tok = load_target(ref, "float32")
     _, evaluation, _ = split_prompts(load_prompts("mt-bench"), 20, None, 0)
     prompts = []
@@ -69,10 +208,11 @@ def main() -> None:
     decoding = DecodeConfig(args.max_new_tokens, eos_token_ids=tuple(stop_token_ids(tok, model.generation_config)))
     for group in args.groups.split(","):
         group_size = None if group == "none" else int(group)
-        keys = {s: f"{args.target}/{group}/{s}" for s in args.slicings.split(",")}
+        keys = {s: f"{args.target}/{tag}/{group}/{s}" for s in args.slicings.split(",")}
         if all(k in report["entries"] for k in keys.values()):
             continue
-        lms = {s: DualPrecisionLM(copy.deepcopy(model), QuantConfig(slicing=s, group_size=group_size))
+        quant = {"scheme": args.scheme, "code_range": args.code_range, "quantize_lm_head": args.quantize_lm_head}
+        lms = {s: DualPrecisionLM(copy.deepcopy(model), QuantConfig(slicing=s, group_size=group_size, **quant))
                for s in keys}
         first = next(iter(lms.values()))
         t0 = time.perf_counter()
@@ -83,13 +223,20 @@ def main() -> None:
                      len(trajs[-1]))
         t_decode = time.perf_counter() - t0
         for slicing, lm in lms.items():
+            if keys[slicing] in report["entries"]:
+                continue
             t1 = time.perf_counter()
-            steps = [replay_steps(lm, prompt, tokens)[0] for prompt, tokens in zip(prompts, trajs)]
+            steps: list[ReplaySteps] = []
+            high_argmax = []
+            for prompt, tokens in zip(prompts, trajs):
+                st, high = replay_steps(lm, prompt, tokens)
+                steps.append(st)
+                high_argmax.append(high.argmax(dim=-1))  # (n,)
             m = replay_metrics(steps, bootstrap_samples=args.bootstrap_samples)
             wb = lm.bytes
             alpha = 1.0 - m["flip_rate"]
             entry = {
-                "group_size": group_size, "slicing": slicing,
+                "group_size": group_size, "slicing": slicing, **quant,
                 **{k: m[k] for k in ("num_prompts", "num_steps", "num_flips", "flip_rate", "auc_entropy",
                                      "auc_entropy_ci", "auc_margin", "auc_margin_ci", "pr_auc_entropy",
                                      "pr_auc_margin", "catch_at_budget", "catch_at_budget_ci")},
@@ -97,7 +244,12 @@ def main() -> None:
                 "gate_ratio_at_0.15": {c: gated_bytes_per_token(wb, 0.15, c) / wb.high for c in COST_MODELS},
                 "verified_ratio_iid": {str(k): expected_verified_ratio(wb.rho, alpha, k) for k in (1, 2, 3, 4)},
                 "timing_s": {"all_high_decode": t_decode, "replay": time.perf_counter() - t1},
+                "load_average": os.getloadavg()[0],
             }
+            if types is not None:
+                t2 = time.perf_counter()
+                entry["by_source"] = by_source(lm, model, prompts, trajs, high_argmax, types)
+                entry["timing_s"]["by_source"] = time.perf_counter() - t2
             report["entries"][keys[slicing]] = entry
             write_json_atomic(out_path, report)
             c = entry["catch_at_budget"]

@@ -8,10 +8,10 @@ Gemma 3 270M, a base model without a chat template (prompts go in as plain text)
     python -m draftkit evaluate-dual-precision --target chunks:gemma-3-270m-q4_k_m.gguf \
         --temperature 0.7 --top_p 0.9 --output gemma.json
 
-The target's decoder linears are quantized to int8, per output channel or per ``--group_size`` inputs (LM
-head kept 16-bit), the 4-bit model is the mid-point (or ``--slicing``) slice of the same codes; thresholds
-come from ``--budget`` on calibration prompts split off the same source (disjoint), or are given with
-``--entropy_threshold``/``--margin_threshold``. See
+The target's decoder linears are quantized to int8 (``--scheme`` symmetric or asymmetric), per output channel
+or per ``--group_size`` inputs (LM head kept 16-bit unless ``--quantize_lm_head``), the 4-bit model is the
+mid-point (or ``--slicing``) slice of the same codes; thresholds come from ``--budget`` on calibration prompts
+split off the same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
 ``draftkit.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
@@ -141,6 +141,8 @@ def evaluate_dual_precision(
     methods: Optional[list[str]] = None,
     slicing: str = "midpoint",
     group_size: Optional[int] = None,
+    scheme: str = "symmetric",
+    code_range: int = 240,
     quantize_lm_head: bool = False,
     bootstrap_samples: int = 1000,
     seed: int = 0,
@@ -176,6 +178,11 @@ def evaluate_dual_precision(
         slicing: 4-bit slice of the int8 codes: midpoint, truncate or round.
         group_size: inputs per int8 scale (e.g. 32, 64, 128; fp16 scales counted in the bytes), or None for one
             scale per output channel.
+        scheme: int8 scheme: symmetric (absmax) or asymmetric (min/max codes in [0, --code_range] and a real
+            zero point per scale, fp16, counted in the bytes); with --group_size 32 asymmetric matches the
+            32-input blocks of a Q4_1 / Q4_K GGUF.
+        code_range: R, the largest asymmetric code: 240 nests the 4-bit levels 16*k in the codes (a 16-level
+            block slices exactly with truncate or round), 255 is the reference's full range.
         quantize_lm_head: also quantize the LM head.
         bootstrap_samples: prompt resamples for 95% intervals.
         seed: prompt split and bootstrap seed.
@@ -210,7 +217,8 @@ def evaluate_dual_precision(
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
         methods=tuple(methods or METHODS), temperature=temperature, top_p=top_p, top_k=top_k,
     )
-    quant = QuantConfig(quantize_lm_head=quantize_lm_head, slicing=slicing, group_size=group_size)
+    quant = QuantConfig(quantize_lm_head=quantize_lm_head, slicing=slicing, group_size=group_size, scheme=scheme,
+                        code_range=code_range)
     source = load_prompts(prompts)
     calib_arg = calibration_prompts
     if isinstance(calib_arg, str) and calib_arg.strip().isdigit():
@@ -262,6 +270,7 @@ def evaluate_dual_precision(
 
     quant_report = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
                     "slicing": quant.slicing, "scheme": quant.scheme, "group_size": quant.group_size,
+                    "code_range": quant.code_range if quant.scheme == "asymmetric" else None,
                     "num_quantized_linears": len(lm.layers)}
     if record is None and output:
         record = str(Path(output).with_suffix(".prompts.jsonl"))

@@ -1,5 +1,6 @@
-"""Simulated nested int8/int4 weights: per-channel or per-group int8 codes, bit planes q = 16*h + l, slicing variants,
-a precision switch per layer, and weight-byte accounting (dual-precision.md §1-3). Pure torch."""
+"""Simulated nested int8/int4 weights: per-channel or per-group int8 codes (symmetric, or asymmetric with the
+4-bit lattice nested in the codes), bit planes q = 16*h + l, slicing variants, a precision switch per layer, and
+weight-byte accounting (dual-precision.md §1-3). Pure torch."""
 
 from draftkit.quant.bytes import (
     COST_MODELS,
@@ -11,6 +12,7 @@ from draftkit.quant.bytes import (
     weight_bytes,
 )
 from draftkit.quant.int8 import (
+    ASYM_NESTED_RANGE,
     SCHEMES,
     SLICINGS,
     Int8Weight,
@@ -35,6 +37,7 @@ from draftkit.quant.linear import (
 )
 
 __all__ = [
+    "ASYM_NESTED_RANGE",
     "COST_MODELS",
     "PRECISIONS",
     "SCHEMES",

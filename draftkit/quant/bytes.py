@@ -7,9 +7,10 @@ high-nibble plane only), a_H = the high-nibble plane of all quantized weights, r
 Counting rule per forward:
 - a quantized linear: 1 byte per weight at high precision, 0.5 at low precision (plane H), plus its
   scales at ``scale_bytes`` each (fp16 by default): one per output channel, or one per output channel and
-  group of ``group_size`` inputs (O * ceil(I / group_size)). One stored scale serves both planes (the 4-bit
-  level's scale is 16*s), and every forward reads it at either precision, so scales count in A, in a and
-  in the plane-L re-read of cost model ii;
+  group of ``group_size`` inputs (O * ceil(I / group_size)), and for the asymmetric scheme one zero point
+  per scale, also at ``scale_bytes``. One stored scale (and zero point) serves both planes (the 4-bit
+  level's scale is 16*s, its zero point the same), and every forward reads them at either precision, so they
+  count in A, in a and in the plane-L re-read of cost model ii;
 - every other parameter at ``float_bytes`` (16-bit by default), read in full, except the input embedding,
   of which a forward reads one row; a tied LM head that is not quantized is read in full (once).
 
@@ -53,8 +54,10 @@ class WeightBytes:
         low: a, bytes of a low-precision (4-bit) forward.
         high_plane: a_H, bytes of the high-nibble plane of all quantized weights.
         quantized_params: number of quantized weights.
-        other: bytes read at both precisions that are not plane H or L (unquantized weights and scales).
+        other: bytes read at both precisions that are not plane H or L (unquantized weights, scales and
+            zero points).
         scales: number of quantization scales (per channel, or per channel and group), inside ``other``.
+        zero_points: number of asymmetric zero points (one per scale of an asymmetric layer), inside ``other``.
     """
 
     high: float
@@ -63,6 +66,7 @@ class WeightBytes:
     quantized_params: int
     other: float
     scales: int = 0
+    zero_points: int = 0
 
     @property
     def rho(self) -> float:
@@ -70,6 +74,7 @@ class WeightBytes:
         return self.low / self.high
 
     def to_dict(self) -> dict:
+        """The fields plus ``rho``, JSON-ready."""
         return {**asdict(self), "rho": self.rho}
 
 
@@ -84,10 +89,12 @@ def weight_bytes(
     Args:
         model: a Hugging Face ``*ForCausalLM`` (or any module; without ``get_input_embeddings`` every
             parameter is read in full).
-        config: module selection and ``group_size`` (scales per row), default :class:`QuantConfig`; layers
-            already quantized count their own groups.
+        config: module selection, ``group_size`` (scales per row) and ``scheme`` (asymmetric: a zero point per
+            scale), default :class:`QuantConfig`; layers already quantized count their own groups and zero
+            points.
         float_bytes: bytes per unquantized weight (2 = bf16/fp16).
-        scale_bytes: bytes per scale (2 = fp16; 0 reproduces the reference's "scales negligible").
+        scale_bytes: bytes per scale and per zero point (2 = fp16; 0 reproduces the reference's "scales
+            negligible").
 
     Returns:
         :class:`WeightBytes`.
@@ -101,18 +108,21 @@ def weight_bytes(
         raise ValueError(
             f"target {type(model).__name__} has no quantizable linears for include={list(config.include)}"
         )
-    quantized, scales, biases, seen = 0, 0, 0, set()
+    quantized, scales, zeros, biases, seen = 0, 0, 0, 0, set()
     for module in selected.values():
         quantized += module.out_features * module.in_features
-        groups = module.num_groups if isinstance(module, NestedInt8Linear) else None
-        scales += module.out_features * (groups or num_groups(module.in_features, config.group_size))
+        nested = isinstance(module, NestedInt8Linear)
+        groups = module.num_groups if nested else num_groups(module.in_features, config.group_size)
+        scales += module.out_features * groups
+        asymmetric = module.zero is not None if nested else config.scheme == "asymmetric"
+        zeros += module.out_features * groups if asymmetric else 0
         biases += 0 if module.bias is None else module.bias.numel()
         seen.update(id(t) for t in module.parameters(recurse=False))
         seen.update(id(t) for t in module.buffers(recurse=False))
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None) if isinstance(head, nn.Linear) else None
-    other = scales * scale_bytes + biases * float_bytes
+    other = (scales + zeros) * scale_bytes + biases * float_bytes
     for param in model.parameters():  # tied parameters appear once
         if id(param) in seen:
             continue
@@ -127,6 +137,7 @@ def weight_bytes(
         quantized_params=quantized,
         other=other,
         scales=scales,
+        zero_points=zeros,
     )
 
 

@@ -10,8 +10,14 @@ Notable:
   group_size does not divide I), as every practical 4-bit scheme does (GPTQ, AWQ, llama.cpp's Q4 blocks)
 - the 4-bit slice is elementwise on the codes, so with per-group codes it is taken per group: the 4-bit
   level of group g is 16*s_g times the slice of its codes
-- the asymmetric option stores unsigned codes in [0, 255] with a zero point per row (or group); its nibbles
-  are unsigned
+- the asymmetric option stores unsigned codes in [0, R] with a real-valued zero point per row (or group),
+  the group's minimum: W_hat = s*(q - z) = s*q + min, the form of llama.cpp's Q4_1/Q4_K blocks (d*q + m). Its
+  nibbles are unsigned. R = 240 (default, ``ASYM_NESTED_RANGE``) nests the 4-bit lattice in the 8-bit one:
+  s = (max - min)/240 makes the 4-bit step 16*s = (max - min)/15, the step of a min/max 4-bit quantizer of
+  the same group, and its 16 levels are exactly the codes 16*k (k = 0..15, the high nibble k). A group that
+  already lies on a 16-level grid min + k*d with both ends used (a dequantized Q4_1 block) gets codes 16*k,
+  so truncation and round slicing reproduce it exactly. R = 255 (the reference's full range) is not nested:
+  the same group lands on codes 17*k, whose high nibble k reads back as 16*k
 - slicing variants: ``midpoint`` 16*h + 8 (default), ``truncate`` 16*h, ``round`` 16*clamp(floor((q+8)/16))
 - ``native_int4_rtn`` is the non-nested reference (its own absmax/7 scale), used only for the error table
 
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 __all__ = [
     "SLICINGS",
     "SCHEMES",
+    "ASYM_NESTED_RANGE",
     "Int8Weight",
     "num_groups",
     "quantize_int8",
@@ -44,6 +51,9 @@ SLICINGS = ("midpoint", "truncate", "round")
 
 SCHEMES = ("symmetric", "asymmetric")
 """Int8 quantization schemes, each per output channel or per group of inputs."""
+
+ASYM_NESTED_RANGE = 240
+"""R = 15*16: asymmetric codes span [0, 240], so the 4-bit levels 16*k (k = 0..15) are a min/max 4-bit grid."""
 
 
 def num_groups(in_features: int, group_size: int | None) -> int:
@@ -98,9 +108,10 @@ class Int8Weight:
     g the group of input j (g = j // group_size; one group per row for per-channel).
 
     Attributes:
-        codes: (O, I) int8 for ``symmetric`` (values in [-127, 127]) or uint8 for ``asymmetric`` ([0, 255]).
+        codes: (O, I) int8 for ``symmetric`` (values in [-127, 127]) or uint8 for ``asymmetric`` ([0, R]).
         scale: (O, G) float32, weight units per code step (LSB_8); G = 1 for per-channel.
-        zero: (O, G) int16 zero point for ``asymmetric``, None for ``symmetric``.
+        zero: (O, G) float32 real-valued zero point in code units for ``asymmetric`` (-min / scale, so that
+            -scale * zero is the group minimum), None for ``symmetric``.
         group_size: inputs per scale (the last group of a row may be shorter), None for per-channel.
     """
 
@@ -111,57 +122,73 @@ class Int8Weight:
 
     @property
     def scheme(self) -> str:
+        """``symmetric`` (no zero point) or ``asymmetric``."""
         return "symmetric" if self.zero is None else "asymmetric"
 
-    def centered(self, codes: torch.Tensor | None = None) -> torch.Tensor:
-        """(O, I) int16 integer grid value (codes - zero) of ``codes`` (default: the int8 codes)."""
-        codes = self.codes if codes is None else codes
-        out = codes.to(torch.int16)
-        return out if self.zero is None else out - _per_column(self.zero, out.shape[1], self.group_size)  # (O, I)
-
     def dequantize(self, codes: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """(O, I) ``scale * (codes - zero)`` in ``dtype``; ``codes`` defaults to the int8 codes."""
-        centered = self.centered(codes)  # (O, I)
-        scale = _per_column(self.scale.double(), centered.shape[1], self.group_size)  # (O, I)
-        return (scale * centered.double()).to(dtype)
+        """(O, I) ``scale * (codes - zero)`` computed in float64, returned in ``dtype``.
+
+        Args:
+            codes: (O, I) integer codes on this weight's grid (default: the int8 codes; e.g. a 4-bit slice).
+            dtype: output dtype.
+        """
+        codes = (self.codes if codes is None else codes).double()  # (O, I)
+        n_in = codes.shape[1]
+        if self.zero is not None:
+            codes = codes - _per_column(self.zero.double(), n_in, self.group_size)  # (O, I)
+        return (_per_column(self.scale.double(), n_in, self.group_size) * codes).to(dtype)
 
 
-def quantize_int8(weight: torch.Tensor, scheme: str = "symmetric", group_size: int | None = None) -> Int8Weight:
+def quantize_int8(
+    weight: torch.Tensor, scheme: str = "symmetric", group_size: int | None = None, code_range: int = ASYM_NESTED_RANGE
+) -> Int8Weight:
     """Quantize a weight matrix to int8 per output channel or per group of inputs (dual-precision.md §1).
 
     Over each row (``group_size`` None) or each group of ``group_size`` consecutive inputs of a row:
     Symmetric: s = max |W| / 127, q = clamp(round(W / s), -127, 127).
-    Asymmetric: s = (max - min) / 255, z = round(-min / s), q = clamp(round(W / s) + z, 0, 255).
-    All-zero rows (groups) get scale 1 (codes 0), so dequantization stays exact. A ``group_size`` >= I is
-    per-channel exactly.
+    Asymmetric: s = (max - min) / R, z = -min / s (real-valued), q = clamp(round((W - min) / s), 0, R), so
+    W_hat = s * (q - z) = s * q + min. R = 240 by default (nested 4-bit lattice, see the module docstring).
+
+    The zero point is not rounded to an integer (reference §1 writes z = round(-min / s)): an integer zero
+    point shifts a whole group by up to s/2, so the 8-bit model would not reproduce a group that already lies
+    on a grid (a dequantized GGUF block), and where -min/s is near a half-integer, float noise puts some
+    elements of one 4-bit level on 16*k - 1, which truncation drops a whole 4-bit step. It is stored as one
+    fp16 value per group (counted by ``draftkit.quant.bytes``); the simulation keeps scale and zero in fp32,
+    as it keeps the symmetric scale. All-zero or constant rows (groups) get scale 1, so dequantization stays
+    exact. A ``group_size`` >= I is per-channel exactly.
 
     Args:
         weight: (O, I) floating weight.
         scheme: ``symmetric`` or ``asymmetric``.
         group_size: inputs per scale, >= 1, or None for one scale per output channel. The last group of a
             row is shorter when it does not divide I.
+        code_range: R, the largest asymmetric code, in [15, 255] (ignored by ``symmetric``): 240 nests the
+            4-bit levels 16*k exactly, 255 is the reference's full range.
 
     Returns:
         :class:`Int8Weight` with (O, G) scales, G = ceil(I / group_size) (1 for per-channel).
 
     Raises:
-        ValueError: on an unknown scheme, a weight that is not 2-D, or a group size < 1.
+        ValueError: on an unknown scheme, a weight that is not 2-D, a group size < 1, or a code range outside
+            [15, 255].
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown int8 scheme {scheme!r}; choose one of {SCHEMES}")
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
+    if not 15 <= code_range <= 255:
+        raise ValueError(f"code_range R must be in [15, 255] (largest asymmetric uint8 code), got {code_range}")
     w = weight.detach().to(torch.float32)
     if scheme == "symmetric":
         codes, scale = _symmetric_codes(w, 127, group_size)
         return Int8Weight(codes.to(torch.int8), scale, None, group_size)
     lo, hi = _group_extremes(w, group_size)  # (O, G)
-    scale = (hi - lo) / 255.0
+    scale = (hi - lo) / code_range
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale)  # (O, G)
     n_in = w.shape[1]
-    codes = torch.round(w / _per_column(scale, n_in, group_size)) + _per_column(zero, n_in, group_size)  # (O, I)
-    return Int8Weight(torch.clamp(codes, 0, 255).to(torch.uint8), scale, zero.to(torch.int16), group_size)
+    offset = w - _per_column(lo, n_in, group_size)  # (O, I), >= 0
+    codes = torch.clamp(torch.round(offset / _per_column(scale, n_in, group_size)), 0, code_range)  # (O, I)
+    return Int8Weight(codes.to(torch.uint8), scale, -lo / scale, group_size)
 
 
 def split_nibbles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,10 +219,15 @@ def merge_nibbles(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 def slice_codes(codes: torch.Tensor, slicing: str = "midpoint") -> torch.Tensor:
     """4-bit level q_lo of each int8 code, on the int8 grid (effective 4-bit scale 16*s).
 
-    - ``truncate``: 16*h (biased by -7.5 LSB_8 on average);
+    - ``truncate``: 16*h (biased by -7.5 LSB_8 on average on spread-out codes);
     - ``midpoint``: 16*h + 8 = (q >> 4) * 16 + 8, levels ±8 ... ±120 for signed codes (default);
     - ``round``: 16*clamp(floor((q + 8) / 16)) with the nibble range of the codes (MatQuant-style
       round-to-nearest, arXiv 2502.06786; needs a signed low plane for the exact split).
+
+    Asymmetric codes with R = 240 (:data:`ASYM_NESTED_RANGE`): the 4-bit lattice is {0, 16, ..., 240}.
+    ``round`` is the nearest lattice point, i.e. the group's min/max 4-bit quantizer up to double rounding;
+    ``truncate`` and ``round`` are exact on codes 16*k (a group already on a 16-level grid); ``midpoint``
+    puts such a group half a 4-bit step (+8 LSB_8) high, and nibble 15 (code 240 only) at 248 > R.
 
     Args:
         codes: int8 (symmetric) or uint8 (asymmetric) codes.

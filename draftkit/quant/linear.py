@@ -7,6 +7,9 @@ Notable:
 - compute is simulated on exact integer grids: y = (x @ q_sel^T) * s, the scale applied after the matmul;
   per group, y = sum_g (x_g @ q_sel,g^T) * s_g, one integer-grid matmul per group (integers up to 256 in
   magnitude are exact in bf16, fp16 and fp32, so both grids are exact)
+- asymmetric codes keep their unsigned values q in [0, R] and a real zero point z per group; the zero term
+  is a rank-1 correction, y = sum_g s_g * (x_g @ q_sel,g^T - z_g * sum_j x_gj) = sum_g s_g * x_g @ (q - z)^T,
+  with the grid matmul in fp32 (at least) because the two terms cancel
 - which modules are quantized is a :class:`QuantConfig`: every ``nn.Linear`` inside the decoder layers by
   default; the LM head stays in 16 bits unless ``quantize_lm_head`` is set (the input embedding is never
   quantized: a forward reads one row of it)
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftkit.quant.int8 import SCHEMES, SLICINGS, num_groups, quantize_int8, slice_codes
+from draftkit.quant.int8 import ASYM_NESTED_RANGE, SCHEMES, SLICINGS, num_groups, quantize_int8, slice_codes
 
 __all__ = [
     "PRECISIONS",
@@ -54,7 +57,11 @@ class QuantConfig:
             16 bits is the reference default, and it sets rho = a/A, see ``draftkit.quant.bytes``).
         slicing: 4-bit slicing variant, one of ``midpoint`` (default), ``truncate``, ``round``; taken per
             group when ``group_size`` is set.
-        scheme: int8 scheme, ``symmetric`` (default) or ``asymmetric``.
+        scheme: int8 scheme, ``symmetric`` (default) or ``asymmetric`` (codes in [0, ``code_range``] and a
+            real zero point per row or group, stored as fp16 and counted by ``draftkit.quant.bytes``).
+        code_range: R, the largest asymmetric code (``asymmetric`` only): 240 (default) nests the 4-bit
+            levels 16*k in the 8-bit codes, so a group already on a 16-level grid (a dequantized Q4_1 block)
+            slices exactly with ``truncate`` or ``round``; 255 is the reference's full range (not nested).
         group_size: inputs per scale (e.g. 32, 64, 128; the last group of a row is shorter when it does not
             divide the input width), or None (default) for one scale per output channel. Each scale is
             stored (and counted by ``draftkit.quant.bytes``) as fp16.
@@ -65,6 +72,7 @@ class QuantConfig:
     slicing: str = "midpoint"
     scheme: str = "symmetric"
     group_size: int | None = None
+    code_range: int = ASYM_NESTED_RANGE
 
     def __post_init__(self) -> None:
         if isinstance(self.include, str):
@@ -78,23 +86,28 @@ class QuantConfig:
             raise ValueError(
                 f"QuantConfig.group_size must be >= 1 (inputs per scale) or None (per channel), got {self.group_size}"
             )
+        if not 15 <= self.code_range <= 255:
+            raise ValueError(f"QuantConfig.code_range must be in [15, 255] (largest uint8 code), got {self.code_range}")
 
 
 class NestedInt8Linear(nn.Module):
     """A linear layer on two nested integer grids: int8 codes (``high``) and their 4-bit slice (``low``).
 
-    y = sum_g (x_g @ q_sel,g^T) * scale_g + bias, with q_sel = the int8 codes or their 4-bit slice by
-    ``self.precision`` and g over the G groups of inputs (G = 1: one scale per output channel). Both grids are
-    stored as exact integers in the compute dtype, as (G, w, O) buffers ``codes_high_t`` and ``codes_low_t``
-    (inputs zero-padded to G*w); each group's matmul output is scaled in fp32 and the groups summed.
+    y = sum_g (x_g @ q_sel,g^T - zero_g * sum_j x_gj) * scale_g + bias, with q_sel = the int8 codes or their
+    4-bit slice by ``self.precision`` and g over the G groups of inputs (G = 1: one scale per output channel);
+    the zero term is absent for symmetric codes. Both grids are stored as exact integers in the compute
+    dtype, as (G, w, O) buffers ``codes_high_t`` and ``codes_low_t`` (inputs zero-padded to G*w); each
+    group's matmul output is scaled in fp32 and the groups summed.
 
     Args:
-        codes_high: (O, I) integer-valued tensor (codes - zero), compute dtype.
-        codes_low: (O, I) integer-valued tensor (4-bit level - zero), compute dtype.
+        codes_high: (O, I) integer-valued tensor, the int8 codes (signed, or unsigned in [0, 255] with
+            ``zero``), compute dtype.
+        codes_low: (O, I) integer-valued tensor, their 4-bit level on the same grid, compute dtype.
         scale: (O, G) float32 scales, G = ceil(I / group_size) (1 when ``group_size`` is None).
         bias: (O,) or None.
         precision: initial precision, ``high`` or ``low``.
         group_size: inputs per scale, or None for per-channel.
+        zero: (O, G) float32 real-valued zero points in code units (asymmetric codes), or None.
 
     Raises:
         ValueError: on mismatched shapes or an unknown precision.
@@ -108,13 +121,18 @@ class NestedInt8Linear(nn.Module):
         bias: torch.Tensor | None = None,
         precision: str = "high",
         group_size: int | None = None,
+        zero: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         groups = num_groups(codes_high.shape[-1], group_size)
-        if codes_high.shape != codes_low.shape or codes_high.dim() != 2 or scale.shape != (len(codes_high), groups):
+        fits = codes_high.shape == codes_low.shape and codes_high.dim() == 2
+        fits = fits and scale.shape == (len(codes_high), groups) and (zero is None or zero.shape == scale.shape)
+        if not fits:
+            zshape = None if zero is None else tuple(zero.shape)
             raise ValueError(
-                f"NestedInt8Linear: codes {tuple(codes_high.shape)}/{tuple(codes_low.shape)} and scale "
-                f"{tuple(scale.shape)} do not fit (O, I) and (O, G) with G = {groups} groups of {group_size}"
+                f"NestedInt8Linear: codes {tuple(codes_high.shape)}/{tuple(codes_low.shape)}, scale "
+                f"{tuple(scale.shape)} and zero {zshape} do not fit (O, I) and (O, G) with G = {groups} groups "
+                f"of {group_size}"
             )
         self.out_features, self.in_features = codes_high.shape
         self.num_groups = groups
@@ -123,6 +141,7 @@ class NestedInt8Linear(nn.Module):
         self.register_buffer("codes_high_t", self._grouped(codes_high))
         self.register_buffer("codes_low_t", self._grouped(codes_low))
         self.register_buffer("scale", scale.to(torch.float32).t().contiguous())  # (G, O)
+        self.register_buffer("zero", None if zero is None else zero.to(torch.float32).t().contiguous())  # (G, O)
         self.register_buffer("bias", bias)
         self.precision = precision
 
@@ -149,6 +168,7 @@ class NestedInt8Linear(nn.Module):
         scheme: str = "symmetric",
         dtype: torch.dtype | None = None,
         group_size: int | None = None,
+        code_range: int = ASYM_NESTED_RANGE,
     ) -> "NestedInt8Linear":
         """Quantize an ``nn.Linear`` (int8 per channel or per group) and keep both grids.
 
@@ -158,13 +178,14 @@ class NestedInt8Linear(nn.Module):
             scheme: ``symmetric`` or ``asymmetric``.
             dtype: compute dtype of the code tensors, default the weight's dtype.
             group_size: inputs per scale, or None for one scale per output channel.
+            code_range: R, the largest asymmetric code (see ``draftkit.quant.int8.quantize_int8``).
         """
-        quant = quantize_int8(linear.weight, scheme, group_size)
+        quant = quantize_int8(linear.weight, scheme, group_size, code_range)
         dtype = dtype or linear.weight.dtype
-        high = quant.centered().to(dtype)  # (O, I), exact integers
-        low = quant.centered(slice_codes(quant.codes, slicing)).to(dtype)  # (O, I)
+        high = quant.codes.to(torch.int16).to(dtype)  # (O, I), exact integers
+        low = slice_codes(quant.codes, slicing).to(dtype)  # (O, I)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(high, low, quant.scale, bias, group_size=group_size)
+        return cls(high, low, quant.scale, bias, group_size=group_size, zero=quant.zero)
 
     def codes(self, precision: str | None = None) -> torch.Tensor:
         """(O, I) integer grid of ``precision`` (default: the current one), compute dtype."""
@@ -176,28 +197,40 @@ class NestedInt8Linear(nn.Module):
         """(O, I) dequantized weight of the current precision (for inspection; forward never builds it)."""
         codes = self.codes()  # (O, I)
         scale = self.scale.t().repeat_interleave(self.group_width, dim=1)[:, : self.in_features]  # (O, I)
-        return (codes.float() * scale).to(codes.dtype)
+        centered = codes.float()
+        if self.zero is not None:
+            centered = centered - self.zero.t().repeat_interleave(self.group_width, dim=1)[:, : self.in_features]
+        return (centered * scale).to(codes.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., I) -> (..., O) in the dtype of ``x``."""
-        codes_t = (self.codes_high_t if self._precision == "high" else self.codes_low_t).to(x.dtype)  # (G, w, O)
         acc = torch.promote_types(x.dtype, torch.float32)
+        out_dtype = x.dtype
+        if self.zero is not None:
+            x = x.to(acc)  # x @ q and z * sum(x) cancel: a 16-bit matmul output would lose the difference
+        codes_t = (self.codes_high_t if self._precision == "high" else self.codes_low_t).to(x.dtype)  # (G, w, O)
         if self.num_groups == 1:
-            y = torch.matmul(x, codes_t[0]).to(acc) * self.scale[0]  # (..., O): integer-grid matmul, then scale
+            y = torch.matmul(x, codes_t[0]).to(acc)  # (..., O): integer-grid matmul
+            if self.zero is not None:
+                y = y - x.sum(dim=-1, keepdim=True).to(acc) * self.zero[0]  # (..., O): x @ (q - z)^T
+            y = y * self.scale[0]  # then the scale
         else:
             lead = x.shape[:-1]
             xg = F.pad(x, (0, self.num_groups * self.group_width - self.in_features))  # (..., G*w)
             xg = xg.reshape(-1, self.num_groups, self.group_width).transpose(0, 1)  # (G, N, w)
-            y = torch.bmm(xg, codes_t).to(acc) * self.scale[:, None, :]  # (G, N, O): one grid matmul per group
-            y = y.sum(dim=0).reshape(*lead, self.out_features)  # (..., O)
+            y = torch.bmm(xg, codes_t).to(acc)  # (G, N, O): one grid matmul per group
+            if self.zero is not None:
+                y = y - xg.sum(dim=-1, keepdim=True).to(acc) * self.zero[:, None, :]  # (G, N, O): x_g @ (q - z)^T
+            y = (y * self.scale[:, None, :]).sum(dim=0).reshape(*lead, self.out_features)  # (..., O)
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype)
+        return y.to(out_dtype)
 
     def extra_repr(self) -> str:
         groups = "per-channel" if self.num_groups == 1 else f"groups={self.num_groups}x{self.group_width}"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
-        return f"{shape}, {groups}, precision={self._precision}"
+        scheme = "symmetric" if self.zero is None else "asymmetric"
+        return f"{shape}, {groups}, {scheme}, precision={self._precision}"
 
 
 def select_linears(model: nn.Module, config: QuantConfig | None = None) -> dict[str, nn.Module]:
@@ -250,7 +283,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None) -> dict[
     out = {}
     for name, module in selected.items():
         nested = module if isinstance(module, NestedInt8Linear) else NestedInt8Linear.from_linear(
-            module, config.slicing, config.scheme, group_size=config.group_size
+            module, config.slicing, config.scheme, group_size=config.group_size, code_range=config.code_range
         )
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -134,3 +134,27 @@ def test_verified_ratio_table(rho, alpha, row):
 def test_expected_tokens_per_round():
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens_per_round(1.0, 3) == 4.0
+
+
+def test_qwen3_asymmetric_counts_a_zero_point_per_scale(qwen3_06b):
+    sym = weight_bytes(qwen3_06b, QuantConfig(group_size=32))
+    wb = weight_bytes(qwen3_06b, QuantConfig(group_size=32, scheme="asymmetric"))
+    assert wb.scales == sym.scales == 13_762_560 and wb.zero_points == wb.scales and sym.zero_points == 0
+    for field in ("high", "low", "other"):  # an fp16 zero point per group, read by both precisions
+        assert getattr(wb, field) - getattr(sym, field) == 2 * wb.zero_points
+    assert wb.high_plane == sym.high_plane
+    assert round(wb.high / 1e6, 1) == 806.7  # 779.2 + 27.5 MB of zero points
+    assert round(wb.rho, 3) == 0.727
+    assert [round(r, 3) for r in _ratios(wb)] == [0.887, 0.843, 0.771]
+
+
+def test_asymmetric_counts_on_a_quantized_model_equal_the_config_count():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    config = QuantConfig(group_size=32, scheme="asymmetric", quantize_lm_head=True)
+    before = weight_bytes(model, config)
+    quantize_model(model, config)
+    after = weight_bytes(model, QuantConfig(quantize_lm_head=True))  # the nested layers carry their own zero points
+    assert after == before and after.zero_points == after.scales > 0

@@ -154,3 +154,62 @@ def test_unknown_variants_are_rejected():
     with pytest.raises(TypeError):
         split_nibbles(torch.zeros(2, dtype=torch.int32))
     assert SLICINGS[0] == "midpoint"
+
+
+
+def test_asymmetric_nested_grid_slices_a_4bit_block_exactly(q4_1_blocks):
+    w, k = q4_1_blocks(6, 3)
+    quant = quantize_int8(w, "asymmetric", 32)  # R = 240
+    assert quant.codes.dtype == torch.uint8 and quant.zero.shape == (6, 3)
+    assert torch.equal(quant.codes.to(torch.int64), 16 * k)  # the 16 levels land on codes 16*k
+    torch.testing.assert_close(quant.dequantize(dtype=torch.float64), w.double(), rtol=0, atol=1e-7)
+    for slicing in ("truncate", "round"):  # the 4-bit slice is the 8-bit code itself, hence the block
+        low = slice_codes(quant.codes, slicing)
+        assert torch.equal(low, quant.codes.to(torch.int16)), slicing
+    mid = slice_codes(quant.codes, "midpoint")
+    assert torch.equal(mid - 8, quant.codes.to(torch.int16))  # half a 4-bit step high on an aligned block
+    # R = 255 (the reference's full range) is not nested: codes 17*k, high nibble k, truncation reads 16*k
+    full = quantize_int8(w, "asymmetric", 32, code_range=255)
+    assert torch.equal(full.codes.to(torch.int64), 17 * k)
+    assert torch.equal(slice_codes(full.codes, "truncate").to(torch.int64), 16 * k)
+    # symmetric absmax codes re-quantize the same block onto a misaligned 4-bit grid
+    sym = quantize_int8(w, "symmetric", 32)
+    err = (sym.dequantize(slice_codes(sym.codes, "round"), torch.float64) - w.double()).abs()
+    assert err.max() > 0.1 * w.abs().max()
+
+
+def test_asymmetric_per_channel_matches_the_formula():
+    torch.manual_seed(0)
+    w = torch.randn(12, 40) * 0.1 + torch.randn(12, 1) * 0.05  # rows with an offset
+    w[2] = 0.0  # all-zero row: scale 1, zero 0, exact
+    w[3] = 0.25  # constant row: scale 1, exact through the zero point
+    lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    scale = torch.where(hi > lo, (hi - lo) / 240, torch.ones_like(hi))  # (O, 1)
+    codes = torch.clamp(torch.round((w - lo) / scale), 0, 240)  # (O, I)
+    for group_size in (None, 40, 64):  # group size >= the input width is per-channel
+        quant = quantize_int8(w, "asymmetric", group_size)
+        assert torch.equal(quant.scale, scale) and torch.equal(quant.zero, -lo / scale)
+        assert torch.equal(quant.codes, codes.to(torch.uint8))
+        torch.testing.assert_close(quant.dequantize(dtype=torch.float64), (scale * codes + lo).double())
+    assert quant.dequantize()[2].abs().max() == 0.0 and torch.equal(quant.dequantize()[3], w[3])
+    with pytest.raises(ValueError, match="code_range"):
+        quantize_int8(w, "asymmetric", 32, code_range=256)
+
+
+@pytest.mark.parametrize("slicing", SLICINGS)
+def test_asymmetric_nibble_identity_and_slice_per_group(slicing):
+    torch.manual_seed(0)
+    w = torch.randn(8, 100) * torch.logspace(-1, 1, 100) + 0.3  # groups off zero
+    quant = quantize_int8(w, "asymmetric", 32)  # 4 groups, the last of 4 inputs
+    assert quant.codes.max() <= 240
+    h, l = split_nibbles(quant.codes)
+    assert torch.equal(merge_nibbles(h, l), quant.codes.to(torch.int16))  # q = 16 h + l, unsigned nibbles
+    assert h.min() >= 0 and h.max() <= 15 and l.min() >= 0
+    low = slice_codes(quant.codes, slicing)
+    for g in range(4):  # the 4-bit level of group g uses its own scale and zero point
+        cols = slice(32 * g, 32 * (g + 1))
+        ref = quantize_int8(w[:, cols], "asymmetric")
+        expected = ref.dequantize(slice_codes(ref.codes, slicing), torch.float64)
+        torch.testing.assert_close(quant.dequantize(low, torch.float64)[:, cols], expected, rtol=0, atol=0)
+    if slicing == "round":  # nearest point of the lattice {0, 16, ..., 240}: at most half a 4-bit step off
+        assert (low - quant.codes.to(torch.int16)).abs().max() <= 8 and low.max() <= 240

@@ -32,7 +32,7 @@ def test_matmul_matches_fp64_reference(scheme):
         torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
     # both grids are exact integers in the stored dtype
     assert torch.equal(layer.codes_high_t, layer.codes_high_t.round())
-    assert torch.equal(layer.codes("low").to(torch.int16), quant.centered(slice_codes(quant.codes)))
+    assert torch.equal(layer.codes("low").to(torch.int16), slice_codes(quant.codes))
 
 
 def test_bf16_codes_are_exact():
@@ -57,7 +57,7 @@ def test_per_group_matmul_matches_fp64_reference(scheme, slicing, group_size):
     assert layer.num_groups == 3 and layer.scale.shape == (3, 24)
     for prec, codes in (("high", quant.codes), ("low", slice_codes(quant.codes, slicing))):
         layer.precision = prec
-        assert torch.equal(layer.codes().to(torch.int16), quant.centered(codes))  # exact grids, per group
+        assert torch.equal(layer.codes().to(torch.int16), codes.to(torch.int16))  # exact grids, per group
         w_ref = quant.dequantize(codes, torch.float64)  # (O, I), each group with its own scale
         ref = x.double() @ w_ref.T + lin.bias.double()  # (3, 5, O)
         torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
@@ -143,4 +143,62 @@ def test_config_validation():
         QuantConfig(slicing="floor")
     with pytest.raises(ValueError, match="scheme"):
         QuantConfig(scheme="nf4")
+    with pytest.raises(ValueError, match="code_range"):
+        QuantConfig(scheme="asymmetric", code_range=300)
     assert QuantConfig(include="*.mlp.*").include == ("*.mlp.*",)
+
+
+def test_asymmetric_bf16_compute_keeps_the_zero_term_exact():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        lin.weight[:8].add_(1.0)  # groups off zero: zero points far outside [0, 240]
+    quant = quantize_int8(lin.weight, "asymmetric", 32)
+    assert quant.zero.min() < -1000
+    layer = NestedInt8Linear.from_linear(lin, "round", "asymmetric", dtype=torch.bfloat16, group_size=32)
+    fp32 = NestedInt8Linear.from_linear(lin, "round", "asymmetric", dtype=torch.float32, group_size=32)
+    assert layer.codes_high_t.dtype == torch.bfloat16 and torch.equal(layer.codes_high_t, layer.codes_high_t.round())
+    xb = torch.randn(4, 64).to(torch.bfloat16)
+    for prec in ("high", "low"):
+        layer.precision = fp32.precision = prec
+        out = layer(xb)
+        assert out.dtype == torch.bfloat16
+        # x @ q and z * sum(x) cancel, so they are formed in fp32: one bf16 rounding, of the output only
+        assert torch.equal(out, fp32(xb.float()).to(torch.bfloat16))
+    ref = xb.double() @ quant.dequantize(fp32.codes("low").to(torch.int16), torch.float64).T  # (4, O)
+    torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=1e-5)
+
+
+def test_asymmetric_layer_on_a_4bit_source_has_identical_precisions(q4_1_blocks):
+    w, _ = q4_1_blocks(24, 3)
+    lin = nn.Linear(96, 24, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    x = torch.randn(2, 5, 96)
+    ref = x.double() @ w.double().T  # (2, 5, O)
+    for slicing in ("truncate", "round"):
+        layer = NestedInt8Linear.from_linear(lin, slicing, "asymmetric", group_size=32)
+        assert torch.equal(layer.codes_low_t, layer.codes_high_t)  # one grid: the 4-bit model is the 8-bit one
+        with precision([layer], "low"):
+            low = layer(x)
+        assert torch.equal(low, layer(x))
+        torch.testing.assert_close(low.double(), ref, rtol=1e-5, atol=1e-5)  # and both are the source weight
+    symmetric = NestedInt8Linear.from_linear(lin, "round", group_size=32)
+    assert not torch.equal(symmetric.codes_low_t, symmetric.codes_high_t)
+
+
+def test_asymmetric_model_on_a_4bit_grid_runs_identically_at_both_precisions():
+    model = _tiny_model()
+    with torch.no_grad():  # snap every decoder linear to 16-level grids per 32 inputs, as a Q4_1 GGUF holds it
+        for layer in select_linears(model).values():
+            quant = quantize_int8(layer.weight, "asymmetric", 32)
+            layer.weight.copy_(quant.dequantize(slice_codes(quant.codes, "round")))
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        quantize_model(model, QuantConfig(scheme="asymmetric", group_size=32, slicing="truncate"))
+        high = model(ids).logits
+        with precision(model, "low"):
+            low = model(ids).logits
+    assert torch.equal(low, high)  # the 4-bit slice carries everything: nothing to escalate
+    torch.testing.assert_close(high, ref, rtol=1e-4, atol=1e-4)
