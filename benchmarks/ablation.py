@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    p.add_argument("--summarize_only", action="store_true", help="tabulate the finished runs; train nothing")
     args = p.parse_args(argv)
     study = STUDIES[args.study]
     args.arms = args.arms or list(study.arms)
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # one lane per seed, so runs sharing a seed (and its data split) never overlap
     lanes = [[(arm, s) for arm in args.arms] for s in args.seeds]
+    if args.summarize_only:  # lanes keep their (arm, seed) pairs that have a report
+        lanes = [[(arm, s) for arm, s in lane if (args.out / f"{arm}-s{s}" / "eval.json").exists()] for lane in lanes]
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         done = pool.map(lambda lane: [run_one(study, arm, s, args.out, args) for arm, s in lane], lanes)
         rows = [r for lane in done for r in lane]
