@@ -14,7 +14,8 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``regen-init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target);
   ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7); ``regen-all``
   (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``); ``regen-ttt3``
-  (+ ``recipes/ablation/ttt3.yaml``: 3 TTT steps); ``regen-lr2e-3`` (+ ``recipes/ablation/lr2e-3.yaml``: peak lr 2e-3).
+  (+ ``recipes/ablation/ttt3.yaml``: 3 TTT steps); ``regen-lr2e-3`` (+ ``recipes/ablation/lr2e-3.yaml``: peak lr 2e-3); ``candidate`` (regen + TTT 3 + lr 2e-3, the three levers
+  that won one seed each, together) and ``candidate-all`` (+ ``data.supervise: all``).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -77,10 +78,14 @@ STUDIES = {
             "regen-all": [A / "regen-data.yaml", A / "supervise-all.yaml"],
             "regen-ttt3": [A / "regen-data.yaml", A / "ttt3.yaml"],
             "regen-lr2e-3": [A / "regen-data.yaml", A / "lr2e-3.yaml"],
+            "candidate": [A / "regen-data.yaml", A / "ttt3.yaml", A / "lr2e-3.yaml"],
+            "candidate-all": [A / "regen-data.yaml", A / "ttt3.yaml", A / "lr2e-3.yaml", A / "supervise-all.yaml"],
         },
         diffs={"regen_minus_sharegpt": ("regen", "sharegpt"), "init_minus_random": ("regen-init", "regen"),
                "ttt5_minus_ttt7": ("regen-ttt5", "regen"), "all_minus_assistant": ("regen-all", "regen"),
-               "ttt3_minus_ttt7": ("regen-ttt3", "regen"), "lr2e3_minus_lr6e4": ("regen-lr2e-3", "regen")},
+               "ttt3_minus_ttt7": ("regen-ttt3", "regen"), "lr2e3_minus_lr6e4": ("regen-lr2e-3", "regen"),
+               "candidate_minus_sharegpt": ("candidate", "sharegpt"),
+               "candidate_all_minus_candidate": ("candidate-all", "candidate")},
     ),
 }
 

@@ -67,6 +67,8 @@ HEAD_ARMS = {  # arm -> (data path, init_from_target, TTT steps, supervise)
     "regen-all": (REGEN, False, 7, "all"),
     "regen-ttt3": (REGEN, False, 3, "assistant"),
     "regen-lr2e-3": (REGEN, False, 7, "assistant"),
+    "candidate": (REGEN, False, 3, "assistant"),
+    "candidate-all": (REGEN, False, 3, "all"),
 }
 
 
@@ -79,7 +81,7 @@ def test_head_study_arms_change_only_their_lever(arm, monkeypatch, benchmark_mod
     assert cli.model.hparams.init_from_target is init and cli.model.ttt.steps == steps
     assert cli.trainer.max_steps == -1 and cli.datamodule.hparams.batch_size == 4
     assert cli.model.hparams.aux_layer_ids is None and cli.model.hparams.draft_vocab_size == 8192
-    assert cli.model.optim.lr == (2e-3 if arm == "regen-lr2e-3" else 6e-4)
+    assert cli.model.optim.lr == (2e-3 if arm in ("regen-lr2e-3", "candidate", "candidate-all") else 6e-4)
 
 
 def test_head_study_differences_pair_by_seed(benchmark_module):

@@ -5,9 +5,12 @@ Expected speed of a topology c (batch 1, one target forward per round):
     tokens/s(c) = tau(c) / (t_first + (D - 1) * t_step(K) + t_verify(N + 1)),   plain: 1 / t_verify(1)
 
 - t_verify(n): measured seconds of one target forward over n new rows on a prompt-length cache (it grows
-  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n.
+  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n. A forward
+  over more rows cannot cost less than over fewer, so the medians are fitted with a nondecreasing step
+  function (isotonic regression, pool-adjacent-violators) before use: timing noise on a loaded CPU otherwise
+  made 5 rows look cheaper than 2 and favoured wide verifies.
 - t_first: the draft head's pass over its pending step-0 rows; t_step(K): one head pass over a frontier of
-  K nodes (a chain has K = 1).
+  K nodes (a chain has K = 1), fitted the same way.
 - tau(c): acceptance length of c measured by a short greedy calibration. Greedy decoding emits the same
   sequence whatever the topology, and the draft state at a round's root depends only on that sequence,
   so one plain greedy run per calibration prompt fixes every root; at each root the largest tree of each
@@ -43,6 +46,7 @@ __all__ = [
     "choose",
     "greedy_sequences",
     "measure_costs",
+    "monotone",
     "predict",
 ]
 
@@ -55,11 +59,14 @@ class CostTable:
         verify: {n: one target forward over n new rows}, n >= 1, at least n = 1.
         first: one draft head pass over the pending step-0 rows (typically a + 1 of them).
         step: {K: one draft head pass over K frontier nodes}, at least K = 1.
+        measured: the raw medians {"verify": {...}, "step": {...}} when ``verify``/``step`` are their
+            :func:`monotone` fits (as :func:`measure_costs` returns them); None for a table given by hand.
     """
 
     verify: dict[int, float]
     first: float
     step: dict[int, float]
+    measured: dict[str, dict[int, float]] | None = None
 
     @staticmethod
     def _interp(table: dict[int, float], n: int) -> float:
@@ -224,6 +231,31 @@ def calibrate_tau(
     return {t: acceptance_length(acc) for t, acc in rounds.items()}
 
 
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """The least-squares nondecreasing fit of a cost table (isotonic regression by pool-adjacent-violators).
+
+    Adjacent entries (in key order) that decrease are pooled into their mean until the sequence is
+    nondecreasing, e.g. {1: 61, 2: 109, 4: 101, 5: 91} -> {1: 61, 2: 100.33, 4: 100.33, 5: 100.33}.
+    Source: Barlow et al., *Statistical Inference under Order Restrictions* (1972); the same fit as
+    ``sklearn.isotonic.IsotonicRegression`` with equal weights.
+
+    Args:
+        table: {n: seconds}, any nonempty mapping with sortable keys.
+
+    Returns:
+        {n: seconds} with the same keys, nondecreasing in n.
+    """
+    blocks: list[list[float]] = []  # [sum, count] per pooled block
+    for key in sorted(table):
+        blocks.append([table[key], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    values = [total / count for total, count in blocks for _ in range(count)]
+    return dict(zip(sorted(table), values))
+
+
 def _median_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -253,7 +285,8 @@ def measure_costs(
         repeats: timings per entry (the median is kept); one untimed warm-up each.
 
     Returns:
-        :class:`CostTable`.
+        :class:`CostTable` whose ``verify`` and ``step`` are the :func:`monotone` fits of the medians, which it
+        keeps in ``measured``.
 
     Raises:
         ValueError: if the prompt has fewer than 3 tokens or repeats < 1.
@@ -298,7 +331,7 @@ def measure_costs(
         run()
         step[w] = _median_seconds(run, repeats)
     target.reset()
-    return CostTable(verify, t_first, step)
+    return CostTable(monotone(verify), t_first, monotone(step), measured={"verify": verify, "step": step})
 
 
 def greedy_sequences(

@@ -379,7 +379,8 @@ def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens
         "predicted_speedup": 1.0 if best is None else best.speedup,
         "calibration": {"prompts": len(sequences), "tokens": tokens},
         "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
-                     "draft_step": {w: 1000 * s for w, s in costs.step.items()}},
+                     "draft_step": {w: 1000 * s for w, s in costs.step.items()},
+                     "measured": {name: {n: 1000 * s for n, s in t.items()} for name, t in costs.measured.items()}},
         "predictions": [p.as_dict() for p in predictions],
     }
 

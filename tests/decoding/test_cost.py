@@ -10,6 +10,7 @@ from draftkit.decoding.cost import (
     choose,
     greedy_sequences,
     measure_costs,
+    monotone,
     predict,
 )
 from draftkit.decoding.speculative import DecodeConfig, TargetSession
@@ -79,3 +80,15 @@ def test_measure_costs_shapes(tiny, tiny_head):
     costs = measure_costs(TargetSession(target), Eagle3TreeDrafter(tiny_head), torch.arange(3, 20), [4, 9], [2], 2)
     assert sorted(costs.verify) == [1, 4, 9] and sorted(costs.step) == [1, 2]
     assert costs.first > 0 and all(v > 0 for v in costs.verify.values())
+    assert costs.verify == monotone(costs.measured["verify"]) and costs.step == monotone(costs.measured["step"])
+    assert [costs.verify[n] for n in (1, 4, 9)] == sorted(costs.verify.values())
+
+
+def test_monotone_pools_adjacent_violators():
+    # the verify medians measured on a loaded CPU in session 4 (ms): 2, 4 and 5 rows pool into their mean
+    assert monotone({1: 61.0, 2: 109.0, 4: 101.0, 5: 91.0, 17: 106.0, 65: 191.0}) == pytest.approx(
+        {1: 61.0, 2: 301 / 3, 4: 301 / 3, 5: 301 / 3, 17: 106.0, 65: 191.0})
+    # a violation that reaches back past an earlier pool: (3, 2) -> 2.5, then 1 pulls all three to 2
+    assert monotone({1: 3.0, 2: 2.0, 3: 1.0, 4: 5.0}) == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0, 4: 5.0})
+    assert monotone(TABLE.verify) == TABLE.verify  # already nondecreasing: unchanged
+    assert monotone({7: 1.0}) == {7: 1.0}

@@ -255,6 +255,7 @@ def test_main_tree_auto(tmp_path, ckpt, prompts_file):
         assert auto["choice"] == "plain" and auto["measured_speedup"] == 1.0
     assert report["greedy_equal"] == 3
     assert auto["costs_ms"]["verify"]["1"] > 0
+    assert auto["costs_ms"]["measured"]["verify"].keys() == auto["costs_ms"]["verify"].keys()
     assert list(tb.glob("events.out.tfevents.*"))
 
 
