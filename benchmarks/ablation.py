@@ -8,8 +8,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``fixed`` [2, 15, 27]; ``chosen`` (``recipes/ablation/chosen-layers.yaml``, [5, 26, 29] from
   ``select-layers``); ``chosen-filter`` (+ ``recipes/ablation/entropy-filter.yaml``); ``chosen-blocks``
   (``recipes/ablation/chosen-blocks-layers.yaml``, one layer per CKA block).
-- ``head`` (issue 13; base the default recipe with its 30-minute time budget): the sample-efficiency levers.
-  ``sharegpt`` (the default recipe as it was: ShareGPT's GPT-3.5 answers); ``regen``
+- ``head`` (issue 13; base the default recipe with its 30-minute time budget and ``recipes/ablation/head-base.yaml``,
+  which pins the data, TTT steps and lr the default had before issue 13): the sample-efficiency levers.
+  ``sharegpt`` (the base alone: ShareGPT's GPT-3.5 answers, 7 TTT steps, lr 6e-4); ``regen``
   (``recipes/ablation/regen-data.yaml``: the target's own answers, ``recipes/data/smollm2-135m-regen.jsonl.gz``);
   ``regen-init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target);
   ``regen-ttt5`` (+ ``recipes/ablation/ttt5.yaml``: TTT steps = the serving k = 5 instead of 7); ``regen-all``
@@ -69,9 +70,9 @@ STUDIES = {
                "blocks_minus_fixed": ("chosen-blocks", "fixed")},
     ),
     "head": Study(
-        base=[DEFAULT],
+        base=[DEFAULT, A / "head-base.yaml"],
         arms={
-            "sharegpt": [A / "sharegpt-data.yaml"],
+            "sharegpt": [],
             "regen": [A / "regen-data.yaml"],
             "regen-init": [A / "regen-data.yaml", A / "init-from-target.yaml"],
             "regen-ttt5": [A / "regen-data.yaml", A / "ttt5.yaml"],
@@ -112,7 +113,7 @@ def best_checkpoint(run_dir: Path) -> Path:
     ckpt = torch.load(lasts[-1], map_location="cpu", weights_only=False)
     state = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]
     best = Path(state["best_model_path"])
-    return best if best.is_absolute() else run_dir / best
+    return best if best.is_absolute() else REPO / best  # fit runs from the repository root
 
 
 def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.arms) - set(study.arms))
     if unknown:
         p.error(f"--arms {unknown} are not arms of study {args.study!r} (its arms: {', '.join(study.arms)})")
-    args.out = args.out or REPO / f"benchmarks/out/ablation-{args.study}"
+    args.out = (args.out or REPO / f"benchmarks/out/ablation-{args.study}").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     # one lane per seed, so runs sharing a seed (and its data split) never overlap
     lanes = [[(arm, s) for arm in args.arms] for s in args.seeds]

@@ -92,3 +92,19 @@ def test_head_study_differences_pair_by_seed(benchmark_module):
     assert d["regen_minus_sharegpt"]["seeds"] == [0] and d["regen_minus_sharegpt"]["tau"] == pytest.approx([0.5])
     assert d["init_minus_random"]["seeds"] == [1] and d["init_minus_random"]["tau_mean"] == pytest.approx(0.2)
     assert "ttt5_minus_ttt7" not in d
+
+
+def test_best_checkpoint_resolves_against_the_repository_root(tmp_path, benchmark_module):
+    """fit runs from the repository root, so a relative best_model_path is relative to it (a relative --out)."""
+    import torch
+
+    mod = benchmark_module("ablation")
+    for version, best in ((0, "old.ckpt"), (2, "benchmarks/out/x/arm-s0/best-step=9.ckpt"), (10, str(tmp_path / "b.ckpt"))):
+        d = tmp_path / "checkpoints" / "arm" / "lightning_logs" / f"version_{version}" / "checkpoints"
+        d.mkdir(parents=True)
+        torch.save({"callbacks": {"ModelCheckpoint{'monitor': 'val/tau_sim'}": {"best_model_path": best}}}, d / "last.ckpt")
+        # the newest version (by number, not by name: 10 > 2) wins; absolute paths pass through
+        expected = Path(best) if Path(best).is_absolute() else mod.REPO / best
+        assert mod.best_checkpoint(tmp_path) == expected
+    with pytest.raises(FileNotFoundError, match="did the fit run"):
+        mod.best_checkpoint(tmp_path / "empty")
