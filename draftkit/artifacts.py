@@ -213,9 +213,10 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     path = Path(ref).expanduser()
     if path.exists():
         return str(path)
-    looks_local = ref.startswith(("/", "./", "../", "~")) or path.suffix in (".json", ".jsonl", ".gguf", ".parquet")
+    looks_local = ref.startswith(("/", "./", "../", "~")) or path.suffix in (".json", ".jsonl", ".gz", ".gguf", ".parquet")
     if looks_local:
-        raise FileNotFoundError(f"{option}: {ref} does not exist; fix the path in the recipe")
+        where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+        raise FileNotFoundError(f"{option}: {ref} does not exist{where}; fix the path in the recipe")
     return ref  # a hub id: transformers / datasets resolve it
 
 

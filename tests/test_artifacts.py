@@ -79,3 +79,16 @@ def test_gemma3_270m_assembles_verifies_and_loads():
     with torch.no_grad():
         logits = model(ids).logits[0, -1]
     assert tokenizer.decode(logits.argmax()) == " the"  # greedy: "The capital of France is the capital of ..."
+
+
+def test_missing_local_data_paths_name_the_option_and_the_directory(tmp_path, monkeypatch):
+    """A shipped .jsonl.gz read from the wrong directory is a clear local-file error, not a hub lookup."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"data.path: recipes/data/x.jsonl.gz does not exist \(a relative path "
+                                                r"is read from the current directory, " + str(tmp_path)):
+        resolve_artifact("recipes/data/x.jsonl.gz", "data.path")
+    with pytest.raises(FileNotFoundError, match=r"/nope/a.json does not exist; fix"):
+        resolve_artifact("/nope/a.json", "data.path")
+    (tmp_path / "d.jsonl.gz").write_bytes(b"")
+    assert resolve_artifact("d.jsonl.gz") == "d.jsonl.gz"
+    assert resolve_artifact("HuggingFaceH4/ultrachat_200k") == "HuggingFaceH4/ultrachat_200k"  # a hub id passes
