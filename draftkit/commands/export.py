@@ -31,7 +31,7 @@ def export(
     """Export a training checkpoint as a directory a serving engine loads (config.json, model.safetensors, sidecar).
 
     Args:
-        checkpoint: a .ckpt written by `draftkit fit`.
+        checkpoint: a .ckpt written by `draftkit fit`, or an export directory (e.g. checkpoints/smollm2-135m-eagle3-head) to re-export for another engine.
         out_dir: export directory to create (refused if it exists, unless --overwrite true).
         to: engine layout, one of draftkit.export.ENGINES (vllm, speculators, sglang, trtllm, ...).
         dtype: weight dtype: bfloat16 (default), float16 or float32.

@@ -68,7 +68,8 @@ def export_checkpoint(
     """Export a draftkit training checkpoint for one serving engine.
 
     Args:
-        checkpoint: a ``.ckpt`` written by ``draftkit fit``.
+        checkpoint: a ``.ckpt`` written by ``draftkit fit``, or an export directory (re-exported; its
+            weights pass through unchanged in their stored dtype).
         engine: a name in the registry ``draftkit.export.ENGINES`` (``vllm``, ``speculators``, ``sglang``,
             ``trtllm``, or one registered with ``register_engine``).
         out_dir: the directory to create.
@@ -107,7 +108,12 @@ def export_checkpoint(
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
-    source = read_checkpoint(checkpoint, target=target)
+    if Path(checkpoint).is_dir():  # an export directory (a shipped head): re-export it for this engine
+        from draftkit.export.load import read_export_source
+
+        source = read_export_source(checkpoint, target=target)
+    else:
+        source = read_checkpoint(checkpoint, target=target)
     return export_head_source(
         source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=k,
         target_name=target_name, speculation=speculation, **engine_options,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from draftkit.export.common import NORM_FLAGS, SIDECAR, head_config_dict, validate_tensors
-from draftkit.heads.checkpoint import check_tokenizer, head_from_checkpoint
+from draftkit.heads.checkpoint import HeadSource, check_tokenizer, head_from_checkpoint, head_source
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 __all__ = ["load_exported_head", "load_head", "read_export", "reference_forward"]
@@ -167,6 +167,29 @@ def load_exported_head(
         "export": sidecar,
     }
     return head.eval(), meta
+
+
+def read_export_source(directory: str | Path, target: str | None = None) -> HeadSource:
+    """An export directory as a :class:`HeadSource`, so that ``draftkit export`` re-exports a shipped head for
+    another engine: :func:`load_exported_head` rebuilds it (in its stored dtype, so a re-export in that dtype
+    writes the same weights), then :func:`draftkit.heads.checkpoint.head_source` runs the checks a training
+    checkpoint gets.
+
+    Args:
+        directory: an export directory written by ``draftkit export`` (any engine layout).
+        target: a target reference overriding the sidecar's ``target``.
+
+    Returns:
+        The :class:`HeadSource`; ``meta`` is the sidecar (its ``head_config`` as the source checkpoint had it).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_exported_head` and ``head_source``.
+    """
+    directory = Path(directory)
+    head, meta = load_exported_head(directory)  # float32: exact for bf16/fp16 weights, cast back below
+    stored = getattr(torch, meta["dtype"])
+    state = {k: v.to(stored) if v.is_floating_point() else v for k, v in head.state_dict().items()}
+    return head_source(directory, state, {**meta, **meta["export"]}, target)  # the sidecar as written wins
 
 
 def load_head(checkpoint: str | Path, target: str | None = None):

@@ -192,15 +192,36 @@ def read_checkpoint(path: str | Path, target: str | None = None) -> HeadSource:
 
     Raises:
         FileNotFoundError: if the checkpoint (or a local target) does not exist.
-        ValueError: if the file is not a draftkit checkpoint, records no aux layer ids (never guessed), lacks
-            the draft-vocab map ``d2t`` while V_d < V, has missing or unexpected head tensors or non-finite
-            weights (:func:`check_finite`), was trained for a target with another hidden size, vocabulary or
-            tokenizer (:func:`check_tokenizer`; names both), or reads aux layers the target does not have.
+        ValueError: if the file is not a draftkit checkpoint, or as :func:`head_source`.
     """
     path = Path(path)
     ckpt, meta = _load(path)
-    cfg = Eagle3Config(**{**meta["head_config"], "aux_layer_ids": _stored_aux_ids(path, meta)})
     state = {k[len(HEAD_PREFIX):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(HEAD_PREFIX)}
+    return head_source(path, state, meta, target)
+
+
+def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: str | None = None) -> HeadSource:
+    """Check a head's tensors and metadata against its target: the one set of checks every head source passes
+    (a training checkpoint here, an export directory in ``draftkit.export.load.read_export_source``).
+
+    Args:
+        path: the file or directory the head came from (named in errors).
+        state: head tensors by draftkit name (``midlayer.*``, ``fc.weight``, ``lm_head.weight``, ``d2t``, ...).
+        meta: ``head_config`` (with or beside it ``aux_layer_ids``), ``target``, ``tokenizer_fingerprint``,
+            ``chat_template``, ``target_dtype``, ``ttt``.
+        target: a target reference overriding ``meta["target"]``.
+
+    Returns:
+        The :class:`HeadSource`.
+
+    Raises:
+        FileNotFoundError: if a local target does not exist.
+        ValueError: if the metadata records no aux layer ids (never guessed), the draft-vocab map ``d2t`` is
+            missing while V_d < V, head tensors are missing or unexpected or hold non-finite weights
+            (:func:`check_finite`), the target has another hidden size, vocabulary or tokenizer
+            (:func:`check_tokenizer`; names both), or lacks the aux layers.
+    """
+    cfg = Eagle3Config(**{**meta["head_config"], "aux_layer_ids": _stored_aux_ids(path, meta)})
     state = {k: v for k, v in state.items() if not k.startswith("rotary_emb.")}
     own_embedding = cfg.hidden_size != cfg.target_hidden_size
     if not own_embedding:

@@ -356,3 +356,23 @@ def test_sidecar_records_the_provenance(tiny_checkpoint, tmp_path):
     spec = (out / "trtllm_spec.yaml").read_text()
     assert "max_draft_len: 4" in spec and "eagle3_layers_to_capture" not in spec
     assert os.path.isabs(side["target_path"])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_export_directory_re_exports_byte_identical_weights(engine, tiny_checkpoint, tmp_path):
+    """A shipped export (any layout) re-exports for every engine with exactly the tensors the checkpoint gives."""
+    ckpt, _ = tiny_checkpoint
+    shipped = export_checkpoint(ckpt, engine, tmp_path / "shipped")
+    for to in ENGINES:
+        direct = load_file(export_checkpoint(ckpt, to, tmp_path / f"direct-{to}") / "model.safetensors")
+        again_dir = export_checkpoint(shipped, to, tmp_path / f"again-{to}")
+        again = load_file(again_dir / "model.safetensors")
+        assert again.keys() == direct.keys()
+        assert all(again[k].dtype == direct[k].dtype and torch.equal(again[k], direct[k]) for k in direct), to
+        side = json.loads((again_dir / "draftkit_export.json").read_text())
+        first = json.loads((tmp_path / f"direct-{to}" / "draftkit_export.json").read_text())
+        assert side["source_checkpoint"] == str(shipped)
+        for key in ("aux_layer_ids", "vocab", "head_config", "tokenizer_fingerprint", "target", "ttt", "launch"):
+            if key != "launch":
+                assert side[key] == first[key], (to, key)
+        assert side["launch"] == first["launch"].replace(str(tmp_path / f"direct-{to}"), str(again_dir))
