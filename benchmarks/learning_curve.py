@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 4))
     table = {}
     for spec in args.runs:
         label, sep, path = spec.partition("=")
@@ -71,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{spec!r}: give each run as LABEL=RUN_DIR")
         scalars = read_run(Path(path))
         table[label] = {m: curve(scalars, m) for m in METRICS}
-        for ax, m in zip(axes, METRICS):
-            pts = table[label][m]
-            if pts:
-                ax.plot([t / 1e6 for _, t, _ in pts], [v for _, _, v in pts], marker="o", label=label)
-    for ax, m in zip(axes, METRICS):
+    # one panel per metric some run logged (val/accept_len needs the AcceptanceLengthMonitor callback)
+    shown = [m for m in METRICS if any(rows[m] for rows in table.values())]
+    if not shown:
+        p.error(f"no run logged any of {', '.join(METRICS)}: did it validate?")
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
+    for ax, m in zip(axes[0], shown):
+        for label, rows in table.items():
+            if rows[m]:
+                ax.plot([t / 1e6 for _, t, _ in rows[m]], [v for _, _, v in rows[m]], marker="o", label=label)
         ax.set_xlabel("training tokens (millions)")
         ax.set_ylabel({"val/accept_len": "MT-bench τ (speculative decoding)", "val/tau_sim": "val/tau_sim"}[m])
         ax.grid(alpha=0.3)

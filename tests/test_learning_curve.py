@@ -24,3 +24,24 @@ def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path, benchmark_mo
 def test_a_directory_without_event_files_is_named(tmp_path, benchmark_module):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no TensorBoard event file"):
         benchmark_module("learning_curve").read_run(tmp_path)
+
+
+def test_only_logged_metrics_get_a_panel(tmp_path, benchmark_module, monkeypatch):
+    """A run without the AcceptanceLengthMonitor (the default recipe) gets one panel, not an empty one."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    mod = benchmark_module("learning_curve")
+    with SummaryWriter(str(tmp_path / "a" / "version_0")) as w:
+        w.add_scalar("train/tokens_trained", 100.0, 0)
+        w.add_scalar("val/tau_sim", 1.3, 0)
+    import matplotlib.pyplot as plt
+
+    made = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: made.append(a) or real(*a, **k))
+    assert mod.main([f"a={tmp_path / 'a'}", "--output", str(tmp_path / "c.png")]) == 0
+    assert made == [(1, 1)]
+    with SummaryWriter(str(tmp_path / "b" / "version_0")) as w:
+        w.add_scalar("train/tokens_trained", 100.0, 0)
+    with pytest.raises(SystemExit):
+        mod.main([f"b={tmp_path / 'b'}", "--output", str(tmp_path / "d.png")])
