@@ -54,7 +54,7 @@ def test_arm_recipes_stack_on_the_default(arm, monkeypatch, benchmark_module):
     assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
     assert cli.model.entropy_filter.quantile == (0.5 if arm == "chosen-filter" else None)
     assert cli.datamodule.hparams.seed == 1 and cli.datamodule.hparams.bucket_window == 0  # as published
-    assert cli.model.ttt.steps == 7 and cli.datamodule.hparams.batch_size == 4  # the default's head and batch
+    assert cli.model.ttt.steps == 3 and cli.datamodule.hparams.batch_size == 4  # the (current) default's head and batch
 
 
 REGEN = "recipes/data/smollm2-135m-regen.jsonl.gz"
