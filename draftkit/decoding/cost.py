@@ -6,7 +6,7 @@ Expected speed of a topology c (batch 1, one target forward per round):
 
 - t_verify(n): measured seconds of one target forward over n new rows on a prompt-length cache (it grows
   with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n. A forward
-  over more rows cannot cost less than over fewer, so the medians are fitted with a nondecreasing step
+  over more rows cannot cost less than over fewer, so the timings (the fastest of a few repeats) are fitted with a nondecreasing step
   function (isotonic regression, pool-adjacent-violators) before use: timing noise on a loaded CPU otherwise
   made 5 rows look cheaper than 2 and favoured wide verifies.
 - t_first: the draft head's pass over its pending step-0 rows; t_step(K): one head pass over a frontier of
@@ -27,7 +27,6 @@ Shapes: n prompt tokens, T calibration tokens, D depth, K top-k, N verified draf
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -46,6 +45,7 @@ __all__ = [
     "choose",
     "greedy_sequences",
     "measure_costs",
+    "min_seconds",
     "monotone",
     "predict",
 ]
@@ -59,7 +59,7 @@ class CostTable:
         verify: {n: one target forward over n new rows}, n >= 1, at least n = 1.
         first: one draft head pass over the pending step-0 rows (typically a + 1 of them).
         step: {K: one draft head pass over K frontier nodes}, at least K = 1.
-        measured: the raw medians {"verify": {...}, "step": {...}} when ``verify``/``step`` are their
+        measured: the raw timings {"verify": {...}, "step": {...}} when ``verify``/``step`` are their
             :func:`monotone` fits (as :func:`measure_costs` returns them); None for a table given by hand.
     """
 
@@ -256,13 +256,20 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(table), values))
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def min_seconds(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn()``, in seconds.
+
+    The minimum, not the median: interference (other processes, a kernel's first call at a new shape) only ever
+    adds time, so the minimum is the estimate it disturbs least (as ``timeit`` advises). With the median of 5,
+    one disturbed entry (2 verified rows at 84 ms against 52 ms in the real rounds, bf16, session 5) made the
+    cost model choose plain decoding over a chain that measured 1.18x.
+    """
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @torch.no_grad()
@@ -282,10 +289,10 @@ def measure_costs(
         prompt_ids: (n,) int64, n >= 3; the context the forwards extend.
         rows: target rows per forward to time (1 is always added).
         widths: frontier widths to time (1 is always added).
-        repeats: timings per entry (the median is kept); one untimed warm-up each.
+        repeats: timings per entry (the fastest is kept, :func:`min_seconds`); one untimed warm-up each.
 
     Returns:
-        :class:`CostTable` whose ``verify`` and ``step`` are the :func:`monotone` fits of the medians, which it
+        :class:`CostTable` whose ``verify`` and ``step`` are the :func:`monotone` fits of the timings, which it
         keeps in ``measured``.
 
     Raises:
@@ -305,7 +312,7 @@ def measure_costs(
             target.crop(n)
 
         run()
-        verify[r] = _median_seconds(run, repeats)
+        verify[r] = min_seconds(run, repeats)
     seq = torch.cat([prompt_ids, prompt_ids[-1:]])
     drafter.reset(prompt_ids[:-2], aux[:-2])
     drafter.feed_pending(seq[:-2])  # n - 2 step-0 rows cached
@@ -316,7 +323,7 @@ def measure_costs(
         return drafter.feed_pending(seq)
 
     first()
-    t_first = _median_seconds(first, repeats)
+    t_first = min_seconds(first, repeats)
     _, h = first()
     step = {}
     for w in sorted({1, *widths}):
@@ -329,7 +336,7 @@ def measure_costs(
             drafter.cache.crop(n)
 
         run()
-        step[w] = _median_seconds(run, repeats)
+        step[w] = min_seconds(run, repeats)
     target.reset()
     return CostTable(monotone(verify), t_first, monotone(step), measured={"verify": verify, "step": step})
 

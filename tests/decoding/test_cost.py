@@ -10,6 +10,7 @@ from draftkit.decoding.cost import (
     choose,
     greedy_sequences,
     measure_costs,
+    min_seconds,
     monotone,
     predict,
 )
@@ -92,3 +93,13 @@ def test_monotone_pools_adjacent_violators():
     assert monotone({1: 3.0, 2: 2.0, 3: 1.0, 4: 5.0}) == pytest.approx({1: 2.0, 2: 2.0, 3: 2.0, 4: 5.0})
     assert monotone(TABLE.verify) == TABLE.verify  # already nondecreasing: unchanged
     assert monotone({7: 1.0}) == {7: 1.0}
+
+
+def test_min_seconds_keeps_the_fastest_call(monkeypatch):
+    """One disturbed call (8 s) or two cannot move the estimate; the median of 3 would be 5 s."""
+    import draftkit.decoding.cost as cost
+
+    clock = iter([0.0, 8.0, 10.0, 11.0, 20.0, 25.0])  # calls of 8, 1 and 5 s
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert min_seconds(lambda: calls.append(1), 3) == 1.0 and len(calls) == 3
