@@ -5,10 +5,10 @@ Expected speed of a topology c (batch 1, one target forward per round):
     tokens/s(c) = tau(c) / (t_first + (D - 1) * t_step(K) + t_verify(N + 1)),   plain: 1 / t_verify(1)
 
 - t_verify(n): measured seconds of one target forward over n new rows on a prompt-length cache (it grows
-  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n. A forward
-  over more rows cannot cost less than over fewer, so the timings (the fastest of a few repeats) are fitted with a nondecreasing step
-  function (isotonic regression, pool-adjacent-violators) before use: timing noise on a loaded CPU otherwise
-  made 5 rows look cheaper than 2 and favoured wide verifies.
+  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n. Each entry
+  is the fastest of a few repeats, and since a forward over more rows cannot cost less than over fewer, the
+  entries are fitted with a nondecreasing step function (isotonic regression, pool-adjacent-violators)
+  before use: timing noise on a loaded CPU otherwise made 5 rows look cheaper than 2.
 - t_first: the draft head's pass over its pending step-0 rows; t_step(K): one head pass over a frontier of
   K nodes (a chain has K = 1), fitted the same way.
 - tau(c): acceptance length of c measured by a short greedy calibration. Greedy decoding emits the same

@@ -34,7 +34,7 @@ from draftkit.export.common import (
     vocab_fingerprint,
     write_directory,
 )
-from draftkit.export.load import load_exported_head, read_export, reference_forward
+from draftkit.export.load import load_exported_head, read_export, read_export_source, reference_forward
 from draftkit.export.speculation import Speculation
 from draftkit.heads.checkpoint import HeadSource, read_checkpoint
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
@@ -109,8 +109,6 @@ def export_checkpoint(
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
     if Path(checkpoint).is_dir():  # an export directory (a shipped head): re-export it for this engine
-        from draftkit.export.load import read_export_source
-
         source = read_export_source(checkpoint, target=target)
     else:
         source = read_checkpoint(checkpoint, target=target)

@@ -171,9 +171,9 @@ def load_exported_head(
 
 def read_export_source(directory: str | Path, target: str | None = None) -> HeadSource:
     """An export directory as a :class:`HeadSource`, so that ``draftkit export`` re-exports a shipped head for
-    another engine: :func:`load_exported_head` rebuilds it (in its stored dtype, so a re-export in that dtype
-    writes the same weights), then :func:`draftkit.heads.checkpoint.head_source` runs the checks a training
-    checkpoint gets.
+    another engine: :func:`load_exported_head` rebuilds it in float32 (exact for bf16/fp16 weights), the weights
+    are cast back to their stored dtype (so a re-export in that dtype writes the same bytes), then
+    :func:`draftkit.heads.checkpoint.head_source` runs the checks a training checkpoint gets.
 
     Args:
         directory: an export directory written by ``draftkit export`` (any engine layout).
