@@ -4,8 +4,10 @@ context, for T = 1..N, with HF's SDPA and eager attention, logits for every row 
 On a CPU the curve is steep and not monotone: measured on 2 AVX512-BF16 cores (SmolLM2, float32, context 200,
 SDPA, logits for every row), one row took 60.6 ms, 2 rows 103.9, 3 rows 124.4, 4 rows 89.7 and 8 rows 82.0
 (min of 10); a rerun gave 58.5 / 104.0 / - / - / 113.3, so 2-3 rows cost 1.7-2x one row while 4-8 rows cost
-about the same or less (issue 15: the cost model's monotone fit smooths this; padding a verify up to a cheaper
-row count might exploit it; a likely cause is the linear layers' kernel choice for small M).
+about the same or less. The cause is float32 ``linear``'s kernel choice for small M: SmolLM2's 49152 x 576 LM
+head alone on one AVX512 core took 9.9 ms for 1 row, 22 ms for 2, 36 ms for 3 and 18 ms for 4 (2-3 rows go
+row by row, 4 take one GEMM). ``decoding.cost`` pads a verify up to the cheapest measured row count
+(``CostTable.cover``, ``TargetSession.pad_rows``) under ``evaluate --k auto`` / ``--tree auto``.
 
 Run:  python benchmarks/verify_rows.py [--rows 1 2 3 4 8] [--context 200] [--threads 2] [--dtype float32]
 Prints min/median milliseconds per forward (12 repeats, 2 warm-ups dropped) and the CPU capability.

@@ -4,13 +4,16 @@ Expected speed of a topology c (batch 1, one target forward per round):
 
     tokens/s(c) = tau(c) / (t_first + (D - 1) * t_step(K) + t_verify(N + 1)),   plain: 1 / t_verify(1)
 
-- t_verify(n): measured seconds of one target forward over n new rows on a prompt-length cache (it grows
-  with n on a CPU; nearly flat on a GPU until the device saturates); linear between measured n. Each entry
-  is the fastest of a few repeats, and since a forward over more rows cannot cost less than over fewer, the
-  entries are fitted with a nondecreasing step function (isotonic regression, pool-adjacent-violators)
-  before use: timing noise on a loaded CPU otherwise made 5 rows look cheaper than 2.
+- t_verify(n): seconds of the cheapest target forward that verifies n rows. Each measured entry (one
+  forward over m new rows on a prompt-length cache, linear between measured m) is the fastest of a few
+  repeats. A forward over more rows can cost less than over fewer: on a CPU, float32 ``linear`` with 2-3
+  rows takes a matrix-vector path per row while 4 or more take one GEMM (SmolLM2's 49152 x 576 LM head on
+  one AVX512 core: 1 row 9.9 ms, 3 rows 36 ms, 4 rows 18 ms), so a verify of n rows is padded with dummy
+  rows up to the measured m >= n that costs least (:meth:`CostTable.cover`; the session runs that padding,
+  ``TargetSession.pad_rows``), as vLLM pads a batch up to a captured CUDA-graph size.
 - t_first: the draft head's pass over its pending step-0 rows; t_step(K): one head pass over a frontier of
-  K nodes (a chain has K = 1), fitted the same way.
+  K nodes (a chain has K = 1); the head is not padded, so its table is fitted with a nondecreasing step
+  function (isotonic regression, :func:`monotone`) before use.
 - tau(c): acceptance length of c measured by a short greedy calibration. Greedy decoding emits the same
   sequence whatever the topology, and the draft state at a round's root depends only on that sequence,
   so one plain greedy run per calibration prompt fixes every root; at each root the largest tree of each
@@ -56,11 +59,12 @@ class CostTable:
     """Measured costs, in seconds.
 
     Attributes:
-        verify: {n: one target forward over n new rows}, n >= 1, at least n = 1.
+        verify: {m: one target forward over m new rows}, m >= 1, at least m = 1 (as measured; a verify of n
+            rows costs :meth:`cover`).
         first: one draft head pass over the pending step-0 rows (typically a + 1 of them).
         step: {K: one draft head pass over K frontier nodes}, at least K = 1.
-        measured: the raw timings {"verify": {...}, "step": {...}} when ``verify``/``step`` are their
-            :func:`monotone` fits (as :func:`measure_costs` returns them); None for a table given by hand.
+        measured: the raw timings {"verify": {...}, "step": {...}} when ``step`` is their :func:`monotone`
+            fit (as :func:`measure_costs` returns it); None for a table given by hand.
     """
 
     verify: dict[int, float]
@@ -82,9 +86,31 @@ class CostTable:
             lo, hi = pair
         return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
+    def cover(self, n: int) -> tuple[int, float]:
+        """The cheapest target forward that verifies n rows: (rows m >= n to run, its seconds).
+
+        m is n itself (linear between measured row counts, extended past them) or a measured m > n that costs
+        less; ties keep the fewer rows. E.g. measured {1: 61, 2: 104, 3: 124, 4: 90, 8: 82} ms -> cover(1) =
+        (1, 61), cover(2) = cover(3) = cover(5) = (8, 82).
+        """
+        best = (n, max(self._interp(self.verify, n), 0.0))
+        for m in sorted(self.verify):
+            if m > n and self.verify[m] < best[1]:
+                best = (m, self.verify[m])
+        return best
+
     def verify_seconds(self, n: int) -> float:
-        """Target forward over n rows (linear between measured n, extended past them)."""
-        return max(self._interp(self.verify, n), 0.0)
+        """Seconds to verify n rows: the :meth:`cover` forward's."""
+        return self.cover(n)[1]
+
+    def padding(self) -> dict[int, int]:
+        """{n: m} for every n below the largest measured row count whose :meth:`cover` pads it to m > n."""
+        out = {}
+        for n in range(1, max(self.verify)):
+            m = self.cover(n)[0]
+            if m > n:
+                out[n] = m
+        return out
 
     def round_seconds(self, tree: TreeConfig) -> float:
         """One speculative round: step 0, D - 1 frontier passes of width K, one verify of N + 1 rows."""
@@ -292,8 +318,8 @@ def measure_costs(
         repeats: timings per entry (the fastest is kept, :func:`min_seconds`); one untimed warm-up each.
 
     Returns:
-        :class:`CostTable` whose ``verify`` and ``step`` are the :func:`monotone` fits of the timings, which it
-        keeps in ``measured``.
+        :class:`CostTable` with the verify timings as measured and ``step`` their :func:`monotone` fit; the raw
+        timings of both also in ``measured``.
 
     Raises:
         ValueError: if the prompt has fewer than 3 tokens or repeats < 1.
@@ -302,6 +328,7 @@ def measure_costs(
     if n < 3 or repeats < 1:
         raise ValueError(f"measure_costs needs a prompt of >= 3 tokens and repeats >= 1, got {n}, {repeats}")
     target.reset()
+    target.pad_rows = {}  # time each row count as itself
     _, aux = target.forward(prompt_ids, last_only=True)
     verify = {}
     for r in sorted({1, *rows}):
@@ -338,7 +365,7 @@ def measure_costs(
         run()
         step[w] = min_seconds(run, repeats)
     target.reset()
-    return CostTable(monotone(verify), t_first, monotone(step), measured={"verify": verify, "step": step})
+    return CostTable(verify, t_first, monotone(step), measured={"verify": verify, "step": step})
 
 
 def greedy_sequences(

@@ -372,15 +372,18 @@ def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens
     sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos)
     predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies), costs)
     best = cost.choose(predictions)
-    log.info("auto: %s", "plain decoding" if best is None else f"{best.tree} (predicted {best.speedup:.3f}x)")
+    session.pad_rows = costs.padding()  # every later forward (plain and speculative) runs the cheapest cover
+    log.info("auto: %s; verify rows padded %s", "plain decoding" if best is None else
+             f"{best.tree} (predicted {best.speedup:.3f}x)", session.pad_rows or "nowhere")
     return {
         "_tree": TreeConfig.chain(1) if best is None else best.tree,
         "choice": "plain" if best is None else ("chain k=%d" % best.tree.depth if best.tree.is_chain else str(best.tree)),
         "predicted_speedup": 1.0 if best is None else best.speedup,
         "calibration": {"prompts": len(sequences), "tokens": tokens},
+        "verify_padding": dict(session.pad_rows),  # {rows: rows run}
         "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
                      "draft_step": {w: 1000 * s for w, s in costs.step.items()},
-                     "measured": {name: {n: 1000 * s for n, s in t.items()} for name, t in costs.measured.items()}},
+                     "draft_step_measured": {w: 1000 * s for w, s in costs.measured["step"].items()}},
         "predictions": [p.as_dict() for p in predictions],
     }
 

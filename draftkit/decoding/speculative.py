@@ -105,6 +105,9 @@ class TargetSession:
         self.target = target
         self.cache = None
         self.length = 0
+        # {n: m}: a forward over n new rows runs m > n rows (dummy rows after the real ones, dropped again);
+        # set from ``decoding.cost.CostTable.padding`` where a kernel makes m rows cheaper than n
+        self.pad_rows: dict[int, int] = {}
         model = target.model
         tied = model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
         embed = model.get_input_embeddings().weight
@@ -139,7 +142,23 @@ class TargetSession:
 
         Returns:
             logits (T, V) float32 (or (1, V) with ``last_only``) and aux (T, A*H_t) in the target dtype.
+
+        With T in ``pad_rows`` (and not ``last_only``) the forward runs ``pad_rows[T] - T`` dummy rows after the
+        real ones (the last token again, attending to the cache and itself; no real row attends to them) and
+        crops them from the cache, so the result and the cache are those of the unpadded forward.
         """
+        T = input_ids.shape[0]
+        pad = 0 if last_only else self.pad_rows.get(T, T) - T
+        if pad > 0:
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad)])
+            if position_ids is not None:
+                position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
+            if attn_mask is not None:
+                full = attn_mask.new_zeros(T + pad, attn_mask.shape[1] + pad)
+                full[:T, :-pad] = attn_mask
+                full[T:, :self.length] = True
+                full[T:, -pad:] = torch.eye(pad, dtype=torch.bool, device=attn_mask.device)
+                attn_mask = full
         mask = None
         if attn_mask is not None:
             # a 4-D mask reaches the attention as-is (transformers ``masking_utils``); additive, so that
@@ -157,8 +176,10 @@ class TargetSession:
         if last_only:
             logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -1:])  # (1, 1, V)
         else:
-            logits = out.logits  # (1, T, V)
-        return logits[0].float(), out.aux_hidden_states[0]
+            logits = out.logits[:, :T]  # (1, T, V)
+        if pad > 0:
+            self.crop(self.length - pad)
+        return logits[0].float(), out.aux_hidden_states[0, :T]
 
     def crop(self, length: int) -> None:
         """Roll the cache back to its first ``length`` positions."""

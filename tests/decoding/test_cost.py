@@ -81,8 +81,23 @@ def test_measure_costs_shapes(tiny, tiny_head):
     costs = measure_costs(TargetSession(target), Eagle3TreeDrafter(tiny_head), torch.arange(3, 20), [4, 9], [2], 2)
     assert sorted(costs.verify) == [1, 4, 9] and sorted(costs.step) == [1, 2]
     assert costs.first > 0 and all(v > 0 for v in costs.verify.values())
-    assert costs.verify == monotone(costs.measured["verify"]) and costs.step == monotone(costs.measured["step"])
-    assert [costs.verify[n] for n in (1, 4, 9)] == sorted(costs.verify.values())
+    assert costs.verify == costs.measured["verify"] and costs.step == monotone(costs.measured["step"])
+
+
+def test_cover_pads_to_the_cheapest_row_count():
+    """The float32 verify timings of SmolLM2 on 2 AVX512-BF16 cores (benchmarks/verify_rows.py, ms): 2-7 rows
+    are cheapest run as 8, and a chain k = 1 is priced at the 8-row forward."""
+    cpu = CostTable(verify={1: 60.6 * MS, 2: 103.9 * MS, 3: 124.4 * MS, 4: 89.7 * MS, 8: 82.0 * MS}, first=3 * MS,
+                    step={1: 3 * MS})
+    assert cpu.cover(1) == (1, pytest.approx(60.6 * MS))
+    for n in (2, 3, 4, 5, 7):
+        assert cpu.cover(n) == (8, pytest.approx(82.0 * MS)), n
+    assert cpu.cover(8) == (8, pytest.approx(82.0 * MS))
+    assert cpu.cover(10) == (10, pytest.approx(78.15 * MS))  # past the last entry: the last segment extended
+    assert cpu.padding() == {n: 8 for n in range(2, 8)}
+    assert cpu.round_seconds(TreeConfig.chain(1)) == pytest.approx(85.0 * MS)
+    assert TABLE.padding() == {}  # a nondecreasing table pads nothing
+    assert CostTable(verify={1: 5 * MS, 2: 5 * MS}, first=0, step={1: 0}).cover(1) == (1, 5 * MS)  # ties: fewer rows
 
 
 def test_monotone_pools_adjacent_violators():

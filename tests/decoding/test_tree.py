@@ -107,6 +107,43 @@ def test_target_tree_forward_equals_each_path(tiny):
     torch.testing.assert_close(z_kept[0], z_ref[-1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [True, False])
+def test_padded_forward_equals_unpadded(tiny, tree):
+    """A forward padded with dummy rows (``pad_rows``, the cost model's cheapest cover) returns the unpadded
+    logits and aux states and leaves the same cache: the next forward agrees too."""
+    target, _ = tiny
+    prompt = torch.tensor(PROMPTS[1])
+    L = prompt.shape[0]
+    ids = torch.tensor([7, 40, 41, 42, 43, 44])
+    kwargs = {}
+    if tree:
+        kwargs = {"attn_mask": torch.cat([torch.ones(6, L, dtype=torch.bool), tree_mask(PARENTS)], 1),
+                  "position_ids": L + torch.cat([torch.zeros(1, dtype=torch.long), DEPTHS])}
+    out = []
+    for pad_rows in ({}, {6: 9}):
+        session = TargetSession(target)
+        session.pad_rows = pad_rows
+        session.forward(prompt)
+        logits, aux = session.forward(ids, **kwargs)
+        assert logits.shape == (6, target.config.vocab_size) and session.length == L + 6
+        assert all(layer.keys.shape[-2] == L + 6 for layer in session.cache.layers)
+        session.keep(torch.cat([torch.arange(L), L + torch.tensor([0, 2, 5])]) if tree else torch.arange(L + 3))
+        nxt, _ = session.forward(torch.tensor([9]))
+        out.append((logits, aux, nxt))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 10), (3, 1, 3)])
+def test_greedy_decoding_with_padded_verify_equals_plain(tiny, tiny_head, shape):
+    session, cfg, refs = greedy_references(tiny[0], 30)
+    session.pad_rows = {n: 16 for n in range(1, 16)}  # every forward, plain ones too, runs 16 rows
+    for ids, plain in refs:
+        tree = generate_tree(session, Eagle3TreeDrafter(tiny_head), ids, TreeConfig(*shape), cfg)
+        chain = generate_speculative(session, Eagle3Drafter(tiny_head), ids, shape[0], cfg)
+        assert tree.tokens == chain.tokens == plain
+
+
 def test_draft_tree_scores_equal_a_chain_along_each_path(tiny, tiny_head):
     """Every node's cumulative score equals the draft log-probabilities of a plain chain run along its
     path (checks the draft tree mask and positions), and the draft cache ends where it began."""
