@@ -17,6 +17,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``); ``regen-ttt3``
   (+ ``recipes/ablation/ttt3.yaml``: 3 TTT steps); ``regen-lr2e-3`` (+ ``recipes/ablation/lr2e-3.yaml``: peak lr 2e-3); ``candidate`` (regen + TTT 3 + lr 2e-3, the three levers
   that won one seed each, together) and ``candidate-all`` (+ ``data.supervise: all``).
+- ``levers`` (base the current default recipe, 30-minute budget): levers judged on top of it. ``default`` (the
+  recipe alone); ``muon`` (+ ``recipes/ablation/muon.yaml``: Muon on the hidden matrices, AdamW on the rest);
+  ``init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -87,6 +90,11 @@ STUDIES = {
                "ttt3_minus_ttt7": ("regen-ttt3", "regen"), "lr2e3_minus_lr6e4": ("regen-lr2e-3", "regen"),
                "candidate_minus_sharegpt": ("candidate", "sharegpt"),
                "candidate_all_minus_candidate": ("candidate-all", "candidate")},
+    ),
+    "levers": Study(
+        base=[DEFAULT],
+        arms={"default": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"]},
+        diffs={"muon_minus_adamw": ("muon", "default"), "init_minus_random": ("init", "default")},
     ),
 }
 

@@ -34,8 +34,9 @@ def test_recipe_parses_and_instantiates(recipe, monkeypatch):
     assert cli.datamodule.hparams.tokenizer == cli.model.hparams.target  # linked
 
 
-def _override(tmp_path: Path, max_steps: int) -> Path:
+def _override(tmp_path: Path, max_steps: int, optimizer: str = "adamw") -> Path:
     cfg = {
+        "model": {"optim": {"optimizer": optimizer}},
         "trainer": {
             "default_root_dir": str(tmp_path),
             "max_steps": max_steps,
@@ -58,11 +59,13 @@ def _losses(tmp_path: Path, key: str = "train/loss") -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
-def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch, optimizer):
     monkeypatch.chdir(REPO)
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
-    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
+    cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6, optimizer))])
+    assert type(cli.trainer.optimizers[0]).__name__ == {"adamw": "AdamW", "muon": "MuonWithAdamW"}[optimizer]
     ckpt = next((full / "ckpt").glob("*step=3*.ckpt"))
     assert ckpt.exists() and (full / "ckpt" / "last.ckpt").exists()
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -75,7 +78,8 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("tiny:llama"))
     assert saved["draftkit"]["tokenizer_fingerprint"] == tokenizer_identity(tok)  # checked on evaluate and export
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
-    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)), "--ckpt_path", str(ckpt)])
+    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6, optimizer)),
+                      "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)
     accs = _losses(full, "train/acc_0")
     assert sorted(accs) == list(range(6)) and all(0.0 <= v <= 1.0 for v in accs.values())

@@ -58,10 +58,13 @@ class TTTConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay (per optimizer step)."""
+    """AdamW (or Muon on the hidden matrices) with linear warmup and cosine decay (per optimizer step)."""
 
     lr: float = 1e-4
     """Peak learning rate."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon``: Muon on ``fc`` and the decoder layer's matrices, AdamW on norms and ``lm_head``,
+    one lr (``draftkit.models.muon``)."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 50
@@ -72,6 +75,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"bad model.optim {self}: need lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"model.optim.optimizer must be adamw or muon, got {self.optimizer!r}")
 
 
 @dataclass
@@ -676,8 +681,14 @@ class Eagle3Module(pl.LightningModule):
 
     def configure_optimizers(self):
         cfg = self.optim
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+        if cfg.optimizer == "muon":
+            from draftkit.models.muon import MuonWithAdamW, split_muon_params
+
+            opt = MuonWithAdamW(*split_muon_params(self.head), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                betas=tuple(cfg.betas))
+        else:
+            params = [p for p in self.head.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
         estimated = self.trainer.estimated_stepping_batches
         default_total = max(1, int(estimated)) if math.isfinite(estimated) else None
         # the plan is read at every step: a TimeBudget callback fixes and re-plans it while training runs
