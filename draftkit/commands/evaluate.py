@@ -34,6 +34,7 @@ def evaluate(
     baseline: bool = True,
     prompt_lookup: bool = True,
     tensorboard: Optional[str] = None,
+    sweep: Optional[str] = None,
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
 
@@ -61,6 +62,9 @@ def evaluate(
         baseline: also run plain decoding (speedup, greedy_equal).
         prompt_lookup: also run prompt-lookup drafting.
         tensorboard: write TensorBoard scalars and the acceptance plot here.
+        sweep: more topologies measured in the same run, space-separated ``k=K`` and ``tree=D,K,N`` entries
+            (e.g. "k=1 k=2 k=3 tree=5,4,16"): each prompt runs plain decoding once, then every topology, so
+            their speedups share the machine's load; the report's ``sweep`` holds each one's keys.
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -71,7 +75,13 @@ def evaluate(
     import torch
 
     from draftkit.data.prompts import load_prompts
-    from draftkit.decoding.harness import check_head_matches_target, evaluate_head, format_summary, write_tensorboard
+    from draftkit.decoding.harness import (
+        Topology,
+        check_head_matches_target,
+        evaluate_head,
+        format_summary,
+        write_tensorboard,
+    )
     from draftkit.decoding.sampling import check_sampling
     from draftkit.export.load import load_head
     from draftkit.jsonio import write_json_atomic
@@ -85,6 +95,7 @@ def evaluate(
     auto = "tree" if tree == "auto" else ("k" if k == "auto" else None)
     tree_config = TreeConfig.parse(tree) if tree not in (None, "auto") else None
     k = 5 if k == "auto" else k
+    sweep_list = [Topology.parse(entry) for entry in sweep.split()] if sweep else None
     check_sampling(temperature, top_k, top_p)
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
@@ -106,7 +117,7 @@ def evaluate(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
         prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
-        calibration_tokens=calibration_tokens,
+        calibration_tokens=calibration_tokens, sweep=sweep_list,
     )
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
                            draft_dtype=draft_dtype, precision=precision)

@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 from draftkit.target.tokens import encode_chat, stop_token_ids
 
 __all__ = [
+    "Topology",
     "check_head_matches_target",
     "evaluate_drafter",
     "evaluate_head",
@@ -122,6 +124,92 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Topology:
+    """One drafting configuration: a chain of k drafts per round (``tree`` None) or a tree (k = its depth)."""
+
+    k: int
+    tree: TreeConfig | None = None
+
+    @property
+    def name(self) -> str:
+        if self.tree is None:
+            return f"chain k={self.k}"
+        return f"tree depth={self.tree.depth} topk={self.tree.topk} N={self.tree.num_nodes}"
+
+    @classmethod
+    def parse(cls, text: str, option: str = "--sweep") -> "Topology":
+        """``k=K`` (a chain of K drafts) or ``tree=D,K,N`` (``TreeConfig.parse``).
+
+        Raises:
+            ValueError: naming ``option`` and the entry, on anything else.
+        """
+        kind, _, value = text.strip().partition("=")
+        if kind == "k" and value.isdigit() and int(value) >= 1:
+            return cls(int(value))
+        if kind == "tree" and value:
+            tree = TreeConfig.parse(value, f"{option} {text}", auto=False)
+            return cls(tree.depth, tree)
+        raise ValueError(f"{option}: {text!r} is not k=K (K >= 1) or tree=DEPTH,TOPK,N")
+
+
+class _Tally:
+    """Totals of one topology over the prompts of an evaluation, and its part of the report."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.stats = AcceptanceStats(topology.k)
+        self.tot: defaultdict[str, float] = defaultdict(float)
+        self.rows: list[dict] = []
+        self.equal = self.near_ties = 0
+
+    def add(self, spec, plain, base: dict, greedy: bool) -> None:
+        """One prompt's speculative result ``spec`` (and its plain run, or None; ``base``: the row's shared keys)."""
+        self.stats.extend(spec.stats)
+        for key, value in (("tokens", len(spec.tokens)), ("s", spec.seconds), ("decode_tokens", spec.decode_tokens),
+                           ("bytes", spec.weight_bytes), ("forwards", spec.target_forwards),
+                           ("draft_s", spec.draft_seconds), ("verify_s", spec.verify_seconds)):
+            self.tot[key] += value
+        row = {**base, "new_tokens": len(spec.tokens), "rounds": spec.stats.rounds, "tau": spec.stats.tau(),
+               "tokens_per_s": len(spec.tokens) / spec.seconds}
+        if plain is not None and greedy:
+            diff = _first_diff(spec.tokens, plain.tokens)
+            gap = plain.top2_gaps[diff] if diff is not None and diff < len(plain.top2_gaps) else None
+            row.update(equal=diff is None, first_diff=diff, top2_gap=gap)
+            self.equal += diff is None
+            self.near_ties += diff is not None and gap is not None and gap < NEAR_TIE
+        self.rows.append(row)
+
+    def report(self, baseline_tps: float | None, plain_bytes: float, greedy_check: bool) -> dict:
+        """The topology's report keys (those of the module docstring), ``topology`` and ``per_prompt``."""
+        stats, tot, k, tree = self.stats, self.tot, self.topology.k, self.topology.tree
+        alpha = stats.per_position()
+        tokens_per_s = tot["tokens"] / tot["s"]
+        return {
+            "k": k,
+            "tau": stats.tau(),
+            "acceptance_per_position": alpha,
+            "acceptance_rate": stats.rate(),
+            **{f"{name}_per_position": stats.per_position_mean(name) for name in DISTRIBUTION_METRICS},
+            "bytes_per_token": {"speculative": _safe_div(tot["bytes"], tot["decode_tokens"]), "plain": plain_bytes},
+            "target_forwards_per_token": _safe_div(tot["forwards"], tot["decode_tokens"]),
+            "tokens_per_s": tokens_per_s,
+            "speedup": tokens_per_s / baseline_tps if baseline_tps else None,
+            "greedy_equal": self.equal if greedy_check else None,
+            "acceptance_conditional": conditional_acceptance(alpha) if alpha else None,
+            "greedy_near_ties": self.near_ties if greedy_check else None,
+            "rounds": stats.rounds,
+            "new_tokens": int(tot["tokens"]),
+            "draft_ms_per_round": 1000 * tot["draft_s"] / max(1, stats.rounds),
+            "verify_ms_per_round": 1000 * tot["verify_s"] / max(1, stats.rounds),
+            "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes},
+            "verified_tokens_per_round": 1 + sum(stats.drafted) / max(1, stats.rounds),
+            "accepted_length_histogram": [stats.accepted.count(a) for a in range(k + 1)],
+            "topology": self.topology.name,
+            "per_prompt": self.rows,
+        }
+
+
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -155,6 +243,7 @@ def evaluate_drafter(
     auto: str | None = None,
     calibration_prompts: int = 4,
     calibration_tokens: int = 48,
+    sweep: list[Topology] | None = None,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
@@ -181,6 +270,9 @@ def evaluate_drafter(
             greedy calibration on the first ``calibration_prompts`` prompts (``calibration_tokens`` each)
             and measured costs, then evaluate the choice (chain k = 1 as reference when plain wins);
             the report's ``auto`` holds the choice, its predicted and measured speedup and every prediction.
+        sweep: more topologies to measure in the same run: on every prompt, after the one plain run, each
+            topology decodes in turn (the chosen or given one first), so their ratios share the machine's
+            load; the report's ``sweep`` lists each one's keys (as the top level's) with its own ``per_prompt``.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
@@ -205,6 +297,9 @@ def evaluate_drafter(
     session = TargetSession(target)
     device = next(target.parameters()).device
     depth, depth_name = _draft_depth(k, tree, auto)
+    deepest = max(sweep or [], key=lambda t: t.k, default=None)
+    if deepest is not None and deepest.k > depth:
+        depth, depth_name = deepest.k, f"--sweep {deepest.name} depth"
     encoded = []
     for i, p in enumerate(prompts):
         ids = _tokenize(p, tokenizer, chat_template)
@@ -236,104 +331,70 @@ def evaluate_drafter(
         k = tree.depth
     if tree is not None and tree.is_chain and auto:
         tree = None  # a chosen chain runs as the chain (the same drafts at T = 0)
-
-    def speculate(ids, run_cfg, g, kl=False):
-        if tree is not None:
-            return generate_tree(session, drafter, ids, tree, run_cfg, g)
-        return generate_speculative(session, drafter, ids, k, run_cfg, g, collect_kl=kl)
-
     if tree is not None:
         k = tree.depth
+    topologies = [Topology(k, tree)] + [t for t in sweep or [] if t != Topology(k, tree)]
+
+    def speculate(top: Topology, ids, run_cfg, g, kl=False):
+        if top.tree is not None:
+            return generate_tree(session, drafter, ids, top.tree, run_cfg, g)
+        return generate_speculative(session, drafter, ids, top.k, run_cfg, g, collect_kl=kl)
+
     if warmup:
         short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
         generate_plain(session, encoded[0], short, gen(0))
-        speculate(encoded[0], short, gen(0))
+        for top in topologies:
+            speculate(top, encoded[0], short, gen(0))
 
-    spec_stats, lookup_stats = AcceptanceStats(k), AcceptanceStats(k)
-    rows = []
-    tot: defaultdict[str, float] = defaultdict(float)  # totals over prompts: tokens, seconds, bytes, forwards
-    equal = near_ties = 0
+    tallies = [_Tally(t) for t in topologies]
+    lookup_stats = AcceptanceStats(k)
+    tot: defaultdict[str, float] = defaultdict(float)  # plain and prompt-lookup totals over prompts
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
-        row: dict[str, Any] = {"id": p.id, "prompt_tokens": int(ids.numel())}
+        base: dict[str, Any] = {"id": p.id, "prompt_tokens": int(ids.numel())}
         plain = None
         if baseline:
             plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy)
             tot["plain_tokens"] += len(plain.tokens)
             tot["plain_s"] += plain.seconds
             tot["plain_decode_tokens"] += plain.decode_tokens
-            tot["plain_bytes"] += plain.weight_bytes
             tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
-            row["baseline_new_tokens"] = len(plain.tokens)
-            row["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
-        spec = speculate(ids, cfg, gen(i), collect_kl)
-        spec_stats.extend(spec.stats)
-        tot["spec_tokens"] += len(spec.tokens)
-        tot["spec_s"] += spec.seconds
-        tot["spec_decode_tokens"] += spec.decode_tokens
-        tot["spec_bytes"] += spec.weight_bytes
-        tot["spec_forwards"] += spec.target_forwards
-        tot["spec_draft_s"] += spec.draft_seconds
-        tot["spec_verify_s"] += spec.verify_seconds
-        row.update(new_tokens=len(spec.tokens), rounds=spec.stats.rounds, tau=spec.stats.tau(),
-                   tokens_per_s=len(spec.tokens) / spec.seconds)
-        if plain is not None and cfg.greedy:
-            diff = _first_diff(spec.tokens, plain.tokens)
-            gap = plain.top2_gaps[diff] if diff is not None and diff < len(plain.top2_gaps) else None
-            row.update(equal=diff is None, first_diff=diff, top2_gap=gap)
-            equal += diff is None
-            near_ties += diff is not None and gap is not None and gap < NEAR_TIE
+            base["baseline_new_tokens"] = len(plain.tokens)
+            base["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
+        for tally in tallies:  # every topology on this prompt before the next: load hits all alike
+            tally.add(speculate(tally.topology, ids, cfg, gen(i), collect_kl), plain, base, cfg.greedy)
         if prompt_lookup:
             lookup = generate_speculative(session, PromptLookupDrafter(), ids, k, cfg, gen(i))
             lookup_stats.extend(lookup.stats)
             tot["lookup_tokens"] += len(lookup.tokens)
             tot["lookup_s"] += lookup.seconds
-            row["prompt_lookup_tau"] = lookup.stats.tau()
-        rows.append(row)
-        log.info("prompt %d/%d (%s): tau %s, %d tokens", i + 1, len(prompts), p.id, row["tau"], row["new_tokens"])
+            tallies[0].rows[-1]["prompt_lookup_tau"] = lookup.stats.tau()
+        log.info("prompt %d/%d (%s): tau %s, %d tokens", i + 1, len(prompts), p.id, tallies[0].rows[-1]["tau"],
+                 tallies[0].rows[-1]["new_tokens"])
 
-    tokens_per_s = tot["spec_tokens"] / tot["spec_s"]
     baseline_tps = _safe_div(tot["plain_tokens"], tot["plain_s"]) if baseline else None
-    alpha = spec_stats.per_position()
+    plain_bytes = float(session.weight_bytes)
+    results = [t.report(baseline_tps, plain_bytes, baseline and cfg.greedy) for t in tallies]
     threads = torch.get_num_threads()
     if auto_report is not None:
-        auto_report["measured_speedup"] = 1.0 if auto_report["choice"] == "plain" else (
-            tokens_per_s / baseline_tps if baseline_tps else None)
+        auto_report["measured_speedup"] = 1.0 if auto_report["choice"] == "plain" else results[0]["speedup"]
+    main = results[0]
     report = {
         "num_prompts": len(prompts),
-        "k": k,
         "temperature": temperature,
-        "tau": spec_stats.tau(),
-        "acceptance_per_position": alpha,
-        "acceptance_rate": spec_stats.rate(),
-        **{f"{name}_per_position": spec_stats.per_position_mean(name) for name in DISTRIBUTION_METRICS},
+        **{key: value for key, value in main.items() if key not in ("topology", "per_prompt")},
         "kl_definition": KL_DEFINITION,
-        "bytes_per_token": {
-            "speculative": _safe_div(tot["spec_bytes"], tot["spec_decode_tokens"]),
-            "plain": float(session.weight_bytes),
-        },
-        "target_forwards_per_token": _safe_div(tot["spec_forwards"], tot["spec_decode_tokens"]),
-        "tokens_per_s": tokens_per_s,
         "baseline_tokens_per_s": baseline_tps,
-        "speedup": tokens_per_s / baseline_tps if baseline_tps else None,
-        "greedy_equal": equal if baseline and cfg.greedy else None,
         "prompt_lookup_tau": lookup_stats.tau() if prompt_lookup else None,
         # extras beyond the issue's keys
-        "acceptance_conditional": conditional_acceptance(alpha) if alpha else None,
-        "greedy_near_ties": near_ties if baseline and cfg.greedy else None,
         "prompt_lookup_tau_drafted": lookup_stats.tau_drafted() if prompt_lookup else None,
         "prompt_lookup_tokens_per_s": _safe_div(tot["lookup_tokens"], tot["lookup_s"]) if prompt_lookup else None,
-        "rounds": spec_stats.rounds,
-        "new_tokens": int(tot["spec_tokens"]),
-        "draft_ms_per_round": 1000 * tot["spec_draft_s"] / max(1, spec_stats.rounds),
-        "verify_ms_per_round": 1000 * tot["spec_verify_s"] / max(1, spec_stats.rounds),
         "plain_ms_per_token": _safe_div(1000 * tot["plain_decode_s"], tot["plain_decode_tokens"]) if baseline else None,
-        "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes},
-        "verified_tokens_per_round": 1 + sum(spec_stats.drafted) / max(1, spec_stats.rounds),
-        "accepted_length_histogram": [spec_stats.accepted.count(a) for a in range(k + 1)],
         "auto": auto_report,
+        # every topology of a sweep, the first being the one above, with the same keys and its own per_prompt
+        "sweep": results if len(results) > 1 else None,
         "setup": {
             "engine": f"draftkit (torch {torch.__version__})",
-            "topology": f"chain k={k}" if tree is None else f"tree depth={tree.depth} topk={tree.topk} N={tree.num_nodes}",
+            "topology": main["topology"],
             "batch_size": 1,
             "top_k": top_k,
             "top_p": top_p,
@@ -343,7 +404,7 @@ def evaluate_drafter(
             "device": str(device),
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
         },
-        "per_prompt": rows,
+        "per_prompt": main["per_prompt"],
     }
     return report
 
@@ -443,6 +504,12 @@ def format_summary(report: dict) -> str:
     if auto:
         lines.append(f"  auto choice                {auto['choice']}: predicted {_fmt(auto['predicted_speedup'])}x, "
                      f"measured {_fmt(auto['measured_speedup'])}x")
+    if report.get("sweep"):
+        lines.append("  sweep (same prompts, interleaved)   tau  tokens/s  speedup  verified/round  greedy_equal")
+        for r in report["sweep"]:
+            eq = "-" if r["greedy_equal"] is None else f"{r['greedy_equal']}/{report['num_prompts']}"
+            lines.append(f"    {r['topology']:<30s} {_fmt(r['tau']):>6s} {_fmt(r['tokens_per_s'], '.2f'):>9s} "
+                         f"{_fmt(r['speedup']):>8s} {_fmt(r['verified_tokens_per_round'], '.2f'):>15s} {eq:>13s}")
     return "\n".join(lines)
 
 
@@ -477,28 +544,47 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         fig.tight_layout()
         writer.add_figure(f"{prefix}/acceptance_per_position", fig, step)
         plt.close(fig)
-        if report.get("auto"):
-            fig = _auto_figure(report["auto"], plt)
+        auto = report.get("auto")
+        if auto:
+            points = [(tuple(int(x) for x in p["tree"].split(",")), p["chain"], p) for p in auto["predictions"]]
+            fig = _topology_figure(points, "predicted",
+                                   f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x", plt)
             writer.add_figure(f"{prefix}/auto_tau_and_tokens_per_s", fig, step)
+            plt.close(fig)
+        if report.get("sweep"):
+            points = []
+            for r in report["sweep"]:
+                tree = r["tree"] or {"depth": r["k"], "topk": 1, "num_nodes": r["k"]}
+                points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), r["tree"] is None, r))
+                writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/tau", r["tau"], step)
+                if r["speedup"] is not None:
+                    writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/speedup", r["speedup"], step)
+            fig = _topology_figure(points, "measured", f"sweep: {report['num_prompts']} prompts", plt)
+            writer.add_figure(f"{prefix}/sweep_tau_and_tokens_per_s", fig, step)
             plt.close(fig)
 
 
-def _auto_figure(auto: dict, plt):
-    """Predicted tau and tokens/s against chain k, and against N for each tree (depth, top-k)."""
+def _topology_figure(points, what: str, title: str, plt):
+    """tau and tokens/s against chain k, and against N for each tree (depth, top-k).
+
+    Args:
+        points: ((depth, top-k, N), is_chain, {"tau": ..., "tokens_per_s": ...}) per topology.
+        what: "predicted" or "measured" (axis labels).
+    """
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), squeeze=False)
     lines: dict[str, list] = defaultdict(list)
-    for p in auto["predictions"]:
-        d, tk, n = (int(x) for x in p["tree"].split(","))
-        lines["chain" if p["chain"] else f"depth {d} top-k {tk}"].append((d if p["chain"] else n, p))
-    for name, points in sorted(lines.items()):
-        points.sort(key=lambda x: x[0])
+    for shape, chain, p in points:
+        d, tk, n = shape
+        lines["chain" if chain else f"depth {d} top-k {tk}"].append((d if chain else n, p))
+    for name, pts in sorted(lines.items()):
+        pts.sort(key=lambda x: x[0])
         col = 0 if name == "chain" else 1
         for row, key in enumerate(("tau", "tokens_per_s")):
-            axes[row][col].plot([x for x, _ in points], [p[key] for _, p in points], marker="o", label=name)
+            axes[row][col].plot([x for x, _ in pts], [p[key] for _, p in pts], marker="o", label=name)
     for col, xlabel in enumerate(("chain k", "tree N (verified nodes)")):
-        for row, ylabel in enumerate(("tau (predicted)", "tokens/s (predicted)")):
+        for row, ylabel in enumerate((f"tau ({what})", f"tokens/s ({what})")):
             axes[row][col].set(xlabel=xlabel, ylabel=ylabel)
         axes[0][col].legend(fontsize=6)
-    fig.suptitle(f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig

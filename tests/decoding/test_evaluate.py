@@ -271,3 +271,38 @@ def test_main_default_dtype_is_the_policy(tmp_path, ckpt, prompts_file, fake_pre
     setup = json.loads(out.read_text())["setup"]
     assert setup["target_dtype"] == policy and setup["draft_dtype"] == policy
     assert setup["precision"] == {"requested": "auto", "dtype": policy, "auto": choice.as_dict()}
+
+
+def test_main_sweep_measures_every_topology_as_its_own_run(tmp_path, ckpt, prompts_file, capsys):
+    """--sweep: one plain run per prompt, then every topology; each entry equals that topology evaluated alone
+    (greedy float32 is deterministic), the given one first, and the table and TensorBoard plot are written."""
+    out, tb = tmp_path / "sweep.json", tmp_path / "tb"
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "12",
+              "--dtype", "float32", "--prompt_lookup", "false"]
+    assert main(common + ["--output", str(out), "--k", "2", "--sweep", "k=1 k=2 tree=3,2,5", "--tensorboard", str(tb)]) == 0
+    report = json.loads(out.read_text())
+    sweep = report["sweep"]
+    assert [r["topology"] for r in sweep] == ["chain k=2", "chain k=1", "tree depth=3 topk=2 N=5"]
+    assert {key: report[key] for key in ("tau", "speedup", "greedy_equal", "k")} == {
+        key: sweep[0][key] for key in ("tau", "speedup", "greedy_equal", "k")}
+    assert report["per_prompt"] == sweep[0]["per_prompt"]
+    for entry, alone_args in zip(sweep[1:], (["--k", "1"], ["--tree", "3,2,5"])):
+        alone = tmp_path / "alone.json"
+        assert main(common + ["--output", str(alone)] + alone_args) == 0
+        single = json.loads(alone.read_text())
+        assert single["sweep"] is None and entry["greedy_equal"] == single["greedy_equal"] == 3
+        for key in ("tau", "acceptance_per_position", "accepted_length_histogram", "verified_tokens_per_round",
+                    "rounds", "tree", "k"):
+            assert entry[key] == single[key], key
+        assert entry["speedup"] == pytest.approx(entry["tokens_per_s"] / report["baseline_tokens_per_s"])
+        assert [r["id"] for r in entry["per_prompt"]] == ["7", "2", "3"]
+    printed = capsys.readouterr().out
+    assert "sweep (same prompts, interleaved)" in printed and "tree depth=3 topk=2 N=5" in printed
+    assert list(tb.glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("entry", ["k=0", "chain=3", "tree=3,2", "k3"])
+def test_main_sweep_bad_entry_names_it(tmp_path, ckpt, prompts_file, capsys, entry):
+    rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(tmp_path / "r.json"),
+               "--sweep", f"k=1 {entry}"])
+    assert rc != 0 and entry in capsys.readouterr().err and not (tmp_path / "r.json").exists()
