@@ -20,7 +20,8 @@ Algorithm (:func:`regenerate`):
 
 Resume: rerunning the same command skips the shards in the index; a shard is always decoded in the same
 batches, and a sampled record draws from its own generator (seed, record position), so the result is
-the same file as an uninterrupted run.
+the same file as an uninterrupted run. The output's header keeps the shard index, so a finished file is
+extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused.
 
 Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
 are counted by reason in the header and the log, never fatal.
@@ -274,6 +275,19 @@ def _write_lines_atomic(path: Path, lines: list[str]) -> None:
         raise
 
 
+def _read_output(path: Path) -> tuple[dict, list[str]] | None:
+    """(header, record lines) of a finished generate output that holds its shard index, else None."""
+    raw = path.read_bytes()
+    lines = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").splitlines(keepends=True)
+    try:
+        header = json.loads(lines[0])["header"] if lines else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or "shards" not in header:
+        return None
+    return header, lines[1:]
+
+
 def _sha16(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -314,8 +328,8 @@ def regenerate(
         this run's decoding.
 
     Raises:
-        FileExistsError: if ``output`` exists (without ``overwrite``), or ``<output>.parts`` holds shards made
-            with other settings.
+        FileExistsError: if ``output`` exists (without ``overwrite``) and is not a generate output made with the
+            same settings (then it is extended), or ``<output>.parts`` holds shards made with other settings.
         ValueError: on bad settings, or a source with no usable conversation.
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
@@ -330,8 +344,12 @@ def regenerate(
     out = Path(output)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
+    existing = None  # (header, record lines) of a finished output this run extends
     if out.exists() and not overwrite:
-        raise FileExistsError(f"--output {output} exists; pass --overwrite to replace it")
+        existing = _read_output(out)
+        if existing is None:
+            raise FileExistsError(f"--output {output} exists and is not a generate output with a shard index "
+                                  "(made by an older draftkit or another tool); pass --overwrite to replace it")
     parts = out.with_name(out.name + ".parts")
     path = resolve_artifact(source, "--source")
     conversations, summary = read_conversations(path, split, max_records)
@@ -379,8 +397,20 @@ def regenerate(
             )
         shutil.rmtree(parts)
         index = None
+    if existing is not None and existing[0]["settings"] != settings:
+        raise FileExistsError(
+            f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}: source, "
+            "target, template or decode options); pass --overwrite to replace it, or write another --output"
+        )
     if index is None:
         index = {"settings": settings, "header": header, "shards": {}}
+        if existing is not None:  # extend a finished file: its shards come back as parts
+            lines = iter(existing[1])
+            for i, meta in sorted(existing[0]["shards"].items(), key=lambda kv: int(kv[0])):
+                _write_lines_atomic(parts / f"shard-{int(i):05d}.jsonl", [next(lines) for _ in range(meta["records"])])
+            index["shards"] = existing[0]["shards"]
+            log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
+                     len(existing[1]))
         write_json_atomic(index_path, index)  # the settings are known before the first shard
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
 
@@ -447,6 +477,9 @@ def regenerate(
         body.append((parts / f"shard-{i:05d}.jsonl").read_text(encoding="utf-8"))
     header = {
         **header,
+        "settings": settings,
+        # what a longer rerun reuses (timings left out: the file is the same whether a run was resumed or not)
+        "shards": {str(i): {k: v for k, v in index["shards"][str(i)].items() if k != "seconds"} for i in range(len(shards))},
         "source_ids": ids,
         "counts": {
             "records": len(ids), "failed": dict(sorted(failed.items())), "skipped_by_reader": dict(summary.skipped),

@@ -85,8 +85,35 @@ def test_regenerate_first_turns_counts_bad_records_and_reads_back(tmp_path, tiny
         answer = tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
         assert messages[1] == {"role": "assistant", "content": answer}
     assert not (tmp_path / "regen.jsonl.parts").exists()
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32")
+    before, calls = out.read_bytes(), []
+    regenerate(str(src), str(out), str(tiny_target_dir), cfg, dtype="float32", batch_size=3, shard_size=3,
+               _after_batch=lambda: calls.append(1))
+    assert calls == [] and out.read_bytes() == before  # rerun of a finished command: nothing to decode
+    with pytest.raises(FileExistsError, match="made with other settings .* pass --overwrite"):
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=5, max_prompt_tokens=200),
+                   dtype="float32", batch_size=3, shard_size=3)
+
+
+def test_a_finished_file_extends_to_more_records(tmp_path, tiny_target_dir):
+    """max_records 3 then all: the second run decodes only the new shards and writes the file a single run
+    over all records writes; a file without a shard index is refused."""
+    src = _write_source(tmp_path / "src.jsonl")
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=4, max_prompt_tokens=200), dtype="float32", batch_size=2, shard_size=3)
+    whole = tmp_path / "whole.jsonl.gz"
+    regenerate(str(src), str(whole), str(tiny_target_dir), **kw)
+    grown, calls = tmp_path / "grown.jsonl.gz", []
+    regenerate(str(src), str(grown), str(tiny_target_dir), max_records=3, **kw)
+    assert json.loads(gzip.decompress(grown.read_bytes()).splitlines()[0])["header"]["counts"]["records"] == 3
+    regenerate(str(src), str(grown), str(tiny_target_dir), _after_batch=lambda: calls.append(1), **kw)
+    assert len(calls) == 3  # shards 1 (2 batches) and 2 (1 batch); shard 0 came from the file
+    assert grown.read_bytes() == whole.read_bytes()
+    legacy = tmp_path / "legacy.jsonl"
+    lines = gzip.decompress(whole.read_bytes()).decode().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    del header["header"]["shards"]
+    legacy.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
+    with pytest.raises(FileExistsError, match="not a generate output with a shard index"):
+        regenerate(str(src), str(legacy), str(tiny_target_dir), **kw)
 
 
 def test_regenerating_a_regenerated_file_names_its_source(tmp_path, tiny_target_dir, caplog):
