@@ -278,7 +278,9 @@ def _write_lines_atomic(path: Path, lines: list[str]) -> None:
 def _read_output(path: Path) -> tuple[dict, list[str]] | None:
     """(header, record lines) of a finished generate output that holds its shard index, else None."""
     raw = path.read_bytes()
-    lines = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8").splitlines(keepends=True)
+    text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
+    # records end at "\n" only: str.splitlines would also cut at U+2028, U+0085 ... inside a JSON string
+    lines = [line + "\n" for line in text.split("\n")[:-1]] if text.endswith("\n") else []
     try:
         header = json.loads(lines[0])["header"] if lines else None
     except (json.JSONDecodeError, KeyError, TypeError):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftkit.data.chat import read_conversations
-from draftkit.decoding.regenerate import RegenerateConfig, generate_batch, regenerate
+from draftkit.decoding.regenerate import FORMAT, RegenerateConfig, _read_output, generate_batch, regenerate
 from draftkit.decoding.speculative import DecodeConfig, TargetSession, generate_plain
 
 EOS = 257  # <|im_end|> of the tiny tokenizer
@@ -207,3 +207,13 @@ def test_generate_verb_writes_the_file_the_library_writes(tmp_path, tiny_target_
     assert main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(cli),
                  "--max_new_tokens", "3", "--max_prompt_tokens", "200", "--dtype", "float32", "--overwrite"]) in (0, None)
     assert cli.read_bytes() == lib.read_bytes()
+
+
+def test_read_output_splits_records_at_newlines_only(tmp_path):
+    """An answer may hold U+2028 or U+0085 raw (JSON written with ensure_ascii=False): still one record."""
+    header = {"header": {"format": FORMAT, "shards": {"0": {"records": 2}}}}
+    records = [{"id": "a", "messages": [{"role": "assistant", "content": "x\u2028y\x85z"}]}, {"id": "b"}]
+    path = tmp_path / "out.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [header, *records]).encode()))
+    got_header, lines = _read_output(path)
+    assert got_header == header["header"] and [json.loads(line) for line in lines] == records
