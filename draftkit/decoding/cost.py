@@ -48,7 +48,7 @@ __all__ = [
     "choose",
     "greedy_sequences",
     "measure_costs",
-    "min_seconds",
+    "fastest",
     "monotone",
     "predict",
 ]
@@ -282,20 +282,23 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(table), values))
 
 
-def min_seconds(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn()``, in seconds.
+def fastest(fns: dict, repeats: int) -> dict:
+    """{key: the fastest of ``repeats`` timed calls of ``fns[key]()``, in seconds}, the calls interleaved.
 
-    The minimum, not the median: interference (other processes, a kernel's first call at a new shape) only ever
-    adds time, so the minimum is the estimate it disturbs least (as ``timeit`` advises). With the median of 5,
-    one disturbed entry (2 verified rows at 84 ms against 52 ms in the real rounds, bf16, session 5) made the
-    cost model choose plain decoding over a chain that measured 1.18x.
+    Round r calls every function once, in order, before round r + 1, so a slow spell of the machine lands on
+    all entries of a round alike instead of on whole entries. The minimum, not the median: interference (other
+    processes, a kernel's first call at a new shape) only ever adds time, so the minimum is the estimate it
+    disturbs least (as ``timeit`` advises). With the median of 5 timed back to back, one disturbed entry
+    (2 verified rows at 84 ms against 52 ms in the real rounds, bf16, session 5) made the cost model choose
+    plain decoding over a chain that measured 1.18x.
     """
-    times = []
+    best = {key: float("inf") for key in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    return best
 
 
 @torch.no_grad()
@@ -315,7 +318,8 @@ def measure_costs(
         prompt_ids: (n,) int64, n >= 3; the context the forwards extend.
         rows: target rows per forward to time (1 is always added).
         widths: frontier widths to time (1 is always added).
-        repeats: timings per entry (the fastest is kept, :func:`min_seconds`); one untimed warm-up each.
+        repeats: timings per entry, interleaved across entries (the fastest is kept, :func:`fastest`); one
+            untimed warm-up each.
 
     Returns:
         :class:`CostTable` with the verify timings as measured and ``step`` their :func:`monotone` fit; the raw
@@ -330,16 +334,18 @@ def measure_costs(
     target.reset()
     target.pad_rows = {}  # time each row count as itself
     _, aux = target.forward(prompt_ids, last_only=True)
-    verify = {}
-    for r in sorted({1, *rows}):
+
+    def verify_run(r: int):
         ids = prompt_ids.repeat(r // n + 1)[:r]
 
         def run():
             target.forward(ids)
             target.crop(n)
 
-        run()
-        verify[r] = min_seconds(run, repeats)
+        run()  # warm-up
+        return run
+
+    verify = fastest({r: verify_run(r) for r in sorted({1, *rows})}, repeats)
     seq = torch.cat([prompt_ids, prompt_ids[-1:]])
     drafter.reset(prompt_ids[:-2], aux[:-2])
     drafter.feed_pending(seq[:-2])  # n - 2 step-0 rows cached
@@ -350,10 +356,10 @@ def measure_costs(
         return drafter.feed_pending(seq)
 
     first()
-    t_first = min_seconds(first, repeats)
+    t_first = fastest({"first": first}, repeats)["first"]
     _, h = first()
-    step = {}
-    for w in sorted({1, *widths}):
+
+    def step_run(w: int):
         ids = prompt_ids[:1].repeat(w)
         mask = torch.ones(w, n + w, dtype=torch.bool, device=prompt_ids.device)
         pos = torch.full((1, w), n, device=prompt_ids.device)
@@ -362,8 +368,10 @@ def measure_costs(
             drafter.head(ids[None], h.expand(1, w, h.shape[-1]), pos, drafter.cache, attn_mask=mask)
             drafter.cache.crop(n)
 
-        run()
-        step[w] = min_seconds(run, repeats)
+        run()  # warm-up
+        return run
+
+    step = fastest({w: step_run(w) for w in sorted({1, *widths})}, repeats)
     target.reset()
     return CostTable(verify, t_first, monotone(step), measured={"verify": verify, "step": step})
 

@@ -10,7 +10,7 @@ from draftkit.decoding.cost import (
     choose,
     greedy_sequences,
     measure_costs,
-    min_seconds,
+    fastest,
     monotone,
     predict,
 )
@@ -110,11 +110,14 @@ def test_monotone_pools_adjacent_violators():
     assert monotone({7: 1.0}) == {7: 1.0}
 
 
-def test_min_seconds_keeps_the_fastest_call(monkeypatch):
-    """One disturbed call (8 s) or two cannot move the estimate; the median of 3 would be 5 s."""
+def test_fastest_interleaves_and_keeps_the_fastest_call(monkeypatch):
+    """Calls run a, b, a, b, a, b; a slow spell in round 2 (8 s and 9 s) cannot move either estimate, and the
+    median of 3 would be 5 s for a."""
     import draftkit.decoding.cost as cost
 
-    clock = iter([0.0, 8.0, 10.0, 11.0, 20.0, 25.0])  # calls of 8, 1 and 5 s
+    # a: 1, 8, 5 s; b: 2, 9, 3 s
+    clock = iter([0.0, 1.0, 1.0, 3.0, 3.0, 11.0, 11.0, 20.0, 20.0, 25.0, 25.0, 28.0])
     monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
     calls = []
-    assert min_seconds(lambda: calls.append(1), 3) == 1.0 and len(calls) == 3
+    best = fastest({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
+    assert best == {"a": 1.0, "b": 2.0} and calls == ["a", "b"] * 3
