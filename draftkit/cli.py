@@ -12,6 +12,9 @@ explicit value wins. The choice and its reason go to the logger's hparams and th
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 from jsonargparse import ActionConfigFile
@@ -43,6 +46,41 @@ class _LogHyperparams(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         for logger in trainer.loggers:
             logger.log_hyperparams(self.params)
+
+
+class _RunStart(Callback):
+    """The optimizer step a run starts from, read once a checkpoint is restored (``on_train_start``), and a first
+    Ctrl-C turned into SIGTERM: Lightning stops at the next loop boundary on SIGTERM (and the recipes'
+    ``OnExceptionCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
+    an optimizer step and checkpoint parameters one update ahead of their counters. A second Ctrl-C interrupts
+    at once."""
+
+    step = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Read the start step; install the Ctrl-C handler (after Lightning's own signal set-up, which restores
+        the handlers it found when fit ends)."""
+        self.step = trainer.global_step
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def first_ctrl_c(signum, frame):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            rank_zero_info("Ctrl-C: stopping at the next step boundary (Ctrl-C again to interrupt at once)")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        self._previous = signal.signal(signal.SIGINT, first_ctrl_c)
+
+    def _restore(self) -> None:
+        if hasattr(self, "_previous"):
+            signal.signal(signal.SIGINT, self._previous)
+            del self._previous
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore()
 
 
 class DraftkitCLI(LightningCLI):
@@ -86,7 +124,8 @@ class DraftkitCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._fit_started = time.monotonic()
-        self._start_step = self.trainer.global_step
+        self._run_start = _RunStart()
+        self.trainer.callbacks.append(self._run_start)
         # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
         self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))
 
@@ -97,7 +136,7 @@ class DraftkitCLI(LightningCLI):
         last = getattr(ckpt, "last_model_path", "") if ckpt else ""
         logdir = trainer.logger.log_dir if trainer.logger else trainer.default_root_dir
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        steps = trainer.global_step - self._start_step
+        steps = trainer.global_step - self._run_start.step
         seconds = time.monotonic() - self._fit_started
         p, auto = self.precision, self.precision["auto"]
         timers = [cb for cb in trainer.callbacks if hasattr(cb, "summary") and hasattr(cb, "budget_s")]

