@@ -275,19 +275,30 @@ def _write_lines_atomic(path: Path, lines: list[str]) -> None:
         raise
 
 
-def _read_output(path: Path) -> tuple[dict, list[str]] | None:
-    """(header, record lines) of a finished generate output that holds its shard index, else None."""
-    raw = path.read_bytes()
-    text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
+def _read_output(path: Path) -> tuple[dict, dict[str, list[str]]] | None:
+    """(header, {shard: its record lines}) of a complete generate output that holds its shard index, else None
+    (unreadable, not gzip or UTF-8, no header or index, or records that do not match the index: missing, extra,
+    not JSON, or another id)."""
+    try:
+        raw = path.read_bytes()
+        text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError):
+        return None
     # records end at "\n" only: str.splitlines would also cut at U+2028, U+0085 ... inside a JSON string
     lines = [line + "\n" for line in text.split("\n")[:-1]] if text.endswith("\n") else []
     try:
         header = json.loads(lines[0])["header"] if lines else None
-    except (json.JSONDecodeError, KeyError, TypeError):
+        if not isinstance(header, dict) or header.get("format") != FORMAT or not {"settings", "shards"} <= set(header):
+            return None
+        shards, pos = {}, 1
+        for key, meta in sorted(header["shards"].items(), key=lambda kv: int(kv[0])):
+            shards[key] = lines[pos:pos + meta["records"]]
+            pos += meta["records"]
+            if [json.loads(line)["id"] for line in shards[key]] != meta["ids"]:
+                return None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return None
-    if not isinstance(header, dict) or header.get("format") != FORMAT or "shards" not in header:
-        return None
-    return header, lines[1:]
+    return (header, shards) if pos == len(lines) else None
 
 
 def _sha16(obj) -> str:
@@ -346,12 +357,13 @@ def regenerate(
     out = Path(output)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
-    existing = None  # (header, record lines) of a finished output this run extends
+    existing = None  # (header, {shard: record lines}) of a finished output this run extends
     if out.exists() and not overwrite:
         existing = _read_output(out)
         if existing is None:
-            raise FileExistsError(f"--output {output} exists and is not a generate output with a shard index "
-                                  "(made by an older draftkit or another tool); pass --overwrite to replace it")
+            raise FileExistsError(f"--output {output} exists and is not a complete generate output with a shard "
+                                  "index (damaged, or made by an older draftkit or another tool); pass --overwrite "
+                                  "to replace it")
     parts = out.with_name(out.name + ".parts")
     path = resolve_artifact(source, "--source")
     conversations, summary = read_conversations(path, split, max_records)
@@ -360,9 +372,10 @@ def regenerate(
     made = (summary.header or {}).get("format") == FORMAT
     if made:  # e.g. --recipe of a recipe that already trains on regenerated data
         log.warning(
-            "generate: --source %s is already regenerated (by %s from %s); its prompts are that source's first "
-            "%d usable conversations. To regenerate more of the original, pass --source %s",
-            source, summary.header.get("target"), summary.header.get("source"), len(conversations),
+            "generate: --source %s is already regenerated (by %s from %s) and holds %d of that source's "
+            "conversations. To regenerate more of the original, pass --source %s",
+            source, summary.header.get("target"), summary.header.get("source"),
+            (summary.header.get("counts") or {}).get("records", len(conversations)),
             summary.header.get("source"),
         )
     dtype = resolve_dtype(dtype, default_device(), "--dtype")
@@ -404,17 +417,24 @@ def regenerate(
             f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}: source, "
             "target, template or decode options); pass --overwrite to replace it, or write another --output"
         )
+    shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
+    if existing is not None:
+        covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
+        if covered > len(conversations):
+            raise FileExistsError(
+                f"--output {output} holds the answers to the first {covered} usable conversations; "
+                f"--max_records {max_records} ({len(conversations)}) would drop some. Pass a larger --max_records "
+                "(or none), write another --output, or pass --overwrite"
+            )
     if index is None:
         index = {"settings": settings, "header": header, "shards": {}}
         if existing is not None:  # extend a finished file: its shards come back as parts
-            lines = iter(existing[1])
-            for i, meta in sorted(existing[0]["shards"].items(), key=lambda kv: int(kv[0])):
-                _write_lines_atomic(parts / f"shard-{int(i):05d}.jsonl", [next(lines) for _ in range(meta["records"])])
+            for key, lines in existing[1].items():
+                _write_lines_atomic(parts / f"shard-{int(key):05d}.jsonl", lines)
             index["shards"] = existing[0]["shards"]
             log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
-                     len(existing[1]))
+                     sum(len(lines) for lines in existing[1].values()))
         write_json_atomic(index_path, index)  # the settings are known before the first shard
-    shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
 
     def done(i: int) -> bool:
         meta = index["shards"].get(str(i))

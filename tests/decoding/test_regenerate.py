@@ -107,13 +107,29 @@ def test_a_finished_file_extends_to_more_records(tmp_path, tiny_target_dir):
     regenerate(str(src), str(grown), str(tiny_target_dir), _after_batch=lambda: calls.append(1), **kw)
     assert len(calls) == 3  # shards 1 (2 batches) and 2 (1 batch); shard 0 came from the file
     assert grown.read_bytes() == whole.read_bytes()
-    legacy = tmp_path / "legacy.jsonl"
+    with pytest.raises(FileExistsError, match=r"first 8 usable conversations; --max_records 4 \(4\) would drop some"):
+        regenerate(str(src), str(grown), str(tiny_target_dir), max_records=4, **kw)
+    assert grown.read_bytes() == whole.read_bytes()
+
     lines = gzip.decompress(whole.read_bytes()).decode().splitlines(keepends=True)
     header = json.loads(lines[0])
-    del header["header"]["shards"]
-    legacy.write_text(json.dumps(header) + "\n" + "".join(lines[1:]))
-    with pytest.raises(FileExistsError, match="not a generate output with a shard index"):
-        regenerate(str(src), str(legacy), str(tiny_target_dir), **kw)
+    no_index = json.dumps({"header": {k: v for k, v in header["header"].items() if k != "shards"}}) + "\n"
+    bad_id = lines[2].replace(json.loads(lines[2])["id"], "other")
+    damaged = {  # what a crash, a copy or an older draftkit leaves
+        "no_index.jsonl": (no_index + "".join(lines[1:])).encode(),
+        "cut_gzip.jsonl.gz": whole.read_bytes()[:-20],
+        "not_gzip.jsonl.gz": "".join(lines).encode(),
+        "not_utf8.jsonl": b"\xff\xfe" + "".join(lines).encode(),
+        "lines_missing.jsonl": "".join(lines[:-2]).encode(),
+        "line_not_json.jsonl": "".join(lines[:2] + ["{not json\n"] + lines[3:]).encode(),
+        "line_of_another_record.jsonl": "".join(lines[:2] + [bad_id] + lines[3:]).encode(),
+    }
+    for name, data in damaged.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(FileExistsError, match="not a complete generate output with a shard index"):
+            regenerate(str(src), str(path), str(tiny_target_dir), **kw)
+        assert path.read_bytes() == data and not path.with_name(name + ".parts").exists(), name
 
 
 def test_regenerating_a_regenerated_file_names_its_source(tmp_path, tiny_target_dir, caplog):
@@ -125,7 +141,7 @@ def test_regenerating_a_regenerated_file_names_its_source(tmp_path, tiny_target_
     with caplog.at_level(logging.WARNING, logger="draftkit.decoding.regenerate"):
         regenerate(str(first), str(tmp_path / "again.jsonl"), str(tiny_target_dir), cfg, dtype="float32")
     assert caplog.text.rstrip().endswith(f"To regenerate more of the original, pass --source {src}")
-    assert "already regenerated" in caplog.text and "first 2 usable conversations" in caplog.text
+    assert "already regenerated" in caplog.text and "holds 2 of that source's conversations" in caplog.text
 
 
 def test_resume_after_an_interrupted_shard_writes_the_same_file(tmp_path, tiny_target_dir):
@@ -211,9 +227,9 @@ def test_generate_verb_writes_the_file_the_library_writes(tmp_path, tiny_target_
 
 def test_read_output_splits_records_at_newlines_only(tmp_path):
     """An answer may hold U+2028 or U+0085 raw (JSON written with ensure_ascii=False): still one record."""
-    header = {"header": {"format": FORMAT, "shards": {"0": {"records": 2}}}}
+    header = {"header": {"format": FORMAT, "settings": "0" * 16, "shards": {"0": {"records": 2, "ids": ["a", "b"]}}}}
     records = [{"id": "a", "messages": [{"role": "assistant", "content": "x\u2028y\x85z"}]}, {"id": "b"}]
     path = tmp_path / "out.jsonl.gz"
     path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [header, *records]).encode()))
-    got_header, lines = _read_output(path)
-    assert got_header == header["header"] and [json.loads(line) for line in lines] == records
+    got_header, shards = _read_output(path)
+    assert got_header == header["header"] and [json.loads(line) for line in shards["0"]] == records
