@@ -145,7 +145,7 @@ class Topology:
             ValueError: naming ``option`` and the entry, on anything else.
         """
         kind, _, value = text.strip().partition("=")
-        if kind == "k" and value.isdigit() and int(value) >= 1:
+        if kind == "k" and value.isascii() and value.isdigit() and int(value) >= 1:
             return cls(int(value))
         if kind == "tree" and value:
             tree = TreeConfig.parse(value, f"{option} {text}", auto=False)
@@ -333,7 +333,7 @@ def evaluate_drafter(
         tree = None  # a chosen chain runs as the chain (the same drafts at T = 0)
     if tree is not None:
         k = tree.depth
-    topologies = [Topology(k, tree)] + [t for t in sweep or [] if t != Topology(k, tree)]
+    topologies = list(dict.fromkeys([Topology(k, tree), *(sweep or [])]))  # the main one first, no duplicates
 
     def speculate(top: Topology, ids, run_cfg, g, kl=False):
         if top.tree is not None:
@@ -556,9 +556,9 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
             for r in report["sweep"]:
                 tree = r["tree"] or {"depth": r["k"], "topk": 1, "num_nodes": r["k"]}
                 points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), r["tree"] is None, r))
-                writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/tau", r["tau"], step)
-                if r["speedup"] is not None:
-                    writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/speedup", r["speedup"], step)
+                for key in ("tau", "speedup"):
+                    if r[key] is not None:  # no round (every prompt stopped at once), no baseline
+                        writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/{key}", r[key], step)
             fig = _topology_figure(points, "measured", f"sweep: {report['num_prompts']} prompts", plt)
             writer.add_figure(f"{prefix}/sweep_tau_and_tokens_per_s", fig, step)
             plt.close(fig)

@@ -66,6 +66,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if adamw_params else None
         self._link()
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Only the two groups made at construction: a group added later would be stepped by neither optimizer.
+
+        Raises:
+            NotImplementedError: after construction (e.g. Lightning's ``BaseFinetuning`` unfreezing layers;
+                use ``model.optim.optimizer: adamw`` there).
+        """
+        if hasattr(self, "_muon"):
+            raise NotImplementedError("MuonWithAdamW takes no parameter group after construction; use adamw")
+        super().add_param_group(param_group)
+
     def _link(self) -> None:
         """Point the inner optimizers at this optimizer's groups and state (after init and a load)."""
         self._muon.param_groups = self.param_groups[:1]

@@ -279,7 +279,7 @@ def test_main_sweep_measures_every_topology_as_its_own_run(tmp_path, ckpt, promp
     out, tb = tmp_path / "sweep.json", tmp_path / "tb"
     common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "12",
               "--dtype", "float32", "--prompt_lookup", "false"]
-    assert main(common + ["--output", str(out), "--k", "2", "--sweep", "k=1 k=2 tree=3,2,5", "--tensorboard", str(tb)]) == 0
+    assert main(common + ["--output", str(out), "--k", "2", "--sweep", "k=1 k=2 tree=3,2,5 k=1", "--tensorboard", str(tb)]) == 0
     report = json.loads(out.read_text())
     sweep = report["sweep"]
     assert [r["topology"] for r in sweep] == ["chain k=2", "chain k=1", "tree depth=3 topk=2 N=5"]
@@ -301,8 +301,16 @@ def test_main_sweep_measures_every_topology_as_its_own_run(tmp_path, ckpt, promp
     assert list(tb.glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("entry", ["k=0", "chain=3", "tree=3,2", "k3"])
+@pytest.mark.parametrize("entry", ["k=0", "chain=3", "tree=3,2", "k3", "k=²"])
 def test_main_sweep_bad_entry_names_it(tmp_path, ckpt, prompts_file, capsys, entry):
     rc = main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(tmp_path / "r.json"),
                "--sweep", f"k=1 {entry}"])
     assert rc != 0 and entry in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+def test_main_sweep_with_no_round_writes_its_tensorboard(tmp_path, ckpt, prompts_file):
+    """One new token per prompt: no speculative round, tau None in every entry; the plot and scalars still work."""
+    out = tmp_path / "r.json"
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out), "--max_new_tokens",
+                 "1", "--dtype", "float32", "--sweep", "k=1 k=2", "--tensorboard", str(tmp_path / "tb")]) == 0
+    assert [r["tau"] for r in json.loads(out.read_text())["sweep"]] == [None, None, None]

@@ -84,5 +84,9 @@ def test_state_dict_round_trip_resumes_exactly():
 def test_bad_settings_name_the_option():
     with pytest.raises(ValueError, match="model.optim.optimizer must be adamw or muon"):
         OptimConfig(optimizer="sgd")
+    head = _head()
+    opt = MuonWithAdamW(*split_muon_params(head), lr=1e-3)
+    with pytest.raises(NotImplementedError, match="no parameter group after construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 2))]})
     with pytest.raises(ValueError, match="no 2-D trainable matrix"):
         MuonWithAdamW([], [torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
