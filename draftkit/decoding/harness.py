@@ -6,8 +6,8 @@ the other so that machine load hits all alike:
 
 1. plain decoding with the target's KV cache (the baseline; at T = 0 it also records the target's top-2
    logit gap at every token, for the lossless check);
-2. chain speculative decoding with the head (k drafts per round, draft KV cache, one target verify
-   forward per round);
+2. speculative decoding with the head (a chain of k drafts per round or a tree, draft KV cache, one target
+   verify forward per round), and with ``sweep`` every further topology in turn;
 3. prompt-lookup (n-gram) drafting with the same k (baseline drafter).
 
 The report (JSON, stable keys) carries tau (bonus token counted), per-position acceptance alpha_i,
