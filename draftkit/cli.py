@@ -53,7 +53,7 @@ class _RunStart(Callback):
     Ctrl-C turned into SIGTERM: Lightning stops at the next loop boundary on SIGTERM (and the recipes'
     ``OnExceptionCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
     an optimizer step and checkpoint parameters one update ahead of their counters. A second Ctrl-C interrupts
-    at once."""
+    at once. Only where SIGINT has Python's default handler (not in a background job that ignores it)."""
 
     step = 0
 
@@ -63,6 +63,8 @@ class _RunStart(Callback):
         self.step = trainer.global_step
         if threading.current_thread() is not threading.main_thread():
             return
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # SIGINT ignored (a background job) or handled by the caller: leave it so
 
         def first_ctrl_c(signum, frame):
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -174,10 +174,14 @@ def test_a_stopped_run_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeyp
     full.mkdir(), part.mkdir()
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
     stop = [_SignalAt(4, getattr(signal, signame)), OnExceptionCheckpoint(part / "interrupted")]
-    with pytest.raises(SystemExit):
-        DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6))],
-                    trainer_defaults={"callbacks": stop})
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # fit's Ctrl-C handler is gone
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (nohup ignores SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6))],
+                        trainer_defaults={"callbacks": stop})
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # fit's Ctrl-C handler is gone
+    finally:
+        signal.signal(signal.SIGINT, previous)
     ckpt = part / "interrupted" / "on_exception.ckpt"
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
     stopped_at = 4 if signame == "SIGTERM" else 5
