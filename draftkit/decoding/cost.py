@@ -46,9 +46,9 @@ __all__ = [
     "calibrate_tau",
     "candidate_topologies",
     "choose",
+    "fastest",
     "greedy_sequences",
     "measure_costs",
-    "fastest",
     "monotone",
     "predict",
 ]

@@ -296,10 +296,7 @@ def evaluate_drafter(
     cfg = DecodeConfig(max_new_tokens, temperature, top_k, top_p, tuple(eos_token_ids))
     session = TargetSession(target)
     device = next(target.parameters()).device
-    depth, depth_name = _draft_depth(k, tree, auto)
-    deepest = max(sweep or [], key=lambda t: t.k, default=None)
-    if deepest is not None and deepest.k > depth:
-        depth, depth_name = deepest.k, f"--sweep {deepest.name} depth"
+    depth, depth_name = _draft_depth(k, tree, auto, sweep or [])
     encoded = []
     for i, p in enumerate(prompts):
         ids = _tokenize(p, tokenizer, chat_template)
@@ -409,18 +406,25 @@ def evaluate_drafter(
     return report
 
 
-def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None) -> tuple[int, str]:
+def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[Topology]) -> tuple[int, str]:
     """Most drafts one round can add past the output, for the context-window check, and its name.
 
     A round's verify reaches position L + depth (the drafts of a chain, a tree's longest path), so a prompt
     needs prompt + max_new_tokens + depth positions. ``auto`` picks its topology only after a calibration, so
-    the deepest candidate it may pick (``cost.candidate_topologies``) is checked up front, not the k passed in.
+    the deepest candidate it may pick (``cost.candidate_topologies``) is checked up front, not the k passed in;
+    a deeper ``sweep`` entry sets the depth instead.
     """
     if auto:
-        return max(t.depth for t in cost.candidate_topologies(auto == "tree")), f"the deepest --{auto} auto depth"
-    if tree is not None:
-        return tree.depth, "tree depth"
-    return k, "k"
+        depth = max(t.depth for t in cost.candidate_topologies(auto == "tree"))
+        name = f"the deepest --{auto} auto depth"
+    elif tree is not None:
+        depth, name = tree.depth, "tree depth"
+    else:
+        depth, name = k, "k"
+    deepest = max(sweep, key=lambda t: t.k, default=None)
+    if deepest is not None and deepest.k > depth:
+        return deepest.k, f"--sweep {deepest.name} depth"
+    return depth, name
 
 
 def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos) -> dict:

@@ -369,8 +369,7 @@ def regenerate(
     conversations, summary = read_conversations(path, split, max_records)
     if not conversations:
         raise ValueError(f"no usable conversation in {source}: {summary}")
-    made = (summary.header or {}).get("format") == FORMAT
-    if made:  # e.g. --recipe of a recipe that already trains on regenerated data
+    if (summary.header or {}).get("format") == FORMAT:  # e.g. --recipe of a recipe that trains on regenerated data
         log.warning(
             "generate: --source %s is already regenerated (by %s from %s) and holds %d of that source's "
             "conversations. To regenerate more of the original, pass --source %s",
