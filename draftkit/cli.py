@@ -16,8 +16,9 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
-from jsonargparse import ActionConfigFile
+from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,6 +26,42 @@ from lightning.pytorch.utilities import rank_zero_info
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 
 __all__ = ["DraftkitCLI", "load_recipe"]
+
+
+RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
+
+
+def _continue_run_dir(config) -> None:
+    """Point a resumed fit's TensorBoard logger at the version directory of the run that wrote its checkpoint.
+
+    ``fit --ckpt_path FILE`` would otherwise open a new ``version_N``: the learning curve splits in two and
+    ``ModelCheckpoint``, whose default ``dirpath`` lies below the version directory, drops its best-k record
+    (Lightning reloads it only for an unchanged ``dirpath``). TensorBoard appends a new event file, so the run
+    continues as one. Applies to the default logger and to a ``TensorBoardLogger`` without a ``version``, and only
+    when the checkpoint's directory (``RUN_DIR_KEY``, written by ``_RunStart``) lies under the configured
+    ``save_dir/name``; anything else is left as configured (a ``CSVLogger`` would delete the old metrics file).
+    """
+    path = config.get("ckpt_path")
+    if not path or not os.path.isfile(path):
+        return
+    logger = config.trainer.logger
+    if logger is None or logger is True:
+        args = Namespace(save_dir=config.trainer.default_root_dir or os.getcwd(), name="lightning_logs", version=None)
+    elif isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger"):
+        args = logger.init_args
+    else:
+        return
+    if args.get("version") is not None:
+        return
+    import torch
+
+    log_dir = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(RUN_DIR_KEY)
+    if not log_dir or Path(log_dir).parent.resolve() != (Path(args.save_dir) / (args.name or "")).resolve():
+        return
+    args.version = Path(log_dir).name
+    if logger is None or logger is True:
+        config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=args)
+    rank_zero_info(f"resuming {path}: logging into its run directory {log_dir}")
 
 
 def _device_type(accelerator) -> str:
@@ -53,7 +90,8 @@ class _RunStart(Callback):
     Ctrl-C turned into SIGTERM: Lightning stops at the next loop boundary on SIGTERM (and the recipes'
     ``OnExceptionCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
     an optimizer step and checkpoint parameters one update ahead of their counters. A second Ctrl-C interrupts
-    at once. Only where SIGINT has Python's default handler (not in a background job that ignores it)."""
+    at once. Only where SIGINT has Python's default handler (not in a background job that ignores it). Every
+    checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""
 
     step = 0
 
@@ -72,6 +110,11 @@ class _RunStart(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
         self._previous = signal.signal(signal.SIGINT, first_ctrl_c)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Record the run's logger directory, so that a resume continues it (``_continue_run_dir``)."""
+        if trainer.logger is not None and trainer.logger.log_dir:
+            checkpoint[RUN_DIR_KEY] = str(trainer.logger.log_dir)
 
     def _restore(self) -> None:
         if hasattr(self, "_previous"):
@@ -114,6 +157,8 @@ class DraftkitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit":
+            _continue_run_dir(config)
         device = _device_type(config.trainer.accelerator)
         requested = {"trainer_precision": config.trainer.precision, "target_dtype": config.model.target_dtype}
         config.trainer.precision = resolve_trainer_precision(config.trainer.precision, device)

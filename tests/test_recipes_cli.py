@@ -196,3 +196,38 @@ def test_a_stopped_run_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeyp
     assert sorted(b) == [0, 1, 2, 3, 4, 5]  # steps before the stop from the stopped run, the rest resumed
     for step in b:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def test_a_resumed_run_continues_its_run_directory(tmp_path, monkeypatch):
+    """With the default TensorBoard logger, a run stopped after step 4 and resumed from its interrupted
+    checkpoint logs into the same ``version_0`` (one learning curve, steps 0-5) and ``ModelCheckpoint`` keeps
+    its best-k record across the stop (step 3's checkpoint and step 6's, both in that directory)."""
+    import signal
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(REPO)
+    best_k = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+              "init_args": {"monitor": "val/tau_sim", "mode": "max", "save_top_k": 2, "filename": "best-{step}"}}
+    cfg = {"trainer": {"default_root_dir": str(tmp_path), "max_steps": 6, "val_check_interval": 3,
+                       "log_every_n_steps": 1, "enable_progress_bar": False, "callbacks": [best_k]}}
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump(cfg))
+    args = ["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(override)]
+    with pytest.raises(SystemExit):
+        DraftkitCLI(args=args, trainer_defaults={"callbacks": [
+            _SignalAt(4, signal.SIGTERM), OnExceptionCheckpoint(tmp_path / "interrupted")]})
+    ckpt = tmp_path / "interrupted" / "on_exception.ckpt"
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["draftkit_log_dir"] == str(run_dir)
+    cli = DraftkitCLI(args=args + ["--ckpt_path", str(ckpt)])
+    assert cli.trainer.logger.log_dir == str(run_dir)
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    kept = sorted(Path(p).name for p in cli.trainer.checkpoint_callback.best_k_models)
+    assert kept == ["best-step=3.ckpt", "best-step=6.ckpt"]
+    assert all(Path(p).parent == run_dir / "checkpoints" for p in cli.trainer.checkpoint_callback.best_k_models)
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    assert sorted({e.step for e in events.Scalars("train/loss")}) == [0, 1, 2, 3, 4, 5]
+    assert sorted(e.step for e in events.Scalars("val/tau_sim")) == [2, 5]
