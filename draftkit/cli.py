@@ -88,7 +88,7 @@ class _LogHyperparams(Callback):
 class _RunStart(Callback):
     """The optimizer step a run starts from, read once a checkpoint is restored (``on_train_start``), and a first
     Ctrl-C turned into SIGTERM: Lightning stops at the next loop boundary on SIGTERM (and the recipes'
-    ``OnExceptionCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
+    ``InterruptCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
     an optimizer step and checkpoint parameters one update ahead of their counters. A second Ctrl-C interrupts
     at once. Only where SIGINT has Python's default handler (not in a background job that ignores it). Every
     checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""

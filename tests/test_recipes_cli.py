@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from draftkit.callbacks.interrupt import InterruptCheckpoint
 from draftkit.cli import DraftkitCLI
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,22 +159,21 @@ class _SignalAt(__import__("lightning").pytorch.Callback):
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_stopped_run_saves_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch, caplog, signame):
-    """The recipes' OnExceptionCheckpoint: a run stopped by SIGTERM after step 4 of 6, or by Ctrl-C inside the
+    """The recipes' InterruptCheckpoint: a run stopped by SIGTERM after step 4 of 6, or by Ctrl-C inside the
     optimizer update of step 5 (fit turns a first Ctrl-C into SIGTERM, so the update finishes and is counted),
     writes its state (the last periodic checkpoint was at step 3) and resumes to the uninterrupted losses."""
     import logging
     import signal
 
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-
     monkeypatch.chdir(REPO)
     for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-eagle3-long.yaml"):
         recipe = yaml.safe_load((REPO / "recipes" / name).read_text())
-        assert any(c["class_path"].endswith("OnExceptionCheckpoint") for c in recipe["trainer"]["callbacks"]), name
+        assert any(c["class_path"] == "draftkit.callbacks.interrupt.InterruptCheckpoint"
+                   for c in recipe["trainer"]["callbacks"]), name
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
     DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
-    stop = [_SignalAt(4, getattr(signal, signame)), OnExceptionCheckpoint(part / "interrupted")]
+    stop = [_SignalAt(4, getattr(signal, signame)), InterruptCheckpoint(part / "interrupted")]
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (nohup ignores SIGINT)
     try:
         with pytest.raises(SystemExit):
@@ -204,7 +204,6 @@ def test_a_resumed_run_continues_its_run_directory(tmp_path, monkeypatch):
     its best-k record across the stop (step 3's checkpoint and step 6's, both in that directory)."""
     import signal
 
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.chdir(REPO)
@@ -217,7 +216,7 @@ def test_a_resumed_run_continues_its_run_directory(tmp_path, monkeypatch):
     args = ["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(override)]
     with pytest.raises(SystemExit):
         DraftkitCLI(args=args, trainer_defaults={"callbacks": [
-            _SignalAt(4, signal.SIGTERM), OnExceptionCheckpoint(tmp_path / "interrupted")]})
+            _SignalAt(4, signal.SIGTERM), InterruptCheckpoint(tmp_path / "interrupted")]})
     ckpt = tmp_path / "interrupted" / "on_exception.ckpt"
     run_dir = tmp_path / "lightning_logs" / "version_0"
     assert torch.load(ckpt, map_location="cpu", weights_only=False)["draftkit_log_dir"] == str(run_dir)
@@ -231,3 +230,20 @@ def test_a_resumed_run_continues_its_run_directory(tmp_path, monkeypatch):
     events.Reload()
     assert sorted({e.step for e in events.Scalars("train/loss")}) == [0, 1, 2, 3, 4, 5]
     assert sorted(e.step for e in events.Scalars("val/tau_sim")) == [2, 5]
+
+
+def test_interrupt_checkpoint_leaves_a_stopped_runs_state_to_other_verbs(tmp_path, monkeypatch):
+    """A stopped run's ``interrupted/on_exception.ckpt`` survives ``validate`` with the same recipe (Lightning's
+    OnExceptionCheckpoint deleted it at teardown) and a ``fit`` that fails in set-up, whose own error surfaces
+    (the write used to fail first on the missing head, hiding it under an AttributeError)."""
+    monkeypatch.chdir(REPO)
+    kept = tmp_path / "interrupted" / "on_exception.ckpt"
+    kept.parent.mkdir()
+    kept.write_bytes(b"a stopped run's state")
+    args = ["--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(tmp_path, 2)), "--trainer.limit_val_batches", "1"]
+    DraftkitCLI(args=["validate"] + args, trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
+    assert kept.read_bytes() == b"a stopped run's state"
+    with pytest.raises(ValueError, match="data.val_size=1000"):
+        DraftkitCLI(args=["fit"] + args + ["--data.val_size", "1000"],
+                    trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
+    assert kept.read_bytes() == b"a stopped run's state"
