@@ -19,7 +19,8 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   that won one seed each, together) and ``candidate-all`` (+ ``data.supervise: all``).
 - ``levers`` (base the current default recipe, 30-minute budget): levers judged on top of it. ``default`` (the
   recipe alone); ``muon`` (+ ``recipes/ablation/muon.yaml``: Muon on the hidden matrices, AdamW on the rest);
-  ``init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target).
+  ``init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target); ``vocab16k``
+  (+ ``recipes/ablation/draft-vocab-16k.yaml``: a draft vocab of 16,384, covering 96.5 % of MT-bench answers, not 91.9 %).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -93,8 +94,10 @@ STUDIES = {
     ),
     "levers": Study(
         base=[DEFAULT],
-        arms={"default": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"]},
-        diffs={"muon_minus_adamw": ("muon", "default"), "init_minus_random": ("init", "default")},
+        arms={"default": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"],
+              "vocab16k": [A / "draft-vocab-16k.yaml"]},
+        diffs={"muon_minus_adamw": ("muon", "default"), "init_minus_random": ("init", "default"),
+               "vocab16k_minus_8k": ("vocab16k", "default")},
     ),
 }
 

@@ -84,13 +84,15 @@ def test_head_study_arms_change_only_their_lever(arm, monkeypatch, benchmark_mod
     assert cli.model.optim.lr == (2e-3 if arm in ("regen-lr2e-3", "candidate", "candidate-all") else 6e-4)
 
 
-@pytest.mark.parametrize("arm", ["default", "muon", "init"])
+@pytest.mark.parametrize("arm", ["default", "muon", "init", "vocab16k"])
 def test_levers_study_arms_are_the_default_plus_their_lever(arm, monkeypatch, benchmark_module):
-    cli = _stacked(benchmark_module("ablation").STUDIES["levers"], arm, ["default", "muon", "init"], monkeypatch)
+    cli = _stacked(benchmark_module("ablation").STUDIES["levers"], arm, ["default", "muon", "init", "vocab16k"],
+                   monkeypatch)
     assert cli.datamodule.hparams.path == REGEN and cli.datamodule.hparams.supervise == "all"
     assert cli.model.ttt.steps == 3 and cli.model.optim.lr == 2e-3 and cli.trainer.max_steps == -1
     assert cli.model.optim.optimizer == ("muon" if arm == "muon" else "adamw")
     assert cli.model.hparams.init_from_target is (arm == "init")
+    assert cli.model.hparams.draft_vocab_size == (16384 if arm == "vocab16k" else 8192)
 
 
 def test_head_study_differences_pair_by_seed(benchmark_module):
