@@ -20,8 +20,11 @@ fast one alike:
    continuous: the cosine progress p, linear in the step, is anchored at the re-plan step a,
    p(s) = p_a + (1 - p_a) (s - a) / (H - a), so the LR at step a is unchanged and reaches the floor at the
    new H (``Eagle3Module.lr_factor``). The plan (H and the anchor) is checkpointed with the module, so a
-   resumed run reproduces the same LRs; a resumed run finishes the checkpointed plan and re-measures nothing
-   (its clock starts at its own process start, not the first run's).
+   resumed run reproduces the same LRs. A resumed run counts the earlier runs' training time (Lightning's
+   ``Timer`` restores it from the checkpoint) as spent, E = that time + seconds since its own process start,
+   and times its steps from its first one: it re-plans at its validations like the first run, so a machine
+   faster or slower than the first one's still ends the schedule inside the budget (the last plan alone would
+   leave the LR above its floor when ``Timer`` stops the run, or end it early).
 5. At step H the callback sets ``trainer.should_stop``: Lightning then runs a final validation and
    ``ModelCheckpoint`` writes the best and last checkpoints. Should the steps turn out slower than measured,
    the run also stops once E + V + margin_s reaches B (schedule not finished, the budget kept).
@@ -98,6 +101,8 @@ class TimeBudget(Callback):
         self.clock = clock
         self.started_at = clock() - process_seconds() if started_at is None else started_at
         self.budget_s: float | None = None
+        self.spent_before = 0.0
+        """Training seconds of the runs this one resumes (the restored ``Timer``'s count); 0.0 for a new run."""
         self.step_s: float | None = None
         """Last measured seconds per optimizer step, validation left out; None = no plan made in this run."""
         self.val_batch_s: float | None = None
@@ -111,8 +116,8 @@ class TimeBudget(Callback):
         self._val_batches = 0
 
     def elapsed(self) -> float:
-        """Seconds since process start on ``clock``."""
-        return self.clock() - self.started_at
+        """Seconds of the budget spent: since process start on ``clock``, plus ``spent_before``."""
+        return self.clock() - self.started_at + self.spent_before
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -124,12 +129,16 @@ class TimeBudget(Callback):
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         remaining = timer.time_remaining() if timer is not None else None
         self.budget_s = None if remaining is None else remaining + timer.time_elapsed()
+        # training has not started: time_elapsed() is the checkpoint's count (Timer restores it before this hook)
+        self.spent_before = timer.time_elapsed() if timer is not None else 0.0
         if self.budget_s is None:
             log.info("TimeBudget: trainer.max_time is not set; the schedule follows trainer.max_steps")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step == self.skip_steps:  # skip_steps = 0: time from the first step on
+            self._start_window(trainer.global_step)
+        elif pl_module.lr_horizon is not None:  # resumed with its plan: time from here, re-plan at validations
             self._start_window(trainer.global_step)
 
     @override
@@ -149,11 +158,12 @@ class TimeBudget(Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit" or self.budget_s is None:
             return
         self._window_val_s += seconds
-        # re-plan only a plan made in this run (step_s set), not at the final validation (should_stop), and
-        # over enough steps; every condition is the same on every rank, so all of them reach the broadcast
+        # re-plan a plan (made in this run or resumed with the checkpoint), not at the final validation
+        # (should_stop), and over enough steps; every condition is the same on every rank, so all of them reach
+        # the broadcast
         window = self._window
         step = trainer.global_step
-        if self.step_s is None or trainer.should_stop or window is None or step - window[0] < self.measure_steps:
+        if pl_module.lr_horizon is None or trainer.should_stop or window is None or step - window[0] < self.measure_steps:
             return
         self.step_s = self._measure(step)
         previous = pl_module.lr_horizon

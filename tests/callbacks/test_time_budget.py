@@ -1,5 +1,5 @@
 """TimeBudget on a fake clock: the schedule ends exactly at its end, a final validation runs, the best checkpoint
-is written, a resumed run keeps the planned horizon, and validations re-plan it when steps slow down or speed
+is written, a resumed run counts the time spent before it and re-plans, and validations re-plan it when steps slow down or speed
 up, with a continuous LR."""
 
 import csv
@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from draftkit.callbacks.time_budget import TimeBudget, process_seconds
 from draftkit.cli import DraftkitCLI
@@ -58,10 +59,12 @@ class PlanRecorder(Callback):
     """Records, after each optimizer step s, the LR then set (the one step s + 1 uses) and the plan
     (``lr_horizon``, ``lr_anchor``) in force, and after each real validation the plan it left."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.clock = clock
         self.lrs: dict[int, float] = {}
         self.plans: dict[int, tuple] = {}
         self.after_val: dict[int, tuple] = {}
+        self.clock_at_val: dict[int, float] = {}
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
@@ -70,6 +73,8 @@ class PlanRecorder(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
             self.after_val[trainer.global_step] = (pl_module.lr_horizon, pl_module.lr_anchor)
+            if self.clock is not None:
+                self.clock_at_val[trainer.global_step] = self.clock.now
 
     def replans(self) -> list[int]:
         """Steps at whose validation the plan changed."""
@@ -123,24 +128,44 @@ def test_schedule_ends_exactly_at_the_budget_on_a_fake_clock(tmp_path, monkeypat
     assert 0 < best["draftkit"]["tokens_trained"] <= model.tokens_trained
 
 
-def test_resume_keeps_the_planned_horizon(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)
-    first = tmp_path / "first"
-    clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0)
-    run = _fit(first, clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0))
-    ckpt = run.trainer.checkpoint_callback.best_model_path
+def _spent(ckpt, seconds: float, out: Path) -> str:
+    """A copy of ``ckpt`` whose Lightning ``Timer`` says ``seconds`` of training were spent (on the fake clock)."""
     saved = torch.load(ckpt, map_location="cpu", weights_only=False)
-    assert 3 < saved["global_step"] < 46
-    horizon = saved["draftkit"]["lr_horizon"]  # 45, or 46 from the re-plan at step 32 (see the test above)
-    # the resumed run is much faster: it must not re-plan, only finish the saved horizon
-    fast = FakeClock(start=0.0, train_s=0.1, val_s=0.1)
-    second = tmp_path / "second"
-    budget = TimeBudget(measure_steps=2, skip_steps=1, clock=fast, started_at=0.0)
-    cli = _fit(second, fast, budget, ckpt_path=str(ckpt))
-    assert cli.model.lr_horizon == horizon and cli.trainer.global_step == horizon and budget.step_s is None
-    assert budget.replans == 0
+    saved["callbacks"]["Timer"]["time_elapsed"]["train"] = seconds
+    torch.save(saved, out)
+    return str(out)
+
+
+@pytest.mark.parametrize("train_s", [10.0, 5.0], ids=["same-speed", "faster"])
+def test_a_resumed_run_counts_the_spent_time_and_replans(tmp_path, monkeypatch, train_s):
+    """Resumed from a checkpoint whose Timer holds the training time spent, a run counts it against the budget
+    and keeps re-planning: on a machine as fast as the first it ends where the uninterrupted run ended (step
+    46, see the first test); on a faster one it plans more steps; both end with the LR at its floor inside the
+    budget (the old resume ignored the spent time: it ran on to its checkpointed horizon, or would have planned
+    a fresh 600 s)."""
+    monkeypatch.chdir(REPO)
+    clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0)
+    rec = PlanRecorder(clock)
+    every = ModelCheckpoint(dirpath=tmp_path / "every", filename="v-{step}", monitor="val/loss", save_top_k=-1)
+    _fit(tmp_path / "first", clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0),
+         callbacks=(rec, every))
+    g = 18
+    # the resumed process spends 60 s of set-up of its own before training (Lightning runs no sanity check
+    # when it resumes mid-epoch)
+    spent = rec.clock_at_val[g] - 60.0
+    ckpt = _spent(tmp_path / "every" / f"v-step={g}.ckpt", spent, tmp_path / "spent.ckpt")
+    again = FakeClock(start=60.0, train_s=train_s, val_s=2.0)
+    budget = TimeBudget(measure_steps=2, skip_steps=1, clock=again, started_at=0.0)
+    cli = _fit(tmp_path / "second", again, budget, ckpt_path=ckpt)
+    assert budget.spent_before == spent and budget.budget_s == 600.0
+    assert spent + again.now <= 600 - 30  # the budget, counted over both runs
     cfg = cli.model.optim
+    assert cli.trainer.global_step == cli.model.lr_horizon
     assert cli.trainer.optimizers[0].param_groups[0]["lr"] == cfg.lr * cfg.min_lr_ratio
+    if train_s == 10.0:
+        assert cli.trainer.global_step == 46
+    else:
+        assert budget.replans >= 1 and budget.step_s == 5.0 and cli.trainer.global_step > 46
 
 
 @pytest.mark.parametrize("after", [14.0, 6.0], ids=["slow-down", "speed-up"])
@@ -192,14 +217,12 @@ def test_replan_keeps_the_lr_continuous(tmp_path, monkeypatch):
 
 
 def test_resume_after_a_replan_keeps_it(tmp_path, monkeypatch):
-    """A checkpoint written by the validation that re-planned holds that plan (horizon and anchor); a resumed
-    run (which re-plans nothing) sets the same LRs as the uninterrupted run at every step both ran under that
-    plan, and ends at its horizon at the floor."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    """A checkpoint written by the validation that re-planned holds that plan (horizon and anchor); a run resumed
+    from it on a machine as fast, with the spent time in its Timer, sets exactly the uninterrupted run's LR after
+    every step (its re-plans land where the first run's did) and ends at the same step at the floor."""
     monkeypatch.chdir(REPO)
     clock = FakeClock(start=60.0, train_s=10.0, val_s=2.0, changes={8: 14.0})
-    rec = PlanRecorder()
+    rec = PlanRecorder(clock)
     every = ModelCheckpoint(dirpath=tmp_path / "every", filename="v-{step}", monitor="val/loss", save_top_k=-1)
     _fit(tmp_path / "first", clock, TimeBudget(measure_steps=2, skip_steps=1, clock=clock, started_at=0.0),
          callbacks=(rec, every))
@@ -208,16 +231,15 @@ def test_resume_after_a_replan_keeps_it(tmp_path, monkeypatch):
     assert plan[1] is not None
     saved = torch.load(tmp_path / "every" / f"v-step={r}.ckpt", map_location="cpu", weights_only=False)
     assert (saved["draftkit"]["lr_horizon"], tuple(saved["draftkit"]["lr_anchor"])) == plan
-    fast = FakeClock(start=0.0, train_s=0.1, val_s=0.1)
-    budget, resumed = TimeBudget(measure_steps=2, skip_steps=1, clock=fast, started_at=0.0), PlanRecorder()
-    cli = _fit(tmp_path / "second", fast, budget, ckpt_path=str(tmp_path / "every" / f"v-step={r}.ckpt"),
-               callbacks=(resumed,))
-    assert (cli.model.lr_horizon, cli.model.lr_anchor) == plan and budget.replans == 0
-    same = [s for s in resumed.lrs if rec.plans.get(s) == plan]
-    assert len(same) >= 5 and min(resumed.lrs) == r + 1
-    assert all(resumed.lrs[s] == rec.lrs[s] for s in same)
+    ckpt = _spent(tmp_path / "every" / f"v-step={r}.ckpt", rec.clock_at_val[r] - 60.0, tmp_path / "spent.ckpt")
+    again = FakeClock(start=60.0, train_s=14.0, val_s=2.0)
+    resumed = PlanRecorder(again)
+    cli = _fit(tmp_path / "second", again, TimeBudget(measure_steps=2, skip_steps=1, clock=again, started_at=0.0),
+               ckpt_path=ckpt, callbacks=(resumed,))
+    assert min(resumed.lrs) == r + 1 and len(resumed.lrs) >= 10
+    assert all(resumed.lrs[s] == rec.lrs[s] for s in resumed.lrs)
     cfg = cli.model.optim
-    assert cli.trainer.global_step == plan[0] and resumed.lrs[plan[0]] == cfg.lr * cfg.min_lr_ratio
+    assert cli.trainer.global_step == max(rec.lrs) and resumed.lrs[cli.trainer.global_step] == cfg.lr * cfg.min_lr_ratio
 
 
 def test_max_steps_caps_the_horizon_and_no_budget_means_steps(tmp_path, monkeypatch):
