@@ -13,6 +13,7 @@ from draftkit.export import export_checkpoint, load_exported_head
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "smollm2-135m-eagle3-head"
+TAU_K5 = 1.5330  # chain k = 5 in the shipped evaluate.json (MADE_BY.md)
 
 
 def test_shipped_head_is_the_default_recipes_head():
@@ -23,9 +24,11 @@ def test_shipped_head_is_the_default_recipes_head():
     assert meta["ttt"]["steps"] == recipe["model"]["ttt"]["steps"]
     assert sum(f.stat().st_size for f in SHIPPED.iterdir()) <= 25 * 2**20  # issue 13: <= 25 MB
     report = json.loads((SHIPPED / "evaluate.json").read_text())
-    assert report["num_prompts"] == 80 and report["k"] == 5 and report["temperature"] == 0
-    assert report["greedy_equal"] == 80  # float32 speculative output identical to plain greedy on every prompt
-    assert report["tau"] == pytest.approx(1.3803, abs=1e-4)  # the figure MADE_BY.md quotes
+    assert report["num_prompts"] == 80 and report["temperature"] == 0 and report["setup"]["target_dtype"] == "float32"
+    chain = {r["topology"]: r for r in report["sweep"]}["chain k=5"]
+    assert chain["greedy_equal"] == 80  # float32 speculative output identical to plain greedy on every prompt
+    assert all(r["greedy_equal"] == 80 for r in report["sweep"])  # every chain and tree of the sweep too
+    assert chain["tau"] == pytest.approx(TAU_K5, abs=1e-4)  # the figure MADE_BY.md quotes
 
 
 @pytest.mark.slow
