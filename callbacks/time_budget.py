@@ -128,17 +128,16 @@ class TimeBudget(Callback):
             )
         timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
         remaining = timer.time_remaining() if timer is not None else None
-        self.budget_s = None if remaining is None else remaining + timer.time_elapsed()
         # training has not started: time_elapsed() is the checkpoint's count (Timer restores it before this hook)
         self.spent_before = timer.time_elapsed() if timer is not None else 0.0
+        self.budget_s = None if remaining is None else remaining + self.spent_before
         if self.budget_s is None:
             log.info("TimeBudget: trainer.max_time is not set; the schedule follows trainer.max_steps")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step == self.skip_steps:  # skip_steps = 0: time from the first step on
-            self._start_window(trainer.global_step)
-        elif pl_module.lr_horizon is not None:  # resumed with its plan: time from here, re-plan at validations
+        # skip_steps = 0: time from the first step on; resumed with its plan: from here, re-plan at validations
+        if trainer.global_step == self.skip_steps or pl_module.lr_horizon is not None:
             self._start_window(trainer.global_step)
 
     @override

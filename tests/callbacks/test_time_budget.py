@@ -267,6 +267,8 @@ def test_recipe_with_budget_fits_and_summarises(tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(REPO)
     recipe = yaml.safe_load(_recipe(tmp_path).read_text())
     recipe["trainer"]["max_steps"] = 6
+    # counted from process start: a pytest session that has run long before this test must not spend it
+    recipe["trainer"]["max_time"] = "00:05:00:00"
     recipe["trainer"]["callbacks"].append({"class_path": "draftkit.callbacks.time_budget.TimeBudget",
                                            "init_args": {"measure_steps": 2, "skip_steps": 1}})
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
@@ -278,4 +280,4 @@ def test_recipe_with_budget_fits_and_summarises(tmp_path, monkeypatch, caplog):
     assert f"{cli.model.tokens_trained:,} tokens" in text and cli.model.tokens_trained > 0
     auto = cli.precision["auto"]["reason"]
     assert f"precision: head 32-true, target float32 (requested 32-true/float32; auto on this machine: {auto})" in text
-    assert "of the 600 s budget since process start" in text and "schedule horizon 6" in text
+    assert "of the 18000 s budget since process start" in text and "schedule horizon 6" in text
