@@ -17,8 +17,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   (+ ``recipes/ablation/supervise-all.yaml``: a loss on every token, ``data.supervise: all``); ``regen-ttt3``
   (+ ``recipes/ablation/ttt3.yaml``: 3 TTT steps); ``regen-lr2e-3`` (+ ``recipes/ablation/lr2e-3.yaml``: peak lr 2e-3); ``candidate`` (regen + TTT 3 + lr 2e-3, the three levers
   that won one seed each, together) and ``candidate-all`` (+ ``data.supervise: all``).
-- ``levers`` (base the current default recipe, 30-minute budget): levers judged on top of it. ``default`` (the
-  recipe alone); ``muon`` (+ ``recipes/ablation/muon.yaml``: Muon on the hidden matrices, AdamW on the rest);
+- ``levers`` (base the default recipe with its 30-minute budget and ``recipes/ablation/adamw.yaml``, the default as
+  this study first ran it, with AdamW): levers judged on top of it. ``adamw`` (the base alone); ``muon``
+  (+ ``recipes/ablation/muon.yaml``: Muon on the hidden matrices, AdamW on the rest; it won and is the default now);
   ``init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target); ``vocab16k``
   (+ ``recipes/ablation/draft-vocab-16k.yaml``: a draft vocab of 16,384, covering 96.5 % of MT-bench answers, not 91.9 %).
 
@@ -93,11 +94,11 @@ STUDIES = {
                "candidate_all_minus_candidate": ("candidate-all", "candidate")},
     ),
     "levers": Study(
-        base=[DEFAULT],
-        arms={"default": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"],
+        base=[DEFAULT, A / "adamw.yaml"],
+        arms={"adamw": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"],
               "vocab16k": [A / "draft-vocab-16k.yaml"]},
-        diffs={"muon_minus_adamw": ("muon", "default"), "init_minus_random": ("init", "default"),
-               "vocab16k_minus_8k": ("vocab16k", "default")},
+        diffs={"muon_minus_adamw": ("muon", "adamw"), "init_minus_random": ("init", "adamw"),
+               "vocab16k_minus_8k": ("vocab16k", "adamw")},
     ),
 }
 

@@ -103,6 +103,11 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     cli = DraftkitCLI(args=["fit", "--recipe", "recipes/smollm2-135m-eagle3.yaml", "--recipe", str(override)])
     head = cli.model.head
     assert head.config.aux_layer_ids == [2, 15, 27] and head.fc.weight.shape == (576, 3 * 576)
+    # the levers A/B's winner: Muon on fc and the decoder layer's matrices, AdamW on norms and lm_head
+    muon_group, adamw_group = cli.trainer.optimizers[0].param_groups
+    assert {id(p) for p in muon_group["params"]} == {id(p) for n, p in head.named_parameters()
+                                                     if p.ndim == 2 and p.requires_grad and not n.startswith("lm_head")}
+    assert any(p is head.lm_head.weight for p in adamw_group["params"])
     assert int(head.t2d.sum()) == 2048 and head.lm_head.weight.shape == (2048, 576)
     losses = _losses(tmp_path)
     assert len(losses) == 3 and all(0 < v < 100 for v in losses.values())
