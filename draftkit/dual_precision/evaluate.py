@@ -22,7 +22,9 @@ Notable:
   distribution of the logits it ends a step with; gates score the untempered 4-bit softmax; verified
   speculation accepts by rejection sampling, so its output is distributed as all-high sampling; each prompt's
   methods share one seed (exact match with all-high is then a same-seed comparison, not a correctness test)
-- the evaluation appends each finished prompt to a JSONL record and resumes from it
+- the evaluation appends each finished prompt to a JSONL record and resumes from it; evaluation rows are keyed
+  by index and prompt digest, so a rerun on a prefix of the prompts (a smaller ``--num_prompts``) reports on
+  the prompts an interrupted run finished, and a larger one extends it
 
 Modules: ``gates`` (scores, Gate), ``stats`` (thresholds, catch, AUROC / PR-AUC, bootstrap, McNemar), ``lm``
 (the two-precision target), ``decode`` (the loops), ``replay`` (flip labels, gate quality, calibration) and
@@ -34,6 +36,8 @@ Shapes: P prompts, n generated tokens, V target vocab.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
@@ -133,6 +137,11 @@ def _traj_row(traj: Trajectory) -> dict:
     return {f.name: getattr(traj, f.name) for f in fields(Trajectory) if f.name != "logits"}
 
 
+def _eval_key(i: int, prompt: Sequence[int]) -> str:
+    """Record key of evaluation prompt ``i``: its index (the prompt's seed) and a digest of its token ids."""
+    return f"evaluation/{i}/{hashlib.sha256(json.dumps(list(prompt)).encode()).hexdigest()[:16]}"
+
+
 def _steps_row(steps: ReplaySteps) -> dict:
     return {"flip": steps.flip.tolist(), **{kind: v.tolist() for kind, v in steps.scores.items()}}
 
@@ -197,8 +206,11 @@ def evaluate_dual_precision(
 
     Decoding is greedy, or sampled at ``config.temperature`` > 0 (each prompt's methods share one seed; the
     replay's flip label stays the argmax flip on the sampled all-high trajectory). Each finished calibration
-    and evaluation prompt is appended to ``record`` (JSONL), so a rerun with the same config and prompts
-    resumes where an interrupted one stopped.
+    and evaluation prompt is appended to ``record`` (JSONL), so a rerun with the same config resumes where an
+    interrupted one stopped. The record's header holds the config and the calibration prompts, not the
+    evaluation prompts: evaluation rows are keyed by index and prompt digest (:func:`_eval_key`), so a rerun
+    on the first N prompts reuses the finished rows (a report on what an interrupted run has) and a rerun on
+    more prompts extends the record.
 
     Args:
         lm: the two-precision target.
@@ -229,7 +241,7 @@ def evaluate_dual_precision(
     decoding = config.decoding(eos_ids)
     run = {k: v for k, v in asdict(config).items() if k not in ("budgets", "bootstrap_samples")}
     header = {"config": run, "weight_bytes": wb.to_dict(), "eos_ids": sorted(eos_ids), **(record_header or {}),
-              "eval_prompts": [list(x) for x in eval_prompts], "calib_prompts": [list(x) for x in calib_prompts]}
+              "calib_prompts": [list(x) for x in calib_prompts]}
     rec = ResumableRecord(record, header)
     if rec.done:
         log.info("resuming from %s: %d prompts already done", record, len(rec.done))
@@ -269,9 +281,10 @@ def evaluate_dual_precision(
 
     # 2. evaluation prompts, one record row each: {"replay": steps, "methods": {m: trajectory + kl/agree/exact}}
     t_eval = time.perf_counter()
-    resumed = sum(rec.get(f"evaluation/{i}") is not None for i in range(len(eval_prompts)))
+    keys = [_eval_key(i, prompt) for i, prompt in enumerate(eval_prompts)]
+    resumed = sum(rec.get(key) is not None for key in keys)
     for i, prompt in enumerate(eval_prompts):
-        if rec.get(f"evaluation/{i}") is not None:
+        if rec.get(keys[i]) is not None:
             continue
         row: dict = {"methods": {}, "timing_s": {}}
         seed = config.seed * 100_003 + i
@@ -303,11 +316,11 @@ def evaluate_dual_precision(
             }
             if m != "all_high":
                 row["timing_s"][m] = time.perf_counter() - t
-        rec.add(f"evaluation/{i}", row)
+        rec.add(keys[i], row)
         log.info("evaluation prompt %d/%d: %d tokens, %d flips in replay", i + 1, len(eval_prompts),
                  len(high.tokens), int(steps.flip.sum()))
         _progress("evaluation prompt", i + 1, len(eval_prompts), t_eval, resumed)
-    rows = [rec.get(f"evaluation/{i}") for i in range(len(eval_prompts))]
+    rows = [rec.get(key) for key in keys]
     replay = [_steps_from_row(r["replay"]) for r in rows]
     per: dict[str, dict[str, list]] = {m: {"trajs": [], "kl": [], "agree": [], "exact": []} for m in methods}
     for r in rows:

@@ -218,7 +218,7 @@ def test_evaluation_resumes_from_the_per_prompt_record(tmp_path):
     full = evaluate_dual_precision(full_lm, evaluation, calibration, config, record=str(path))
     lines = path.read_text().splitlines()
     assert len(lines) == 1 + 2 + 3  # header, 2 calibration prompts, 3 evaluation prompts
-    path.write_text("\n".join(lines[:4]) + '\n{"key": "evaluation/1", "va')  # killed during prompt 2
+    path.write_text("\n".join(lines[:4]) + '\n{"key": "evaluation/1/", "va')  # killed during prompt 2
     lm = StubLM(disagree_at={5, 11})
     resumed = evaluate_dual_precision(lm, evaluation, calibration, config, record=str(path))
     assert _without_timing(resumed) == _without_timing(full)
@@ -228,6 +228,31 @@ def test_evaluation_resumes_from_the_per_prompt_record(tmp_path):
     other = DualPrecisionConfig(budget=0.3, max_new_tokens=9, k=2, bootstrap_samples=0)
     with pytest.raises(ValueError, match="a record of a different run"):
         evaluate_dual_precision(lm, evaluation, calibration, other, record=str(path))
+
+
+def test_record_reports_on_a_prefix_and_extends_to_more_prompts(tmp_path):
+    """Rows are keyed by index and prompt digest: a rerun on the first N prompts reads everything from the
+    record (the report of an interrupted run), a longer one computes only the new prompts, and a changed
+    prompt at an index is recomputed, not read."""
+    path = tmp_path / "prompts.jsonl"
+    evaluation, calibration = [[0, 3], [0, 7, 1], [0, 9, 2, 4]], [[0, 1, 1, 1, 1], [0, 2, 2, 2, 2, 2]]
+    config = DualPrecisionConfig(budget=0.3, max_new_tokens=8, k=2, bootstrap_samples=0)
+    two = evaluate_dual_precision(StubLM(disagree_at={5, 11}), evaluation[:2], calibration, config, record=str(path))
+    assert len(path.read_text().splitlines()) == 1 + 2 + 2
+    prefix_lm = StubLM(disagree_at={5, 11})
+    one = evaluate_dual_precision(prefix_lm, evaluation[:1], calibration, config, record=str(path))
+    assert prefix_lm.calls == []  # calibration and prompt 1 from the record
+    fresh = evaluate_dual_precision(StubLM(disagree_at={5, 11}), evaluation[:1], calibration, config)
+    assert _without_timing(one) == _without_timing(fresh)
+    assert one["replay"]["num_prompts"] == 1 and two["replay"]["num_prompts"] == 2
+    more_lm = StubLM(disagree_at={5, 11})
+    three = evaluate_dual_precision(more_lm, evaluation, calibration, config, record=str(path))
+    assert more_lm.calls[0] == ("high", 4)  # only prompt 3 (4 ids) is decoded
+    full = evaluate_dual_precision(StubLM(disagree_at={5, 11}), evaluation, calibration, config)
+    assert _without_timing(three) == _without_timing(full)
+    changed_lm = StubLM(disagree_at={5, 11})
+    evaluate_dual_precision(changed_lm, [[0, 3], [0, 8, 1]], calibration, config, record=str(path))
+    assert changed_lm.calls[0] == ("high", 3)  # prompt 2 differs from the recorded one: recomputed
 
 
 def test_sampled_evaluation_verified_is_exact_in_distribution():
