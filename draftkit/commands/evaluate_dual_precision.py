@@ -238,6 +238,7 @@ def evaluate_dual_precision(
     if threads:
         torch.set_num_threads(threads)
     precision = precision_record(dtype, "cpu")
+    log.info("computing in %s (--dtype %s)", precision["dtype"], dtype)  # the policy's line above is its own choice
     t_load = time.perf_counter()
     model, tokenizer = load_target(target, precision["dtype"])
     try:
@@ -252,8 +253,8 @@ def evaluate_dual_precision(
                          "--template plain or auto")
     if template == "auto":
         template = "chat" if has_template else "plain"
-        log.info("--template auto: %s (the tokenizer %s a chat template)", template,
-                 "has" if has_template else "has no")
+        log.info("--template auto: %s (the tokenizer %s)", template,
+                 "has a chat template" if has_template else "has no chat template")
 
     def encode(p) -> list[int]:
         if p.ids is not None:
