@@ -42,7 +42,7 @@ class ResumableRecord:
     Line 1 is ``{"header": header}``; every further line is ``{"key": key, "value": value}``, written and
     flushed to disk as each unit finishes. Reopening the same path with an equal header loads the finished
     units (a torn last line, from a run killed mid-write, is dropped and rewritten on the next ``add``), so
-    an interrupted run only redoes the unit in progress. ``path`` None keeps nothing (an in-memory no-op).
+    an interrupted run only redoes the unit in progress. Opening an intact record does not write it. ``path`` None keeps nothing (an in-memory no-op).
 
     Args:
         path: the JSONL file, or None.
@@ -60,6 +60,7 @@ class ResumableRecord:
         if self.path is None:
             return
         lines = self.path.read_text().splitlines() if self.path.exists() else []
+        intact = bool(lines)
         if lines:
             try:
                 found = json.loads(lines[0]).get("header")
@@ -74,10 +75,12 @@ class ResumableRecord:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    break  # torn last line
+                    intact = False  # torn last line
+                    break
                 self.done[row["key"]] = row["value"]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._rewrite()
+        if not intact:  # new, or torn; an intact record is only read (a report may read a running one's record)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._rewrite()
 
     def _rewrite(self) -> None:
         """Header plus the intact rows, atomically (drops a torn last line)."""

@@ -34,6 +34,10 @@ def test_resumable_record_round_trip_torn_line_and_other_run(tmp_path):
     assert rec.done == {}
     rec.add("eval/0", {"tokens": [1, 2], "kl": [0.5, 0.25]})
     rec.add("eval/1", {"tokens": [3], "kl": [1.0]})
+    intact = path.read_bytes()
+    os.utime(path, (0, 0))
+    assert ResumableRecord(path, header).done.keys() == {"eval/0", "eval/1"}
+    assert path.read_bytes() == intact and path.stat().st_mtime == 0  # an intact record is read, not rewritten
     with open(path, "a") as f:
         f.write('{"key": "eval/2", "val')  # killed mid-write
     again = ResumableRecord(path, header)
