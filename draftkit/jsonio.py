@@ -42,7 +42,8 @@ class ResumableRecord:
     Line 1 is ``{"header": header}``; every further line is ``{"key": key, "value": value}``, written and
     flushed to disk as each unit finishes. Reopening the same path with an equal header loads the finished
     units (a torn last line, from a run killed mid-write, is dropped and rewritten on the next ``add``), so
-    an interrupted run only redoes the unit in progress. Opening an intact record does not write it. ``path`` None keeps nothing (an in-memory no-op).
+    an interrupted run only redoes the unit in progress; opening an intact record does not write it. ``path``
+    None keeps nothing (an in-memory no-op).
 
     Args:
         path: the JSONL file, or None.
