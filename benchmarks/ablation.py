@@ -22,6 +22,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   (+ ``recipes/ablation/muon.yaml``: Muon on the hidden matrices, AdamW on the rest; it won and is the default now);
   ``init`` (+ ``recipes/ablation/init-from-target.yaml``: ``lm_head``/``norm`` from the target); ``vocab16k``
   (+ ``recipes/ablation/draft-vocab-16k.yaml``: a draft vocab of 16,384, covering 96.5 % of MT-bench answers, not 91.9 %).
+- ``lm_head`` (base the default recipe as it is, Muon): where the head's ``lm_head`` starts and whether it trains.
+  ``default`` (random, trained); ``init`` (+ ``init-from-target.yaml``: the target's draft-vocab rows and final
+  norm, trained); ``frozen`` (+ ``freeze-lm-head.yaml``: those rows kept, ``model.freeze_lm_head``).
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -99,6 +102,13 @@ STUDIES = {
               "vocab16k": [A / "draft-vocab-16k.yaml"]},
         diffs={"muon_minus_adamw": ("muon", "adamw"), "init_minus_random": ("init", "adamw"),
                "vocab16k_minus_8k": ("vocab16k", "adamw")},
+    ),
+    "lm_head": Study(
+        base=[DEFAULT],
+        arms={"default": [], "init": [A / "init-from-target.yaml"],
+              "frozen": [A / "init-from-target.yaml", A / "freeze-lm-head.yaml"]},
+        diffs={"init_minus_random": ("init", "default"), "frozen_minus_random": ("frozen", "default"),
+               "frozen_minus_trained": ("frozen", "init")},
     ),
 }
 

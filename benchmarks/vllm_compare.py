@@ -5,7 +5,9 @@ Runs in draftkit's environment; vLLM runs in its own (``$DRAFTKIT_VLLM_PYTHON``,
 
     python benchmarks/vllm_compare.py CHECKPOINT --num-prompts 80 --max-tokens 256 -k 3 --out result.json
 
-Steps: 1. ``draftkit export CHECKPOINT --to vllm`` into ``--work``; 2. template the MT-bench first turns with the
+CHECKPOINT is a training ``.ckpt`` or a ``--to vllm`` export directory (``checkpoints/smollm2-135m-eagle3-head``).
+
+Steps: 1. ``draftkit export CHECKPOINT --to vllm`` into ``--work`` (an export directory is used as it is); 2. template the MT-bench first turns with the
 target tokenizer's chat template and write the token ids; 3. vLLM decodes them with and without the head
 (acceptance per position from its Prometheus counters, tokens/s); 4. draftkit's chain decoder
 (``draftkit.decoding.speculative.generate_speculative`` with the head *reloaded from the exported files*)
@@ -93,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no vLLM environment: set DRAFTKIT_VLLM_PYTHON or create /work/vllm-venv")
     work = Path(args.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
-    export_dir = export_checkpoint(args.checkpoint, "vllm", work / "vllm", overwrite=True,
-                                   num_speculative_tokens=args.k)
+    if (Path(args.checkpoint) / "draftkit_export.json").is_file():  # already a vLLM export, e.g. the shipped head
+        export_dir = Path(args.checkpoint).absolute()
+    else:
+        export_dir = export_checkpoint(args.checkpoint, "vllm", work / "vllm", overwrite=True,
+                                       num_speculative_tokens=args.k)
     sidecar = json.loads((export_dir / "draftkit_export.json").read_text())
     from transformers import AutoTokenizer
 

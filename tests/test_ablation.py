@@ -97,6 +97,17 @@ def test_levers_study_arms_are_the_adamw_default_plus_their_lever(arm, monkeypat
     assert cli.model.hparams.draft_vocab_size == (16384 if arm == "vocab16k" else 8192)
 
 
+@pytest.mark.parametrize("arm", ["default", "init", "frozen"])
+def test_lm_head_study_arms_are_the_default_plus_their_lm_head(arm, monkeypatch, benchmark_module):
+    """The lm_head study runs on the default as it is (Muon); each arm sets only init_from_target / freeze_lm_head."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["lm_head"], arm, ["default", "init", "frozen"], monkeypatch)
+    assert cli.datamodule.hparams.path == REGEN and cli.datamodule.hparams.supervise == "all"
+    assert cli.model.optim.optimizer == "muon" and cli.model.optim.lr == 2e-3 and cli.model.ttt.steps == 3
+    assert cli.trainer.max_steps == -1 and cli.model.hparams.draft_vocab_size == 8192
+    assert cli.model.hparams.init_from_target is (arm != "default")
+    assert cli.model.hparams.freeze_lm_head is (arm == "frozen")
+
+
 def test_head_study_differences_pair_by_seed(benchmark_module):
     mod = benchmark_module("ablation")
     rows = [_row("sharegpt", 0, 1.30, 1.35), _row("regen", 0, 1.80, 2.00), _row("regen", 1, 1.70, 1.90),

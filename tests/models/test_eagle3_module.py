@@ -230,6 +230,39 @@ def test_init_from_target_copies_the_draft_vocab_rows(tiny_target_dir, tiny_chat
     assert not torch.equal(heads[False].lm_head.weight, target.lm_head_weight()[ids])
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_freeze_lm_head_keeps_the_target_rows_through_training(tiny_target_dir, tiny_chat_jsonl, optimizer):
+    """model.freeze_lm_head: after 3 optimizer steps lm_head is still the target's rows bit for bit, while fc and
+    norm moved; the optimizer holds every trainable head parameter except lm_head."""
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), max_length=64, val_size=2, batch_size=2)
+    model = Eagle3Module(str(tiny_target_dir), target_dtype="float32", draft_vocab_size=200, ttt={"steps": 2},
+                         init_from_target=True, freeze_lm_head=True,
+                         optim={"optimizer": optimizer, "lr": 1e-2, "warmup_steps": 0})
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, max_steps=3, limit_val_batches=0)
+    dm.setup("fit")
+    model.build(dm)
+    fc0, norm0 = model.head.fc.weight.detach().clone(), model.head.norm.weight.detach().clone()
+    trainer.fit(model, dm)
+    head = model.head
+    rows = torch.arange(200) + head.d2t
+    assert trainer.global_step == 3
+    assert torch.equal(head.lm_head.weight, model.target.lm_head_weight()[rows])
+    assert not torch.equal(head.fc.weight, fc0) and not torch.equal(head.norm.weight, norm0)
+    optimized = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    expected = {id(p) for n, p in head.named_parameters() if p.requires_grad}
+    assert optimized == expected and id(head.lm_head.weight) not in optimized
+    assert len(expected) == sum(1 for n, _ in head.named_parameters() if n not in ("lm_head.weight", "embed_tokens.weight"))
+
+
+def test_freeze_lm_head_without_init_from_target_is_refused(tiny_target_dir):
+    with pytest.raises(ValueError, match=r"model.freeze_lm_head: true .* needs model.init_from_target: true"):
+        Eagle3Module(str(tiny_target_dir), freeze_lm_head=True)
+
+
 def test_target_lm_head_and_later_steps_run_only_where_the_loss_needs_them(built_module):
     """The target LM head sees only positions whose next token is supervised, and TTT step k >= 1 computes
     only rows that step k or a later one supervises (the loss itself is checked against the reference above)."""
