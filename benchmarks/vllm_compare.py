@@ -7,9 +7,10 @@ Runs in draftkit's environment; vLLM runs in its own (``$DRAFTKIT_VLLM_PYTHON``,
 
 CHECKPOINT is a training ``.ckpt`` or a ``--to vllm`` export directory (``checkpoints/smollm2-135m-eagle3-head``).
 
-Steps: 1. ``draftkit export CHECKPOINT --to vllm`` into ``--work`` (an export directory is used as it is); 2. template the MT-bench first turns with the
-target tokenizer's chat template and write the token ids; 3. vLLM decodes them with and without the head
-(acceptance per position from its Prometheus counters, tokens/s); 4. draftkit's chain decoder
+Steps: 1. ``draftkit export CHECKPOINT --to vllm`` into ``--work`` (an export directory is used as it is);
+2. template the MT-bench first turns with the target tokenizer's chat template and write the token ids; 3. vLLM
+decodes them with and without the head (acceptance per position from its Prometheus counters, tokens/s); 4. draftkit's
+chain decoder
 (``draftkit.decoding.speculative.generate_speculative`` with the head *reloaded from the exported files*)
 decodes the same ids; 5. print alpha_i for both, their relative difference, tau and vLLM's speed-up.
 
