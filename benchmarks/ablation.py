@@ -8,6 +8,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``fixed`` [2, 15, 27]; ``chosen`` (``recipes/ablation/chosen-layers.yaml``, [5, 26, 29] from
   ``select-layers``); ``chosen-filter`` (+ ``recipes/ablation/entropy-filter.yaml``); ``chosen-blocks``
   (``recipes/ablation/chosen-blocks-layers.yaml``, one layer per CKA block).
+- ``layers-default`` (issue 13, item 7): the same arms on the default recipe as it is (its 30-minute
+  ``TimeBudget``, regenerated data, 3 TTT steps, Muon); ``select-layers`` on that data still chooses [5, 26, 29]
+  and the same CKA blocks.
 - ``head`` (issue 13; base the default recipe with its 30-minute time budget and ``recipes/ablation/head-base.yaml``,
   which pins the data, TTT steps and lr the default had before issue 13): the sample-efficiency levers.
   ``sharegpt`` (the base alone: ShareGPT's GPT-3.5 answers, 7 TTT steps, lr 6e-4); ``regen``
@@ -65,18 +68,17 @@ class Study(NamedTuple):
     diffs: dict[str, tuple[str, str]]
 
 
+LAYER_ARMS = {
+    "fixed": [],
+    "chosen": [A / "chosen-layers.yaml"],
+    "chosen-filter": [A / "chosen-layers.yaml", A / "entropy-filter.yaml"],
+    "chosen-blocks": [A / "chosen-blocks-layers.yaml"],
+}
+LAYER_DIFFS = {"chosen_minus_fixed": ("chosen", "fixed"), "filter_minus_nofilter": ("chosen-filter", "chosen"),
+               "blocks_minus_fixed": ("chosen-blocks", "fixed")}
 STUDIES = {
-    "layers": Study(
-        base=[DEFAULT, A / "budget.yaml"],
-        arms={
-            "fixed": [],
-            "chosen": [A / "chosen-layers.yaml"],
-            "chosen-filter": [A / "chosen-layers.yaml", A / "entropy-filter.yaml"],
-            "chosen-blocks": [A / "chosen-blocks-layers.yaml"],
-        },
-        diffs={"chosen_minus_fixed": ("chosen", "fixed"), "filter_minus_nofilter": ("chosen-filter", "chosen"),
-               "blocks_minus_fixed": ("chosen-blocks", "fixed")},
-    ),
+    "layers": Study(base=[DEFAULT, A / "budget.yaml"], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
+    "layers-default": Study(base=[DEFAULT], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
     "head": Study(
         base=[DEFAULT, A / "head-base.yaml"],
         arms={

@@ -132,3 +132,14 @@ def test_best_checkpoint_resolves_against_the_repository_root(tmp_path, benchmar
         assert mod.best_checkpoint(tmp_path) == expected
     with pytest.raises(FileNotFoundError, match="did the fit run"):
         mod.best_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("arm", list(LAYERS))
+def test_layers_default_study_runs_the_arms_on_the_default_budget(arm, monkeypatch, benchmark_module):
+    """Issue 13's rerun: the same layers and filter per arm, on the default's 30-minute budget, data and optimizer."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["layers-default"], arm, LAYERS, monkeypatch)
+    assert cli.trainer.max_steps == -1 and cli.config.trainer.max_time == "00:00:30:00"
+    assert cli.model.hparams.aux_layer_ids == LAYERS[arm]
+    assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
+    assert cli.datamodule.hparams.path == REGEN and cli.datamodule.hparams.bucket_window == 256
+    assert cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3
