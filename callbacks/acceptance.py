@@ -22,6 +22,8 @@ from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.speculative import Eagle3Drafter
+from draftkit.target.frozen import FrozenTarget
+from draftkit.target.lm_head import TargetLMHead
 
 __all__ = ["AcceptanceLengthMonitor"]
 
@@ -33,7 +35,9 @@ class AcceptanceLengthMonitor(Callback):
 
     Reads from the LightningModule only: ``head`` (an ``Eagle3LlamaHead``), ``target`` (a
     ``FrozenTarget``), the tokenizer (``load_target_model()[1]`` or a ``tokenizer`` attribute) and
-    ``chat_template`` (None = the tokenizer's). Decoding runs under ``torch.no_grad`` with the head in
+    ``chat_template`` (None = the tokenizer's). In offline mode (``target`` is the LM-head-only
+    ``TargetLMHead`` of a hidden-state-cache run) the monitor builds its own ``FrozenTarget`` from
+    ``load_target_model()[0]`` once, on the module's device, since decoding needs every target layer. Decoding runs under ``torch.no_grad`` with the head in
     eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only.
     Measured at a validation, the values go through ``pl_module.log`` (all ranks log rank 0's values, so
     ``ModelCheckpoint(monitor="val/accept_len")`` works); measured at a training step, they are written to
@@ -80,6 +84,7 @@ class AcceptanceLengthMonitor(Callback):
         self.prompts = prompts
         self.seed = seed
         self._prompts = None
+        self._offline_target = None
         self._validations = 0
         self._last_step = -1
         self.last_report: dict | None = None
@@ -103,8 +108,19 @@ class AcceptanceLengthMonitor(Callback):
     # -- measurement ----------------------------------------------------------------------------------------
     def build_drafter(self, pl_module: LightningModule):
         """The drafter to measure; override to measure another drafter in the same report shape."""
-        check_head_matches_target(pl_module.head, pl_module.target)
+        check_head_matches_target(pl_module.head, self._target(pl_module))
         return Eagle3Drafter(pl_module.head)
+
+    def _target(self, pl_module: LightningModule):
+        """The module's ``FrozenTarget``; in offline mode one built here from the full target, loaded once."""
+        target = pl_module.target
+        if not isinstance(target, TargetLMHead):
+            return target
+        if self._offline_target is None:
+            log.info("offline mode: loading the full target once for speculative decoding")
+            model = pl_module.load_target_model()[0].to(pl_module.device)
+            self._offline_target = FrozenTarget(model, target.aux_layer_ids)
+        return self._offline_target
 
     @staticmethod
     def _tokenizer(pl_module: LightningModule):
@@ -133,7 +149,7 @@ class AcceptanceLengthMonitor(Callback):
         head.eval()
         try:
             report = evaluate_drafter(
-                self.build_drafter(pl_module), pl_module.target, self._tokenizer(pl_module), self._prompts,
+                self.build_drafter(pl_module), self._target(pl_module), self._tokenizer(pl_module), self._prompts,
                 k=self.k, temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed,
                 chat_template=getattr(pl_module, "chat_template", None), baseline=False, prompt_lookup=False,
                 warmup=False,

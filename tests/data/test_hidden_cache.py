@@ -271,3 +271,34 @@ def test_bench_prints_online_and_offline_side_by_side(tiny_cache, capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("training tokens/s"))
     online, offline = (float(x) for x in row.split()[-2:])
     assert online > 0 and offline > 0
+
+
+def test_acceptance_monitor_decodes_in_offline_mode(tiny_cache, tmp_path):
+    """The long recipe's AcceptanceLengthMonitor in an offline run: it loads the full target once (the module
+    keeps only the LM head) and logs the tau a direct evaluation of the same head gives; the module's
+    target stays the LM head. Before, the first validation failed: decoding ran the LM-head-only target."""
+    import lightning.pytorch as pl
+    from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
+
+    from draftkit.data.prompts import load_prompts
+    from draftkit.decoding.harness import evaluate_head
+    from draftkit.target.frozen import FrozenTarget
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello there", "abc abc abc"]) + "\n")
+    model, dm = _built(["--data.hidden_states_cache", str(tiny_cache["float32"])])
+    monitor = AcceptanceLengthMonitor(num_prompts=2, k=3, max_new_tokens=8, prompts=str(prompts))
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor], accelerator="cpu",
+    )
+    trainer.fit(model, datamodule=dm)
+    assert isinstance(model.target, TargetLMHead)
+    assert isinstance(monitor._offline_target, FrozenTarget) and [s for s, _ in monitor.history] == [2]
+    hf_model, tokenizer = model.load_target_model()
+    expected = evaluate_head(model.head, FrozenTarget(hf_model, model.target.aux_layer_ids), tokenizer,
+                             load_prompts(str(prompts), 2), k=3, max_new_tokens=8, baseline=False,
+                             prompt_lookup=False, warmup=False)
+    assert monitor.last_report["tau"] == pytest.approx(expected["tau"])
+    assert float(trainer.callback_metrics["val/accept_len"]) == pytest.approx(expected["tau"])
