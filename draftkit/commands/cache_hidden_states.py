@@ -15,11 +15,8 @@ online training computes.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
-from pathlib import Path
 from typing import Optional
 
-import torch
 
 __all__ = ["cache_hidden_states"]
 
@@ -49,8 +46,8 @@ def cache_hidden_states(
 
     Args:
         recipe: recipe YAML paths, stacked in order (old spelling -r).
-        output: cache directory (old spelling -o); default: the recipe's data.hidden_states_cache, else
-            <draftkit cache>/hidden-states/<fingerprint>.
+        output: cache directory (old spelling -o); default: the recipe's data.hidden_states_cache, else (unset
+            or ``auto``) <draftkit cache>/hidden-states/<fingerprint>, the directory ``auto`` trains from.
         overrides: more recipe arguments (--model.*, --data.*, --trainer.* given after the verb land here).
         batch_size: sequences per target forward (default: data.batch_size).
         shard_mb: target shard size in MB (1e6 bytes).
@@ -64,10 +61,8 @@ def cache_hidden_states(
         ValueError: when ``output`` holds a cache for another configuration.
         OSError: when the disk is short.
     """
-    from draftkit.artifacts import cache_dir
     from draftkit.cli import DraftkitCLI
-    from draftkit.data.hidden_cache import bytes_per_token, cache_key, config_fingerprint, write_hidden_states
-    from draftkit.target.frozen import FrozenTarget
+    from draftkit.data.hidden_cache import AUTO, write_recipe_cache
 
     args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])
     cli = DraftkitCLI(args=args, run=False)
@@ -75,33 +70,11 @@ def cache_hidden_states(
     configured = dm.hparams.hidden_states_cache
     dm.hparams.hidden_states_cache = None  # the cache is what we are writing
     dm.setup("fit")
-    hf_model, _ = model.load_target_model()
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = FrozenTarget(hf_model.to(device), model.hparams.aux_layer_ids)
-    fingerprint = {
-        "target": model.hparams.target, "target_config": config_fingerprint(target.config),
-        "target_dtype": model.hparams.target_dtype, "aux_layer_ids": list(target.aux_layer_ids),
-        **dm.cache_fingerprint(),
-    }
-    out_dir = Path(output or configured or cache_dir() / "hidden-states" / cache_key(fingerprint))
-    precision = str(trainer.precision)
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if "bf16" in precision else nullcontext()
-
-    def forward(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with autocast:
-            out = target(ids.to(device), attention_mask=attn.to(device), compute_logits=False)
-        return out.aux_hidden_states, out.last_hidden_state  # (B, T, n*H_t), (B, T, H_t)
-
-    bpt = bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
-    result = write_hidden_states(
-        out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
-        len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
-        shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
-        on_plan=_print_plan,
+    result = write_recipe_cache(
+        model, dm, str(trainer.precision), output or (configured if configured != AUTO else None),
+        batch_size=batch_size, shard_mb=shard_mb, dry_run=dry_run, device=device, on_plan=_print_plan,
     )
-    result = {**result, "output": str(out_dir), "precision": precision, "precision_policy": cli.precision,
-              "device": device}
+    result["precision_policy"] = cli.precision
     if not dry_run:
         print(
             f"  wrote {result['tokens_written']} tokens, {result['bytes_written'] / 1e6:.1f} MB in "

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve_model_dir
 from draftkit.data.chat import describe_skips, read_conversations, tokenization_fingerprint, tokenize_conversation
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
-from draftkit.data.hidden_cache import HiddenStateCache, tokenizer_fingerprint
+from draftkit.data.hidden_cache import AUTO, HiddenStateCache, tokenizer_fingerprint, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.target.tokens import pad_token_id
 
@@ -51,6 +51,14 @@ def _lengths(ds) -> list[int]:
 
 def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _log_plan(plan: dict) -> None:
+    log.info(
+        "hidden-state cache %s: %.3f GB to write (%d bytes/token x %d tokens, %d shards; %d already complete), "
+        "%.1f GB free", plan["output"], plan["bytes_needed"] / 1e9, plan["bytes_per_token"], plan["tokens"],
+        plan["shards_todo"], plan["shards_done"], plan["bytes_free"] / 1e9,
+    )
 
 
 class ChatDataModule(pl.LightningDataModule):
@@ -76,7 +84,9 @@ class ChatDataModule(pl.LightningDataModule):
             window of this many sequences of the seeded permutation (0 = off; e.g. 64 x the global batch).
             Cuts padding; the batch order stays seeded, so resume stays exact.
         hidden_states_cache: offline mode: a directory written by ``python -m draftkit cache-hidden-states``;
-            batches then carry the cached target states and the model skips the target forward.
+            batches then carry the cached target states and the model skips the target forward. ``auto``:
+            ``fit`` first writes the cache (or finishes or reuses it) under ``<draftkit cache>/hidden-states/``,
+            one target pass, then trains from it; pays when a run makes more than ~1.5 passes over the data.
         supervise: training positions with a loss: ``assistant`` (default; the assistant tokens) or ``all``
             (every token: user and template positions too, labelled with the target's own distribution).
             Validation always scores the assistant tokens, so ``val/*`` stays comparable.
@@ -319,8 +329,10 @@ class ChatDataModule(pl.LightningDataModule):
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)
         self.train_lengths = _lengths(self.train_set)
-        if hp.hidden_states_cache:
-            self._open_hidden_states()
+        if hp.hidden_states_cache == AUTO:
+            self._write_auto_cache()
+        elif hp.hidden_states_cache:
+            self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
         log.info(
             "data: %d train / %d val sequences (%d truncated to %d tokens, %d dropped with no assistant token)",
@@ -328,8 +340,34 @@ class ChatDataModule(pl.LightningDataModule):
             self.stats["no_supervised_token"],
         )
 
-    def _open_hidden_states(self) -> None:
-        cache = HiddenStateCache(self.hparams.hidden_states_cache)
+    def _write_auto_cache(self) -> None:
+        """``hidden_states_cache: auto``: global rank 0 writes (or finishes, or finds complete) the cache of this
+        run's target and data with the trainer's module and precision; every rank then trains from it.
+
+        Raises:
+            ValueError: outside a trainer (the cache needs the module's target).
+        """
+        trainer = self.trainer
+        if trainer is None or trainer.lightning_module is None:
+            raise ValueError(
+                "data.hidden_states_cache: auto is resolved by `fit` (it needs the module's target); elsewhere "
+                "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
+            )
+        path = None
+        if trainer.is_global_zero:
+            log.info("data.hidden_states_cache: auto: one target pass over the data first (complete shards are reused)")
+            path = write_recipe_cache(trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan)["output"]
+        self.open_hidden_states(trainer.strategy.broadcast(path, src=0))
+
+    def open_hidden_states(self, path: str) -> None:
+        """Train and validate from the hidden-state cache at ``path`` (after :meth:`setup`).
+
+        Raises:
+            FileNotFoundError, ValueError: a missing or incomplete cache, or one of another tokenizer, data or
+                split (naming the field and the rebuild command).
+        """
+        self.hparams.hidden_states_cache = str(path)
+        cache = HiddenStateCache(path)
         cache.check(self.cache_fingerprint())
         for split, rows in (("train", self.train_set), ("val", self.val_set)):
             ds = cache.dataset(split)

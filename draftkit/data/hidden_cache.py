@@ -50,8 +50,8 @@ from draftkit.data.collate import collate
 from draftkit.jsonio import write_json_atomic
 
 __all__ = [
-    "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
-    "config_fingerprint", "plan_shards", "tokenizer_fingerprint", "write_hidden_states",
+    "AUTO", "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
+    "config_fingerprint", "plan_shards", "tokenizer_fingerprint", "write_hidden_states", "write_recipe_cache",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ FORMAT = "draftkit-hidden-states-v1"
 INDEX = "index.json"
 FINGERPRINT_FIELDS = ("target", "target_config", "target_dtype", "aux_layer_ids", "tokenizer", "data")
 """Fingerprint fields in the order mismatches are reported."""
+AUTO = "auto"  # data.hidden_states_cache value: fit writes (or reuses) the cache in the draftkit cache first
 REBUILD = "rebuild it with `python -m draftkit cache-hidden-states --recipe ...` for this recipe"
 
 
@@ -370,6 +371,73 @@ def write_hidden_states(
         **plan, "tokens_written": written, "bytes_written": nbytes, "seconds": seconds,
         "tokens_per_s": written / max(seconds, 1e-9), "mb_per_s": nbytes / 1e6 / max(seconds, 1e-9),
     }
+
+
+def write_recipe_cache(
+    model,
+    dm,
+    precision: str,
+    output: str | Path | None = None,
+    batch_size: int | None = None,
+    shard_mb: float = 512.0,
+    dry_run: bool = False,
+    device: str = "auto",
+    on_plan: Callable[[dict], None] | None = None,
+) -> dict:
+    """Write (or finish) the hidden-state cache of a built recipe: its frozen target over its tokenized train
+    and val splits, under its precision (bf16 autocast for ``bf16-mixed``), so that the cached states equal
+    the ones online training computes. Used by ``draftkit cache-hidden-states`` and by ``fit`` with
+    ``data.hidden_states_cache: auto``.
+
+    Args:
+        model: an ``Eagle3Module`` (reads ``load_target_model()`` and ``hparams.target``/``target_dtype``/
+            ``aux_layer_ids``); its target is loaded in full here.
+        dm: a ``ChatDataModule`` after ``setup`` (``train_set``, ``val_set``, ``cache_fingerprint()``).
+        precision: the trainer's precision string (e.g. ``bf16-mixed``, ``32-true``).
+        output: cache directory; default ``<draftkit cache>/hidden-states/<cache_key(fingerprint)>``.
+        batch_size: sequences per target forward (default: ``data.batch_size``).
+        shard_mb: shard size in MB (1e6 bytes).
+        dry_run: only plan and check the disk.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        on_plan: called with the plan before anything is written (see :func:`write_hidden_states`).
+
+    Returns:
+        :func:`write_hidden_states`' result plus ``output`` (str), ``precision`` and ``device``.
+
+    Raises:
+        ValueError: when ``output`` holds a cache for another configuration.
+        OSError: when the disk is short (before anything is written).
+    """
+    from contextlib import nullcontext
+
+    from draftkit.artifacts import cache_dir
+    from draftkit.target.frozen import FrozenTarget
+
+    hf_model, _ = model.load_target_model()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = FrozenTarget(hf_model.to(device), model.hparams.aux_layer_ids)
+    fingerprint = {
+        "target": model.hparams.target, "target_config": config_fingerprint(target.config),
+        "target_dtype": model.hparams.target_dtype, "aux_layer_ids": list(target.aux_layer_ids),
+        **dm.cache_fingerprint(),
+    }
+    out_dir = Path(output or cache_dir() / "hidden-states" / cache_key(fingerprint))
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if "bf16" in str(precision) else nullcontext()
+
+    def forward(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast:
+            out = target(ids.to(device), attention_mask=attn.to(device), compute_logits=False)
+        return out.aux_hidden_states, out.last_hidden_state  # (B, T, n*H_t), (B, T, H_t)
+
+    bpt = bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
+    result = write_hidden_states(
+        out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
+        len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
+        shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
+        on_plan=on_plan,
+    )
+    return {**result, "output": str(out_dir), "precision": str(precision), "device": device}
 
 
 def _umask() -> int:

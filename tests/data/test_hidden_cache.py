@@ -302,3 +302,35 @@ def test_acceptance_monitor_decodes_in_offline_mode(tiny_cache, tmp_path):
                              prompt_lookup=False, warmup=False)
     assert monitor.last_report["tau"] == pytest.approx(expected["tau"])
     assert float(trainer.callback_metrics["val/accept_len"]) == pytest.approx(expected["tau"])
+
+
+def test_fit_with_auto_cache_writes_it_once_and_trains_offline(tiny_cache, tmp_path):
+    """``data.hidden_states_cache: auto``: fit writes the cache under <draftkit cache>/hidden-states/ with the
+    same tensors `cache-hidden-states` writes, trains offline with the losses of a run given that directory,
+    and a second fit reuses every shard (files untouched)."""
+    from draftkit.artifacts import cache_dir
+
+    a = DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(tmp_path / "a", 2)),
+                          "--data.hidden_states_cache", "auto"])
+    assert isinstance(a.model.target, TargetLMHead)
+    root = Path(a.datamodule.hparams.hidden_states_cache)
+    assert root.parent == cache_dir() / "hidden-states"
+    shards = sorted(root.glob("*.safetensors"))
+    assert [p.name for p in shards] == sorted(p.name for p in tiny_cache["float32"].glob("*.safetensors"))
+    for p in shards:
+        mine, theirs = load_file(p), load_file(tiny_cache["float32"] / p.name)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    b = tmp_path / "b"
+    DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(b, 2)),
+                      "--data.hidden_states_cache", str(tiny_cache["float32"])])
+    assert _losses(tmp_path / "a") == pytest.approx(_losses(b), rel=1e-6)
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    c = DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(tmp_path / "c", 2)),
+                          "--data.hidden_states_cache", "auto"])
+    assert Path(c.datamodule.hparams.hidden_states_cache) == root
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+
+
+def test_auto_cache_outside_fit_is_named():
+    with pytest.raises(ValueError, match="hidden_states_cache: auto is resolved by `fit`"):
+        _built(["--data.hidden_states_cache", "auto"])
