@@ -7,7 +7,8 @@ logged step. Each validation point is placed at the tokens trained by its step. 
 PNG (and, with ``--tensorboard``, the figure into that TensorBoard directory).
 
 Run:  python benchmarks/learning_curve.py LABEL=RUN_DIR [LABEL=RUN_DIR ...] --output benchmarks/results/learning_curve.png
-      (RUN_DIR: a ``lightning_logs/version_N`` directory, or any directory above one event file)
+      (RUN_DIR: a ``lightning_logs/version_N`` directory, or any directory above one event file; or
+      ``FILE.json:KEY``, the curve KEY of an earlier output's JSON, to draw a run whose logs are gone)
 """
 
 from __future__ import annotations
@@ -52,9 +53,27 @@ def curve(scalars: dict[str, list[tuple[int, float]]], metric: str) -> list[tupl
     return rows
 
 
+def read_table(path: str) -> dict[str, list[tuple[int, float, float]]]:
+    """``{metric: [(step, tokens, value)]}`` of a run: from its event files, or ``FILE.json:KEY`` of an earlier
+    output (the curves are stored there, not the logs).
+
+    Raises:
+        FileNotFoundError: a run directory without event files, or a missing JSON file.
+        KeyError: a JSON file without that KEY (naming the keys it has).
+    """
+    file, sep, key = path.rpartition(":")
+    if sep and file.endswith(".json"):
+        table = json.loads(Path(file).read_text())
+        if key not in table:
+            raise KeyError(f"{file} has no curve {key!r}; it has {', '.join(table)}")
+        return {m: [tuple(r) for r in table[key].get(m, [])] for m in METRICS}
+    scalars = read_run(Path(path))
+    return {m: curve(scalars, m) for m in METRICS}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR")
+    p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR or LABEL=FILE.json:KEY")
     p.add_argument("--output", type=Path, default=Path("benchmarks/results/learning_curve.png"))
     p.add_argument("--tensorboard", type=Path, default=None, help="also log the figure to this TensorBoard dir")
     args = p.parse_args(argv)
@@ -67,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.runs:
         label, sep, path = spec.partition("=")
         if not sep:
-            p.error(f"{spec!r}: give each run as LABEL=RUN_DIR")
-        scalars = read_run(Path(path))
-        table[label] = {m: curve(scalars, m) for m in METRICS}
+            p.error(f"{spec!r}: give each run as LABEL=RUN_DIR or LABEL=FILE.json:KEY")
+        table[label] = read_table(path)
     # one panel per metric some run logged (val/accept_len needs the AcceptanceLengthMonitor callback)
     shown = [m for m in METRICS if any(rows[m] for rows in table.values())]
     if not shown:

@@ -1,5 +1,7 @@
 """benchmarks/learning_curve.py: validation points placed at the tokens trained by their step, from real event files."""
 
+import json
+
 import pytest
 
 
@@ -19,6 +21,13 @@ def test_curve_reads_event_files_and_maps_steps_to_tokens(tmp_path, benchmark_mo
     out = tmp_path / "curve.png"
     assert mod.main([f"run={tmp_path}", "--output", str(out)]) == 0
     assert out.stat().st_size > 1000 and out.with_suffix(".json").exists()
+    # an earlier output's curve draws again beside a run, equal to what was read from the logs
+    again = tmp_path / "again.png"
+    assert mod.main([f"old={out.with_suffix('.json')}:run", f"new={tmp_path}", "--output", str(again)]) == 0
+    table = json.loads(again.with_suffix(".json").read_text())
+    assert table["old"] == table["new"] and table["old"]["val/accept_len"] == [[3, 3000.0, 1.25], [9, 9000.0, 1.5]]
+    with pytest.raises(KeyError, match="has no curve 'nope'; it has run"):
+        mod.read_table(f"{out.with_suffix('.json')}:nope")
 
 
 def test_a_directory_without_event_files_is_named(tmp_path, benchmark_module):
