@@ -56,9 +56,9 @@ def measure_train(
 ) -> dict:
     """Time ``steps`` training steps (and, online, target forwards) on the recipe's first batches.
 
-    Online mode runs the target in every step; offline mode (``hidden_states_cache``, a directory written by
-    ``python -m draftkit cache-hidden-states``) reads the target states from the cache and applies only the
-    target's LM head. Both modes see the same batches (same seeded sampler).
+    Online mode (``hidden_states_cache`` None, whatever the recipe says) runs the target in every step; offline
+    mode (``hidden_states_cache``, a directory written by ``python -m draftkit cache-hidden-states``) reads the
+    target states from the cache and applies only the target's LM head. Both modes see the same batches (same seeded sampler).
 
     Returns:
         dict with ``mode`` (online/offline), ``device`` (CUDA when the recipe's accelerator is a GPU),
@@ -72,8 +72,8 @@ def measure_train(
     from draftkit.cli import DraftkitCLI
 
     args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])
-    if hidden_states_cache:
-        args += ["--data.hidden_states_cache", str(hidden_states_cache)]
+    # online means online, also for a recipe that trains offline (the long recipe's `auto`)
+    args += ["--data.hidden_states_cache", str(hidden_states_cache) if hidden_states_cache else "null"]
     cli = DraftkitCLI(args=args, run=False)
     model, dm, trainer = cli.model, cli.datamodule, cli.trainer
     dm.setup("fit")

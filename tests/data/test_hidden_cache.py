@@ -334,3 +334,15 @@ def test_fit_with_auto_cache_writes_it_once_and_trains_offline(tiny_cache, tmp_p
 def test_auto_cache_outside_fit_is_named():
     with pytest.raises(ValueError, match="hidden_states_cache: auto is resolved by `fit`"):
         _built(["--data.hidden_states_cache", "auto"])
+
+
+def test_bench_online_stays_online_for_a_recipe_that_trains_offline(tiny_cache):
+    """`bench train` on a recipe with ``hidden_states_cache: auto`` (the long recipe): the online measurement
+    runs the target (it used to stop at the datamodule's `auto` outside fit), the offline one reads --cache."""
+    from draftkit.commands.bench import measure_train
+
+    auto = ["--data.hidden_states_cache", "auto"]
+    online = measure_train([RECIPE], steps=1, warmup=0, overrides=auto)
+    offline = measure_train([RECIPE], steps=1, warmup=0, overrides=auto, hidden_states_cache=str(tiny_cache["float32"]))
+    assert online["mode"] == "online" and online["target_forward_s"] > 0
+    assert offline["mode"] == "offline" and offline["tokens_per_step"] == online["tokens_per_step"]
