@@ -13,7 +13,7 @@ from draftkit.export import export_checkpoint, load_exported_head
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "smollm2-135m-eagle3-head"
-TAU_K5 = 1.5330  # chain k = 5 in the shipped evaluate.json (MADE_BY.md)
+TAU_K5 = 1.5874  # chain k = 5 in the shipped evaluate.json (MADE_BY.md)
 
 
 def test_shipped_head_is_the_default_recipes_head():
