@@ -37,8 +37,8 @@ class AcceptanceLengthMonitor(Callback):
     ``FrozenTarget``), the tokenizer (``load_target_model()[1]`` or a ``tokenizer`` attribute) and
     ``chat_template`` (None = the tokenizer's). In offline mode (``target`` is the LM-head-only
     ``TargetLMHead`` of a hidden-state-cache run) the monitor builds its own ``FrozenTarget`` from
-    ``load_target_model()[0]`` once, on the module's device, since decoding needs every target layer. Decoding runs under ``torch.no_grad`` with the head in
-    eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only.
+    ``load_target_model()[0]`` once, on the module's device, since decoding needs every target layer.
+    Decoding runs under ``torch.no_grad`` with the head in eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only.
     Measured at a validation, the values go through ``pl_module.log`` (all ranks log rank 0's values, so
     ``ModelCheckpoint(monitor="val/accept_len")`` works); measured at a training step, they are written to
     the trainer's loggers at that step.

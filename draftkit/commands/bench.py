@@ -58,7 +58,8 @@ def measure_train(
 
     Online mode (``hidden_states_cache`` None, whatever the recipe says) runs the target in every step; offline
     mode (``hidden_states_cache``, a directory written by ``python -m draftkit cache-hidden-states``) reads the
-    target states from the cache and applies only the target's LM head. Both modes see the same batches (same seeded sampler).
+    target states from the cache and applies only the target's LM head. Both modes see the same batches (same
+    seeded sampler).
 
     Returns:
         dict with ``mode`` (online/offline), ``device`` (CUDA when the recipe's accelerator is a GPU),
