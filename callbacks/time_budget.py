@@ -27,7 +27,9 @@ fast one alike:
    leave the LR above its floor when ``Timer`` stops the run, or end it early).
 5. At step H the callback sets ``trainer.should_stop``: Lightning then runs a final validation and
    ``ModelCheckpoint`` writes the best and last checkpoints. Should the steps turn out slower than measured,
-   the run also stops once E + V + margin_s reaches B (schedule not finished, the budget kept).
+   the run also stops once E + V + margin_s + the last step's seconds reaches B: the next step is not started
+   when it could not finish inside the budget, however long one step takes (schedule not finished, the budget
+   kept).
 
 Keep ``measure_steps + skip_steps`` within the schedule's warmup: until H is known the schedule warms up
 (or holds its peak).
@@ -114,6 +116,10 @@ class TimeBudget(Callback):
         self._window_val_s = 0.0  # validation seconds inside the window
         self._val_started: float | None = None
         self._val_batches = 0
+        self._val_total_s = 0.0  # validation seconds of this run, all validations
+        self._last_end: tuple[float, float] | None = None  # (clock, _val_total_s) at the last step's end
+        self.last_step_s = 0.0
+        """Seconds the last optimizer step took (validation left out): the cost of the next one."""
 
     def elapsed(self) -> float:
         """Seconds of the budget spent: since process start on ``clock``, plus ``spent_before``."""
@@ -139,6 +145,7 @@ class TimeBudget(Callback):
         # skip_steps = 0: time from the first step on; resumed with its plan: from here, re-plan at validations
         if trainer.global_step == self.skip_steps or pl_module.lr_horizon is not None:
             self._start_window(trainer.global_step)
+        self._last_end = (self.clock(), self._val_total_s)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -152,6 +159,7 @@ class TimeBudget(Callback):
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         seconds = self.clock() - self._val_started
+        self._val_total_s += seconds
         if self._val_batches and (self.val_batch_s is None or not trainer.sanity_checking):
             self.val_batch_s = seconds / self._val_batches  # the sanity check first, then every real validation
         if trainer.sanity_checking or trainer.state.fn != "fit" or self.budget_s is None:
@@ -177,6 +185,10 @@ class TimeBudget(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if self.budget_s is None:
             return
+        now = self.clock()
+        if self._last_end is not None:
+            self.last_step_s = now - self._last_end[0] - (self._val_total_s - self._last_end[1])
+        self._last_end = (now, self._val_total_s)
         step = trainer.global_step
         if pl_module.lr_horizon is None:  # not planned yet (a resumed run brings its plan along)
             if step == self.skip_steps and self._window is None:
@@ -188,7 +200,9 @@ class TimeBudget(Callback):
         self.horizon = pl_module.lr_horizon
         if self.horizon is not None and step >= self.horizon:
             trainer.should_stop = True
-        elif trainer.strategy.broadcast(self.elapsed() + self._validation_s(trainer) + self.margin_s >= self.budget_s):
+        elif trainer.strategy.broadcast(
+            self.elapsed() + self.last_step_s + self._validation_s(trainer) + self.margin_s >= self.budget_s
+        ):
             log.warning("TimeBudget: steps slower than measured; stopping at step %d before the budget ends", step)
             trainer.should_stop = True
 

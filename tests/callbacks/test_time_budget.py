@@ -281,3 +281,23 @@ def test_recipe_with_budget_fits_and_summarises(tmp_path, monkeypatch, caplog):
     auto = cli.precision["auto"]["reason"]
     assert f"precision: head 32-true, target float32 (requested 32-true/float32; auto on this machine: {auto})" in text
     assert "of the 18000 s budget since process start" in text and "schedule horizon 6" in text
+
+
+@pytest.mark.parametrize("train_s", [45.0, 100.0])
+def test_steps_longer_than_the_margin_still_end_within_the_budget(tmp_path, monkeypatch, train_s):
+    """Steps of 45 s and 100 s, longer than the 30 s margin, with the default 10 timed steps: the plan comes too
+    late (or never), so the safety stop decides; it does not start a step that cannot finish, so the run ends,
+    final validation included, within the 600 s budget (it used to end at 605 s and 624 s)."""
+    monkeypatch.chdir(REPO)
+    start = 50.0 if train_s == 45.0 else 100.0  # set-up seconds: the budget's end falls inside a step
+    clock = FakeClock(start=start, train_s=train_s, val_s=2.0)
+    budget = TimeBudget(clock=clock, started_at=0.0)  # measure_steps=10, skip_steps=2, margin_s=30
+    cli = _fit(tmp_path, clock, budget)
+    # 45 s: after step 11, 50 + 4 (sanity) + 495 + 2 validations (steps 4, 8) = 557 s; a 12th step, a validation
+    # and the margin need 557 + 45 + 4 + 30 = 636 s > 600, so it stops there: final validation -> 561 s (the old
+    # rule, 557 + 4 + 30 < 600, started step 12 and ended at 606 s).
+    # 100 s: after step 4, 100 + 4 + 400 = 504 s; 504 + 100 + 4 + 30 > 600: stop, and the validation after step 4
+    # is the final one -> 508 s (the old rule ran step 5 and ended at 612 s).
+    steps, end = (11, 561.0) if train_s == 45.0 else (4, 508.0)
+    assert cli.trainer.global_step == steps and budget.last_step_s == train_s
+    assert clock.now == end <= 600 - 30
