@@ -1,7 +1,8 @@
 """Import floors of the package (architecture.md "Floors"), checked on the source with ``ast``.
 
 A module may import only from its own floor or lower ones, lazy (function-level) imports included, and
-nothing in ``draftkit/`` may import ``draftkit.callbacks``:
+nothing in ``draftkit/`` may import ``draftkit.callbacks``, and no two packages (``draftkit.X``) import each other,
+on one floor or not:
 
 1. selection, quant, jsonio, artifacts, testing, precision, heads/eagle3_llama,
    analysis/{cka, entropy, moments, subsets, token_entropy, plots}
@@ -108,3 +109,30 @@ def test_floor_rules_on_examples():
     assert floor_of("draftkit.callbacks.export") == 5 and floor_of("draftkit") == 1
     with pytest.raises(KeyError, match="no floor"):
         floor_of("draftkit.somewhere_new")
+
+
+def _package(module: str) -> str:
+    """``draftkit.X`` of a module ``draftkit.X.y`` (``draftkit`` itself for the top-level modules' package)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_cycles(modules: list[tuple[str, Path]], root: Path = ROOT) -> list[str]:
+    """Pairs of packages that import each other, each with one import line of either direction."""
+    edges: dict[tuple[str, str], str] = {}
+    for name, path in modules:
+        for target, line in _imports(name, path):
+            a, b = _package(name), _package(target)
+            if a != b and "draftkit" not in (a, b):
+                edges.setdefault((a, b), f"{path.relative_to(root)}:{line}")
+    return [f"{a} <-> {b}: {edges[a, b]} and {edges[b, a]}" for a, b in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_packages_import_each_other():
+    assert not package_cycles(MODULES), "\n".join(package_cycles(MODULES))
+
+
+def test_package_cycles_finds_a_pair_on_one_floor(tmp_path):
+    (tmp_path / "a.py").write_text("from draftkit.export.load import load_head\n")
+    (tmp_path / "b.py").write_text("def f():\n    from draftkit.decoding import tree\n")
+    fake = [("draftkit.decoding.bench", tmp_path / "a.py"), ("draftkit.export.x", tmp_path / "b.py")]
+    assert package_cycles(fake, tmp_path) == ["draftkit.decoding <-> draftkit.export: a.py:1 and b.py:2"]

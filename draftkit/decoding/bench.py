@@ -1,6 +1,7 @@
 """Decode-speed benchmark: plain tokens/s, per-round cost of chain speculation, and speedup at a set acceptance.
 
-The library half of ``draftkit bench decode --target REF [--checkpoint HEAD] --dtype '[float32]' --k 5``.
+The library half of ``draftkit bench decode --target REF [--checkpoint HEAD] --dtype '[float32]' --k 5``; the
+command loads the target and the head (``draftkit.commands.bench``).
 
 For each prompt, in this order (so that machine load hits all alike):
 
@@ -80,54 +81,6 @@ class ScriptedAcceptanceDrafter:
         ref = [self.reference[start + i] if start + i < len(self.reference) else 0 for i in range(k)]
         ids = [t if i < good else (t + 1) % self.vocab_size for i, t in enumerate(ref)]
         return Draft(torch.tensor(ids, device=tokens.device), None, draft.logits, draft.t2d)
-
-
-def load_for_bench(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | None, draft_vocab_size: int,
-          draft_dtype: str | None):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from draftkit.artifacts import resolve_model_dir
-    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.precision import resolve_dtype
-    from draftkit.target.frozen import FrozenTarget, load_target
-
-    dtype = resolve_dtype(dtype, "cpu", "--dtype")
-    torch_dtype = getattr(torch, dtype)
-    meta = {}
-    head = None
-    if checkpoint:
-        from draftkit.export.load import load_head
-
-        head, meta = load_head(checkpoint, target_ref or None)
-        target_ref = target_ref or meta["target"]
-    if random_weights:
-        path = resolve_model_dir(target_ref)
-        config = AutoConfig.from_pretrained(path)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval().requires_grad_(False)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):
-            tokenizer = None
-    else:
-        model, tokenizer = load_target(target_ref, dtype)
-    target = FrozenTarget(model, meta.get("aux_layer_ids"))
-    if head is None:
-        torch.manual_seed(0)
-        head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, draft_vocab_size))
-    head.load_embedding(target.input_embeddings().float())
-    head = head.to(getattr(torch, resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype)).eval()
-    return target, tokenizer, head, target_ref
-
-
-def prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
-    from draftkit.data.prompts import load_prompts
-    from draftkit.target.tokens import encode_chat
-
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        g = torch.Generator().manual_seed(0)
-        return [torch.randint(0, vocab_size, (60,), generator=g) for _ in range(num_prompts)]
-    return [torch.tensor(encode_chat(tokenizer, p.messages)) for p in load_prompts("mt-bench", num_prompts)]
 
 
 def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 5, max_new_tokens: int = 64,
