@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ import torch
 from draftkit.data.prompts import Prompt
 from draftkit.decoding import cost
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
-from draftkit.decoding.sampling import check_sampling
+from draftkit.decoding.sampling import NonFiniteLogitsError, check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Drafter,
@@ -217,6 +218,22 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+@contextmanager
+def _naming_prompt(index: int, prompt: Prompt, target, drafter, stage: str = ""):
+    """Re-raise a :class:`NonFiniteLogitsError` of the decoding inside with the prompt (index and id) and the
+    target's and the drafter's dtypes, so that ``evaluate`` names which prompt produced NaN/inf logits."""
+    try:
+        yield
+    except NonFiniteLogitsError as e:
+        target_dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+        head = getattr(drafter, "dtype", None)
+        head_dtype = f", head dtype {str(head).removeprefix('torch.')}" if head is not None else ""
+        raise NonFiniteLogitsError(
+            f"prompt {index} (id {prompt.id!r}){stage}: {e} [target dtype {target_dtype}{head_dtype}]",
+            e.position, e.dtype,
+        ) from e
+
+
 def _safe_div(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -278,6 +295,8 @@ def evaluate_drafter(
         The report dict (see the module docstring and :func:`main`).
 
     Raises:
+        NonFiniteLogitsError: (a ValueError) when the target or the drafter produces NaN/inf logits, naming
+            the prompt (index and id), the logits' position and the target's and the head's dtypes.
         ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
             ``auto``, or a prompt that does not fit the target's context window (names the prompt): prompt +
             ``max_new_tokens`` + the depth that can run (k, the tree's depth, or with ``auto`` the deepest
@@ -339,9 +358,10 @@ def evaluate_drafter(
 
     if warmup:
         short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
-        generate_plain(session, encoded[0], short, gen(0))
-        for top in topologies:
-            speculate(top, encoded[0], short, gen(0))
+        with _naming_prompt(0, prompts[0], target, drafter, " (warm-up)"):
+            generate_plain(session, encoded[0], short, gen(0))
+            for top in topologies:
+                speculate(top, encoded[0], short, gen(0))
 
     tallies = [_Tally(t) for t in topologies]
     lookup_stats = AcceptanceStats(k)
@@ -349,22 +369,23 @@ def evaluate_drafter(
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
         base: dict[str, Any] = {"id": p.id, "prompt_tokens": int(ids.numel())}
         plain = None
-        if baseline:
-            plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy)
-            tot["plain_tokens"] += len(plain.tokens)
-            tot["plain_s"] += plain.seconds
-            tot["plain_decode_tokens"] += plain.decode_tokens
-            tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
-            base["baseline_new_tokens"] = len(plain.tokens)
-            base["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
-        for tally in tallies:  # every topology on this prompt before the next: load hits all alike
-            tally.add(speculate(tally.topology, ids, cfg, gen(i), collect_kl), plain, base, cfg.greedy)
-        if prompt_lookup:
-            lookup = generate_speculative(session, PromptLookupDrafter(), ids, k, cfg, gen(i))
-            lookup_stats.extend(lookup.stats)
-            tot["lookup_tokens"] += len(lookup.tokens)
-            tot["lookup_s"] += lookup.seconds
-            tallies[0].rows[-1]["prompt_lookup_tau"] = lookup.stats.tau()
+        with _naming_prompt(i, p, target, drafter):
+            if baseline:
+                plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy)
+                tot["plain_tokens"] += len(plain.tokens)
+                tot["plain_s"] += plain.seconds
+                tot["plain_decode_tokens"] += plain.decode_tokens
+                tot["plain_decode_s"] += plain.seconds - plain.prefill_seconds
+                base["baseline_new_tokens"] = len(plain.tokens)
+                base["baseline_tokens_per_s"] = len(plain.tokens) / plain.seconds
+            for tally in tallies:  # every topology on this prompt before the next: load hits all alike
+                tally.add(speculate(tally.topology, ids, cfg, gen(i), collect_kl), plain, base, cfg.greedy)
+            if prompt_lookup:
+                lookup = generate_speculative(session, PromptLookupDrafter(), ids, k, cfg, gen(i))
+                lookup_stats.extend(lookup.stats)
+                tot["lookup_tokens"] += len(lookup.tokens)
+                tot["lookup_s"] += lookup.seconds
+                tallies[0].rows[-1]["prompt_lookup_tau"] = lookup.stats.tau()
         log.info("prompt %d/%d (%s): tau %s, %d tokens", i + 1, len(prompts), p.id, tallies[0].rows[-1]["tau"],
                  tallies[0].rows[-1]["new_tokens"])
 

@@ -12,7 +12,48 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_sampling", "probs_from_logits", "sample", "sample_from_probs"]
+__all__ = [
+    "NonFiniteLogitsError", "check_finite_logits", "check_sampling", "probs_from_logits", "sample", "sample_from_probs",
+]
+
+
+class NonFiniteLogitsError(ValueError):
+    """Logits with NaN or inf reached a sampler: their argmax or draw would be an arbitrary token, silently.
+
+    Attributes:
+        position: index tuple of the first non-finite value (last entry: the vocabulary id).
+        dtype: the logits' dtype name (``float32``, ``bfloat16``, ...).
+    """
+
+    def __init__(self, message: str, position: tuple[int, ...] = (), dtype: str = "") -> None:
+        super().__init__(message)
+        self.position, self.dtype = tuple(position), dtype
+
+
+def check_finite_logits(logits: torch.Tensor, what: str = "logits") -> None:
+    """Refuse logits holding NaN or inf (one ``isfinite(...).all()``; the error path finds the first one).
+
+    Args:
+        logits: (..., V) any float dtype.
+        what: names the logits in the error (e.g. ``target logits``, ``draft logits at draft position 2``).
+
+    Raises:
+        NonFiniteLogitsError: naming the count, the dtype and the position (index tuple, the last entry the
+            vocabulary id) and value of the first non-finite entry.
+    """
+    if not logits.is_floating_point() or bool(torch.isfinite(logits).all()):
+        return
+    bad = ~torch.isfinite(logits)
+    position = tuple(int(i) for i in bad.nonzero()[0])
+    dtype = str(logits.dtype).removeprefix("torch.")
+    where = f"vocab id {position[-1]}" if len(position) == 1 else f"row {position[:-1]}, vocab id {position[-1]}"
+    raise NonFiniteLogitsError(
+        f"non-finite {what}: {int(bad.sum())} of {logits.numel()} values ({dtype}) are NaN/inf, first at position "
+        f"{list(position)} ({where}) = {float(logits[position])}; "
+        + (f"{dtype} arithmetic may have overflowed: run the model in float32, or check its weights"
+           if logits.dtype in (torch.bfloat16, torch.float16) else "check the model's weights and inputs"),
+        position, dtype,
+    )
 
 
 def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
@@ -54,8 +95,15 @@ def probs_from_logits(
 
     Raises:
         ValueError: on a bad option (see :func:`check_sampling`).
+        NonFiniteLogitsError: on NaN/inf logits (:func:`check_finite_logits`).
     """
     check_sampling(temperature, top_k, top_p)
+    check_finite_logits(logits)
+    return _warp(logits, temperature, top_k, top_p)
+
+
+def _warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """:func:`probs_from_logits` without the checks."""
     if temperature == 0:
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
@@ -109,8 +157,11 @@ def sample(
 
     Raises:
         ValueError: on a bad option (see :func:`check_sampling`).
+        NonFiniteLogitsError: on NaN/inf logits, naming the first one's position (:func:`check_finite_logits`);
+            ``argmax`` would return a NaN's index.
     """
     check_sampling(temperature, top_k, top_p)
+    check_finite_logits(logits)
     if temperature == 0:
         return logits.argmax(-1)
-    return sample_from_probs(probs_from_logits(logits, temperature, top_k, top_p), generator)
+    return sample_from_probs(_warp(logits, temperature, top_k, top_p), generator)

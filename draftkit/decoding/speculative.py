@@ -33,6 +33,7 @@ import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
 from draftkit.decoding.sampling import (
+    check_finite_logits,
     check_sampling,
     probs_from_logits,
     sample,
@@ -314,11 +315,7 @@ class Eagle3Drafter:
         z, h = self.feed_pending(tokens)
         ids, logits, probs = [], [], []
         for j in range(k):
-            if not bool(torch.isfinite(z).all()):
-                raise ValueError(
-                    f"draft logits at draft position {j + 1} are not finite (NaN/inf): the head's weights or its "
-                    f"{self.dtype} arithmetic overflow; evaluate it in float32 or check the checkpoint"
-                )
+            check_finite_logits(z, f"draft logits at draft position {j + 1}")
             logits.append(z)
             if cfg.greedy:
                 d = z.argmax()
@@ -388,7 +385,11 @@ def greedy_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
 
     Returns:
         (a, next token): a accepted drafts and the target's argmax at row a (correction or bonus).
+
+    Raises:
+        NonFiniteLogitsError: on NaN/inf target logits (naming the row and vocab id).
     """
+    check_finite_logits(target_logits, "target verify logits")
     best = target_logits.argmax(-1)  # (k+1,)
     k = draft_ids.shape[0]
     a = int((draft_ids == best[:k]).int().cumprod(0).sum()) if k else 0
@@ -480,6 +481,7 @@ def _check_prompt(prompt_ids: torch.Tensor, cfg: DecodeConfig, k: int, max_lengt
 
 
 def _pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
+    check_finite_logits(logits, "target logits")
     return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
 
 

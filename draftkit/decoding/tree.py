@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftkit.decoding.sampling import probs_from_logits, sample_from_probs
+from draftkit.decoding.sampling import check_finite_logits, probs_from_logits, sample_from_probs
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Eagle3Drafter,
@@ -284,6 +284,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         k = tree.topk
         if k > z.shape[-1]:
             raise ValueError(f"tree top-k {k} exceeds the draft vocabulary of {z.shape[-1]} tokens")
+        check_finite_logits(z, "draft logits at tree depth 1")
         logp, ids = z.float().log_softmax(-1).topk(k)  # (K,)
         toks, scores = [ids], [logp]
         parents, depths = [-1] * k, [1] * k
@@ -305,6 +306,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
             ids_t = self.draft_target_ids[all_toks[frontier]]  # (F,)
             pos = torch.full((1, f), L + d - 1, device=self.device)
             logits, hf = self.head(ids_t[None], feature, pos, self.cache, attn_mask=mask)  # (1,F,V_d), (1,F,H)
+            check_finite_logits(logits[0], f"draft logits at tree depth {d + 1}")
             lp, ci = logits[0].float().log_softmax(-1).topk(k, dim=-1)  # (F, K)
             cum = torch.cat(scores)[frontier][:, None] + lp  # (F, K)
             base = len(parents)
@@ -364,6 +366,7 @@ def generate_tree(
         pos = L + torch.cat([draft.depths.new_zeros(1), draft.depths]).to(dev)  # (N+1,)
         logits, aux = target.forward(torch.cat([seq[L:L + 1], draft.tokens]), position_ids=pos, attn_mask=mask)
         if cfg.greedy:
+            check_finite_logits(logits, "target verify logits")
             path, nxt = tree_greedy_accept(draft, logits.argmax(-1))
         else:
             p = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # (N+1, V)
