@@ -337,9 +337,20 @@ def tokenization_fingerprint() -> str:
 
 
 def _render(tokenizer, messages, chat_template, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-    )
+    """The template's text for ``messages``.
+
+    Raises:
+        TemplateError: when the template itself raises for these messages (``raise_exception``, an undefined
+            name, a syntax error), with jinja's message.
+    """
+    from jinja2.exceptions import TemplateError as JinjaError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+    except JinjaError as exc:
+        raise TemplateError(f"the chat template raised {type(exc).__name__}: {exc}") from exc
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], chat_template: str | None = None, max_length: int | None = None):
@@ -360,7 +371,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], chat_template: str | 
         ``truncated`` (bool).
 
     Raises:
-        TemplateError: when the template renders no prefix-stable assistant span.
+        TemplateError: when the template renders no prefix-stable assistant span (naming the assistant turn),
+            or raises for this conversation.
     """
     full = _render(tokenizer, messages, chat_template)
     spans = []
@@ -371,7 +383,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], chat_template: str | 
         upto = _render(tokenizer, messages[: i + 1], chat_template)
         if not (upto.startswith(prefix) and full.startswith(upto)) or len(upto.rstrip()) <= len(prefix):
             raise TemplateError(
-                "no assistant span found: the chat template does not render conversations prefix-stably "
+                f"no assistant span found for assistant turn {i}: the chat template does not render conversations prefix-stably "
                 "(render(messages[:i], add_generation_prompt=True) must be a prefix of render(messages[:i+1])); "
                 "give data.chat_template a template that does"
             )

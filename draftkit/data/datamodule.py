@@ -28,7 +28,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve_model_dir
-from draftkit.data.chat import describe_skips, read_conversations, tokenization_fingerprint, tokenize_conversation
+from draftkit.data.chat import (
+    TemplateError,
+    describe_skips,
+    read_conversations,
+    tokenization_fingerprint,
+    tokenize_conversation,
+)
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import AUTO, HiddenStateCache, tokenizer_fingerprint, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
@@ -90,6 +96,9 @@ class ChatDataModule(pl.LightningDataModule):
         supervise: training positions with a loss: ``assistant`` (default; the assistant tokens) or ``all``
             (every token: user and template positions too, labelled with the target's own distribution).
             Validation always scores the assistant tokens, so ``val/*`` stays comparable.
+        max_skip_fraction: the largest fraction (0..1) of the source's records that may be skipped (read
+            errors, template errors, no trainable token); more stops set-up naming the main reason, since it
+            usually means the data has another format than the reader expects. 1.0 = never stop.
 
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
@@ -119,6 +128,7 @@ class ChatDataModule(pl.LightningDataModule):
         bucket_window: int = 0,
         hidden_states_cache: str | None = None,
         supervise: str = "assistant",
+        max_skip_fraction: float = 0.2,
     ) -> None:
         super().__init__()
         if supervise not in SUPERVISE:
@@ -127,6 +137,8 @@ class ChatDataModule(pl.LightningDataModule):
             raise ValueError(f"data.bucket_window must be >= 0 sequences, got {bucket_window}")
         if max_length < 8:
             raise ValueError(f"data.max_length must be >= 8 tokens, got {max_length}")
+        if not 0.0 <= max_skip_fraction <= 1.0:
+            raise ValueError(f"data.max_skip_fraction must be within 0..1, got {max_skip_fraction}")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if val_size < 0 or (max_samples is not None and max_samples < 1):
@@ -186,7 +198,7 @@ class ChatDataModule(pl.LightningDataModule):
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")
         key = _fingerprint(
-            "chat-v2", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
+            "chat-v3", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
             hp.chat_template or tok.chat_template, tok.name_or_path, len(tok),
             tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
             hp.max_conversations,
@@ -218,21 +230,34 @@ class ChatDataModule(pl.LightningDataModule):
         template = hp.chat_template
 
         def encode(row):
-            out = tokenize_conversation(tok, row["messages"], template, hp.max_length)
+            # a record the template rejects (e.g. a multi-turn record a reasoning template renders
+            # differently per turn) is skipped and named, not fatal for the whole source
+            try:
+                out = tokenize_conversation(tok, row["messages"], template, hp.max_length)
+            except TemplateError as exc:
+                return {"input_ids": [], "loss_mask": [], "truncated": False, "num_supervised": 0,
+                        "template_error": str(exc)}
             out["num_supervised"] = sum(out["loss_mask"][1:])  # tokens at position >= 1 can be predicted
+            out["template_error"] = ""
             return out
 
         ds = ds.map(encode, remove_columns=["messages"], num_proc=hp.num_proc if hp.num_proc > 1 else None,
                     desc="tokenizing conversations")
-        dropped = ds.filter(lambda n: n == 0, input_columns="num_supervised")
-        ds = ds.filter(lambda n: n > 0, input_columns="num_supervised")
+        rejected = ds.filter(lambda e: bool(e), input_columns="template_error")
+        dropped = ds.filter(lambda n, e: n == 0 and not e, input_columns=["num_supervised", "template_error"])
+        ds = ds.filter(lambda n: n > 0, input_columns="num_supervised").remove_columns("template_error")
         lost = self._name_untrainable(dropped, conversations, summary.records)
+        template_skips = [{"record": name, "reason": "chat template error", "detail": error}
+                          for name, error in zip(rejected["record"], rejected["template_error"])]
         stats = {
             "read": str(summary), "kept": summary.kept, "skipped": dict(summary.skipped),
+            "records": summary.usable + len(summary.skips),
             "cut_offset": summary.cut_offset, "truncated": int(sum(ds["truncated"])),
+            "template_error": len(rejected),
             "no_supervised_token": len(dropped), "lost_to_truncation": sum(1 for r in lost if r["needs"]),
             "shortest_needed_length": min((r["needs"] for r in lost if r["needs"]), default=None),
-            "sequences": len(ds), "skips": summary.skip_rows() + [{k: r[k] for k in SKIP_KEYS} for r in lost],
+            "sequences": len(ds),
+            "skips": summary.skip_rows() + template_skips + [{k: r[k] for k in SKIP_KEYS} for r in lost],
         }
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
@@ -292,25 +317,62 @@ class ChatDataModule(pl.LightningDataModule):
                     f"{stats['no_supervised_token'] - stats['lost_to_truncation']} have no assistant token after "
                     "position 0 in the chat template's rendering; check data.chat_template"
                 )
+            if stats["template_error"]:
+                first = next(s for s in stats["skips"] if s["reason"] == "chat template error")
+                causes.append(
+                    f"{stats['template_error']} were rejected by the chat template (first, {first['record']}: "
+                    f"{first['detail']}); check data.chat_template"
+                )
             every = "every one of the" if len(causes) == 1 else "of the"
             raise ValueError(
                 f"no trainable tokens in {hp.path}: {every} {stats['kept']} conversations read, "
                 + "; ".join(causes) + (f" (read: {stats['read']})" if stats["skipped"] else "")
             )
+        self._check_skip_fraction(stats)
         if n - hp.val_size < hp.val_size:
             raise ValueError(
                 f"data.val_size={hp.val_size} holds out more sequences than it leaves for training: {hp.path} "
                 f"has {n} trainable sequences; set data.val_size to at most {n // 2}"
             )
 
+    def _check_skip_fraction(self, stats: dict) -> None:
+        """Refuse a source of which more than ``data.max_skip_fraction`` of the records is skipped.
+
+        Raises:
+            ValueError: naming the file, the skipped fraction, the most common reason (with an example
+                record's detail) and the option.
+        """
+        hp = self.hparams
+        skips, total = stats["skips"], stats["records"]
+        if not total or len(skips) <= hp.max_skip_fraction * total:
+            return
+        counts: dict[str, int] = {}
+        for s in skips:
+            counts[s["reason"]] = counts.get(s["reason"], 0) + 1
+        reason = max(sorted(counts), key=counts.get)
+        example = next(s for s in skips if s["reason"] == reason)
+        raise ValueError(
+            f"{hp.path}: {len(skips)} of {total} records skipped ({len(skips) / total:.0%}), more than "
+            f"data.max_skip_fraction={hp.max_skip_fraction:g}; main reason: {reason} ({counts[reason]} records; "
+            f"{example['record']}: {example['detail']}); convert the data to chat (messages) or ShareGPT "
+            f"(conversations) records, fix data.chat_template, or raise data.max_skip_fraction to train on the rest"
+        )
+
     def _write_skip_list(self) -> None:
-        """Write every skipped record (read and tokenization) to ``skipped_records.json`` beside the run's logs."""
+        """Write every skipped record (read and tokenization) to ``skipped_records.json`` beside the run's logs.
+
+        Called on every rank: ``trainer.log_dir`` is a collective (a broadcast from rank 0) under DDP, so it is
+        read by all ranks before global rank 0 alone writes the file.
+        """
         skips = self.stats.get("skips") or []
-        if not skips or self.trainer is None or not self.trainer.is_global_zero:
+        if not skips or self.trainer is None:
+            return
+        log_dir = self.trainer.log_dir  # every rank: a broadcast under DDP
+        if not self.trainer.is_global_zero:
             return
         from draftkit.jsonio import write_json_atomic
 
-        path = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "skipped_records.json"
+        path = Path(log_dir or self.trainer.default_root_dir) / "skipped_records.json"
         write_json_atomic(path, skips)
         log.warning("%d records skipped: %s; full list in %s", len(skips), describe_skips(skips), path)
 

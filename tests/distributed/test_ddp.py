@@ -1,10 +1,12 @@
 """DDP on CPU (2 processes over gloo) trains the same head as one process with the same global batch."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -75,3 +77,55 @@ def test_two_process_ddp_equals_one_process(tmp_path, monkeypatch):
     assert _max_diff(initial, one) > 1e-3  # the weights did move between step 2 and step 4
     saved = torch.load(ddp / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert saved["global_step"] == 4
+
+
+def _skip_data(tmp_path: Path, kind: str) -> Path:
+    """9 records of recipes/data/tiny-chat.jsonl with one unreadable record (the x21 case): line 5 of a JSONL
+    file is not JSON, or record 4 of a JSON array is a string."""
+    good = [json.loads(line) for line in (REPO / "recipes/data/tiny-chat.jsonl").read_text().splitlines()[:8]]
+    if kind == "json":
+        path = tmp_path / "skip.json"
+        path.write_text(json.dumps(good[:4] + ["not a record"] + good[4:]))
+    else:
+        path = tmp_path / "skip.jsonl"
+        lines = [json.dumps(r) for r in good]
+        path.write_text("\n".join(lines[:4] + ["{not json"] + lines[4:]) + "\n")
+    return path
+
+
+SKIPPED = {
+    "json": {"record": "record 4", "reason": "not an object", "detail": "record is string, not an object"},
+    "jsonl": {"record": "line 5", "reason": "corrupt JSON line",
+              "detail": "Expecting property name enclosed in double quotes at column 2"},
+}
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "offline"])
+def test_two_process_ddp_with_a_skipped_record_finishes(tmp_path, kind):
+    """Case x21: a 2-process DDP run whose data has one skipped record used to hang at set-up (global rank 0
+    alone reached ``trainer.log_dir``, a broadcast, while writing the skip list). Now it trains its 2 steps
+    (with a validation at step 2) over JSON, JSONL and the offline hidden-state cache (``auto``: rank 0
+    writes it, both ranks train from it), and the skip list names the one record."""
+    data = _skip_data(tmp_path, "jsonl" if kind == "offline" else kind)
+    root = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "DRAFTKIT_CACHE": os.environ.get("DRAFTKIT_CACHE", str(tmp_path / "cache"))}
+    cmd = [sys.executable, "-m", "draftkit", "fit", "--recipe", RECIPE, "--data.path", str(data),
+           "--data.val_size", "2", "--data.batch_size", "1", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+           "--trainer.check_val_every_n_epoch", "null", "--trainer.val_check_interval", "2",
+           "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
+           "--trainer.default_root_dir", str(root)]
+    if kind == "offline":
+        cmd += ["--data.hidden_states_cache", "auto"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"2-process run with a skipped record hung (no exit in {exc.timeout} s)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = root / "lightning_logs" / "version_0"
+    skips = json.loads((run_dir / "skipped_records.json").read_text())
+    assert skips == [SKIPPED["jsonl" if kind == "offline" else kind]]
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 2
+    if kind == "offline":
+        assert "offline mode: target states from" in proc.stderr
