@@ -5,10 +5,47 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["ResumableRecord", "write_json_atomic"]
+__all__ = ["InsufficientSpaceError", "ResumableRecord", "bytes_needed", "check_free_space", "write_json_atomic"]
+
+SPACE_MARGIN = (1 << 20, 0.05)
+"""Free space kept beyond a write: 1 MiB plus 5 % of its bytes (filesystem blocks, metadata, a temp copy)."""
+
+
+class InsufficientSpaceError(ValueError):
+    """The filesystem of an output has less free space than a write needs (a user error: exit 2)."""
+
+
+def bytes_needed(nbytes: int) -> int:
+    """``nbytes`` plus the :data:`SPACE_MARGIN` (bytes)."""
+    return int(nbytes + SPACE_MARGIN[0] + SPACE_MARGIN[1] * nbytes)
+
+
+def check_free_space(directory: str | Path, nbytes: int, what: str) -> None:
+    """Refuse a write of ``nbytes`` bytes into ``directory`` (or its nearest existing parent) when its
+    filesystem has less free space than :func:`bytes_needed` (``shutil.disk_usage``).
+
+    Args:
+        directory: the folder the bytes go to (need not exist yet).
+        nbytes: bytes about to be written.
+        what: what is written (named in the error, e.g. ``"export vllm"``).
+
+    Raises:
+        InsufficientSpaceError: naming the directory, the bytes needed (with the margin) and the bytes free.
+    """
+    p = Path(directory).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    need = bytes_needed(nbytes)
+    if free < need:
+        raise InsufficientSpaceError(
+            f"{what}: not enough free space in {directory} (filesystem of {p}): {need} bytes needed "
+            f"({nbytes} to write plus a margin), {free} free; free space or write somewhere else"
+        )
 
 
 def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = True) -> None:
@@ -41,7 +78,8 @@ class ResumableRecord:
 
     Line 1 is ``{"header": header}``; every further line is ``{"key": key, "value": value}``, written and
     flushed to disk as each unit finishes. Reopening the same path with an equal header loads the finished
-    units (a torn last line, from a run killed mid-write, is dropped and rewritten on the next ``add``), so
+    units (a torn line, from a run killed mid-write or a damaged file: one that is not JSON, lacks its newline
+    or lacks ``key``/``value``, is dropped with the lines after it and the record rewritten), so
     an interrupted run only redoes the unit in progress; opening an intact record does not write it. ``path``
     None keeps nothing (an in-memory no-op).
 
@@ -60,8 +98,9 @@ class ResumableRecord:
         self.done: dict[str, object] = {}
         if self.path is None:
             return
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        intact = bool(lines)
+        text = self.path.read_text() if self.path.exists() else ""
+        lines = text.splitlines()
+        intact = bool(lines) and text.endswith("\n")  # a last line without its newline is torn (or would be joined)
         if lines:
             try:
                 found = json.loads(lines[0]).get("header")
@@ -75,10 +114,11 @@ class ResumableRecord:
             for line in lines[1:]:
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError:
-                    intact = False  # torn last line
+                    key, value = row["key"], row["value"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    intact = False  # a torn (or damaged) line: it and the lines after it are redone
                     break
-                self.done[row["key"]] = row["value"]
+                self.done[key] = value
         if not intact:  # new, or torn; an intact record is only read (a report may read a running one's record)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._rewrite()

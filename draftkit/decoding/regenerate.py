@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from draftkit.decoding.sampling import check_sampling, sample
-from draftkit.jsonio import write_json_atomic
+from draftkit.jsonio import check_free_space, write_json_atomic
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
@@ -301,6 +301,29 @@ def _read_output(path: Path) -> tuple[dict, dict[str, list[str]]] | None:
     return (header, shards) if pos == len(lines) else None
 
 
+def _part_problem(path: Path, meta: dict) -> str | None:
+    """None when the shard part ``path`` holds exactly the records its index entry ``meta`` lists (count and
+    ids, each line a JSON object ending in a newline), else what is wrong (missing, torn, other records)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+    if text and not text.endswith("\n"):
+        return "torn (its last record has no end of line)"
+    lines = text.split("\n")[:-1] if text else []
+    if len(lines) != meta["records"]:
+        return f"torn ({len(lines)} record lines, the index lists {meta['records']})"
+    try:
+        ids = [json.loads(line)["id"] for line in lines]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return f"torn (a record line is not a JSON record: {type(e).__name__}: {e})"
+    if ids != meta["ids"]:
+        return "not the shard its index lists (other record ids)"
+    return None
+
+
 def _sha16(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -435,9 +458,18 @@ def regenerate(
                      sum(len(lines) for lines in existing[1].values()))
         write_json_atomic(index_path, index)  # the settings are known before the first shard
 
+    checked: dict[int, bool] = {}  # shard -> its part file matches its index entry (read once per run)
+
     def done(i: int) -> bool:
         meta = index["shards"].get(str(i))
-        return meta is not None and meta["first"] == shards[i].start and meta["count"] == len(shards[i])
+        if meta is None or meta["first"] != shards[i].start or meta["count"] != len(shards[i]):
+            return False
+        if i not in checked:
+            problem = _part_problem(parts / f"shard-{i:05d}.jsonl", meta)
+            if problem is not None:
+                log.warning("generate: %s/shard-%05d.jsonl is %s; decoding shard %d again", parts, i, problem, i)
+            checked[i] = problem is None
+        return checked[i]
 
     todo_records = sum(len(r) for i, r in enumerate(shards) if not done(i))
     log.info(
@@ -473,7 +505,9 @@ def regenerate(
                         "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
             for w in items if w.failed is None
         ]
+        check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
         _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
+        checked[i] = True
         index["shards"][str(i)] = {
             "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
             "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
@@ -507,7 +541,13 @@ def regenerate(
             "new_tokens": tokens,
         },
     }
-    _write_lines_atomic(out, [json.dumps({"header": header}, ensure_ascii=False) + "\n"] + body)
+    first = json.dumps({"header": header}, ensure_ascii=False) + "\n"
+    check_free_space(out.parent, len(first.encode("utf-8")) + sum(len(b.encode("utf-8")) for b in body),
+                     f"generate --output {out}")
+    _write_lines_atomic(out, [first] + body)
+    if _read_output(out) is None:  # generate's own completeness check, before the parts are removed
+        out.unlink()
+        raise RuntimeError(f"{out} did not read back as a complete generate output; the parts in {parts} are kept")
     shutil.rmtree(parts)
     seconds = time.perf_counter() - t0
     log.info(

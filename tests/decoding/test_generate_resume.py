@@ -1,0 +1,67 @@
+"""``draftkit generate`` resume re-checks every finished shard part against its index entry (case x09)."""
+
+import json
+from collections import namedtuple
+
+import pytest
+
+from draftkit.decoding.regenerate import RegenerateConfig, _read_output, regenerate
+from draftkit.jsonio import InsufficientSpaceError
+
+from tests.decoding.test_regenerate import _write_source
+
+
+def _interrupted(tmp_path, tiny_target_dir, kw):
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "torn.jsonl"
+    calls = []
+
+    def crash():
+        calls.append(1)
+        if len(calls) == 3:  # one batch per shard: shards 0 and 1 are finished, shard 2 is cut
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(str(src), str(out), str(tiny_target_dir), _after_batch=crash, **kw)
+    return src, out
+
+
+@pytest.mark.parametrize("tear", ["half", "drop_newline", "other_id"])
+def test_a_torn_finished_shard_is_decoded_again(tmp_path, tiny_target_dir, tear):
+    cfg = RegenerateConfig(max_new_tokens=5, max_prompt_tokens=200)
+    kw = dict(cfg=cfg, dtype="float32", batch_size=3, shard_size=3)
+    whole = tmp_path / "whole.jsonl"
+    src = _write_source(tmp_path / "src.jsonl")
+    regenerate(str(src), str(whole), str(tiny_target_dir), **kw)
+    src, out = _interrupted(tmp_path, tiny_target_dir, kw)
+    parts = tmp_path / "torn.jsonl.parts"
+    index = json.loads((parts / "index.json").read_text())
+    assert sorted(index["shards"]) == ["0", "1"]
+    part = parts / "shard-00000.jsonl"
+    data = part.read_bytes()
+    assert data.count(b"\n") == 3
+    if tear == "half":
+        part.write_bytes(data[: len(data) // 2])
+    elif tear == "drop_newline":
+        part.write_bytes(data[:-1])
+    else:
+        part.write_bytes(data.replace(b'"id": "c0"', b'"id": "zz"'))
+    later = []
+    regenerate(str(src), str(out), str(tiny_target_dir), _after_batch=lambda: later.append(1), **kw)
+    assert len(later) == 2  # shard 0 (redone) and shard 2; shard 1 was intact and kept
+    assert out.read_bytes() == whole.read_bytes()
+    header, shards = _read_output(out)
+    assert header["source_ids"] == [f"c{i}" for i in range(7)]
+    assert sum(len(lines) for lines in shards.values()) == 7 == len(out.read_text().splitlines()) - 1
+    assert not parts.exists()
+
+
+def test_generate_refuses_a_full_disk_before_writing(tmp_path, tiny_target_dir, monkeypatch):
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "o" / "full.jsonl"
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda p: Usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(InsufficientSpaceError, match=r"generate: shard part: not enough free space in .*full\.jsonl\.parts.*bytes needed"):
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200),
+                   dtype="float32", batch_size=3, shard_size=3)
+    assert not out.exists() and not list((tmp_path / "o" / "full.jsonl.parts").glob("shard-*"))
