@@ -10,7 +10,9 @@ when a ``fit`` ends cleanly (its ``last.ckpt`` then supersedes it).
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = ["InterruptCheckpoint"]
@@ -20,7 +22,7 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
     """``OnExceptionCheckpoint`` for training only: writes ``<dirpath>/<filename>.ckpt`` when a ``fit`` that has
     started training stops on an exception (SIGTERM, Ctrl-C as fit turns it into SIGTERM, an error), and
     deletes it when a ``fit`` ends cleanly; ``validate``/``test``/``predict`` and errors raised during set-up
-    leave an existing file alone.
+    leave an existing file alone. Nothing is written from NaN/inf weights.
 
     Args:
         dirpath: directory of the checkpoint (created on write).
@@ -35,9 +37,19 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = True
 
-    def on_exception(self, trainer, *args, **kwargs) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and self._started:
-            super().on_exception(trainer, *args, **kwargs)
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Write the checkpoint, unless the stop came before training or the weights hold NaN/inf: a checkpoint
+        of non-finite weights would resume into garbage, so it is skipped with a warning and the original
+        error is left to surface (the module's ``on_save_checkpoint`` would refuse it anyway)."""
+        if trainer.state.fn != TrainerFn.FITTING or not self._started:
+            return
+        finite = getattr(pl_module, "head_is_finite", None)
+        ok = finite() if finite is not None else all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()
+                                                      if p.is_floating_point())
+        if not ok:
+            rank_zero_warn(f"InterruptCheckpoint: not writing {self.ckpt_path}: the weights hold NaN/inf")
+            return
+        super().on_exception(trainer, pl_module, exception)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and self._started:

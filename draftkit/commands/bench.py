@@ -91,7 +91,8 @@ def measure_train(
     batches, load = [], []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
-        batches.append({k: v.to(device) for k, v in next(it).items()})
+        # tensors to the device; ``source`` (the rows' names, a list of str) stays as it is
+        batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(it).items()})
         _sync(device)
         load.append(time.perf_counter() - t0)
     offline = "aux_hidden_states" in batches[0]

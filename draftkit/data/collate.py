@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SUPERVISE", "collate", "collate_offline"]
+__all__ = ["SUPERVISE", "collate", "collate_offline", "row_source"]
 
 SUPERVISE = ("assistant", "all")
 
@@ -23,7 +23,9 @@ def collate(rows: list[dict], pad_token_id: int = 0, supervise: str = "assistant
             and template positions (the labels are the target's own probabilities either way).
 
     Returns:
-        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) int64.
+        ``input_ids``, ``attention_mask``, ``loss_mask``: (B, T) int64; and ``source``, B strings naming where
+        each row came from (:func:`row_source`), when the rows carry a ``source`` or ``record`` field (the
+        training module names them when a batch's loss is non-finite).
 
     Raises:
         ValueError: on an unknown ``supervise``.
@@ -39,7 +41,21 @@ def collate(rows: list[dict], pad_token_id: int = 0, supervise: str = "assistant
         ids[i, :n] = torch.as_tensor(r["input_ids"])
         attn[i, :n] = 1
         mask[i, :n] = 1 if supervise == "all" else torch.as_tensor(r["loss_mask"])
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    sources = [row_source(r) for r in rows]
+    if any(s is not None for s in sources):
+        batch["source"] = [s or "an unnamed row" for s in sources]
+    return batch
+
+
+def row_source(row: dict) -> str | None:
+    """Where a row came from, for error messages: its ``source`` (an offline cache row names its shard file and
+    sequence), else ``record <name>`` from a ``record`` field (the data file's record name), else None."""
+    if row.get("source"):
+        return str(row["source"])
+    if row.get("record"):
+        return f"record {row['record']}"
+    return None
 
 
 def collate_offline(rows: list[dict], pad_token_id: int = 0, supervise: str = "assistant") -> dict[str, torch.Tensor]:
@@ -47,7 +63,8 @@ def collate_offline(rows: list[dict], pad_token_id: int = 0, supervise: str = "a
 
     Returns:
         ``input_ids``, ``attention_mask``, ``loss_mask`` (B, T) int64; ``aux_hidden_states``
-        (B, T, n_aux*H_t) and ``last_hidden_state`` (B, T, H_t) bf16, zero on padding.
+        (B, T, n_aux*H_t) and ``last_hidden_state`` (B, T, H_t) bf16, zero on padding; ``source`` (B strings:
+        shard file and sequence of each row) when the rows carry it (``OfflineDataset`` items do).
     """
     batch = collate(rows, pad_token_id, supervise)
     b, t = batch["input_ids"].shape

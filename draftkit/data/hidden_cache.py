@@ -207,7 +207,8 @@ class OfflineDataset(torch.utils.data.Dataset):
     """Sequences of one split read lazily from memory-mapped shards.
 
     Items are dicts: ``input_ids`` (T,) int64, ``loss_mask`` (T,) int64, ``aux_hidden_states``
-    (T, n_aux*H_t) bf16, ``last_hidden_state`` (T, H_t) bf16.
+    (T, n_aux*H_t) bf16, ``last_hidden_state`` (T, H_t) bf16, and ``source`` (str): the shard file, the
+    sequence's index in it and its row of the split, named when training finds its states non-finite.
 
     Args:
         root: cache directory.
@@ -247,6 +248,7 @@ class OfflineDataset(torch.utils.data.Dataset):
             "loss_mask": f.get_slice("loss_mask")[a:b].long(),  # (T,)
             "aux_hidden_states": f.get_slice("aux_hidden_states")[a:b],  # (T, n_aux*H_t) bf16
             "last_hidden_state": f.get_slice("last_hidden_state")[a:b],  # (T, H_t) bf16
+            "source": f"hidden-state cache shard {self.root / self.shards[s]['file']} sequence {j} (split row {i})",
         }
 
 
@@ -300,7 +302,8 @@ def write_hidden_states(
         The plan plus ``tokens_written``, ``bytes_written``, ``seconds``, ``tokens_per_s``, ``mb_per_s``.
 
     Raises:
-        ValueError: when ``output`` holds a cache for another fingerprint or shard plan.
+        ValueError: when ``output`` holds a cache for another fingerprint or shard plan, or the target's states
+            of a row are non-finite (naming the split row; that shard is not written, so no cache holds NaN).
         OSError: (ENOSPC) when the disk has less free space than the cache needs.
     """
     output = Path(output).expanduser()
@@ -461,6 +464,15 @@ def _write_shard(path: Path, rows, forward, batch_size: int, pad_token_id: int, 
         for i, j in enumerate(js):
             aux[j] = a[i, : lengths[j]].to(torch.bfloat16).cpu()  # (T_j, n_aux*H_t)
             last[j] = h[i, : lengths[j]].to(torch.bfloat16).cpu()  # (T_j, H_t)
+            if not (bool(torch.isfinite(aux[j]).all()) and bool(torch.isfinite(last[j]).all())):
+                name = rows[j].get("record") if hasattr(rows[j], "get") else None
+                raise ValueError(
+                    f"the target's hidden states of {split} row {shard['rows'][0] + j}"
+                    f"{f' (record {name})' if name else ''} are non-finite (NaN/inf; after the bf16 cast: "
+                    f"{int((~torch.isfinite(aux[j])).sum())} aux, {int((~torch.isfinite(last[j])).sum())} last); "
+                    f"nothing of {path.name} was written. Run the target in float32 (model.target_dtype) or drop "
+                    "that conversation"
+                )
     offsets = torch.zeros(n + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
     tensors = {

@@ -35,7 +35,10 @@ from draftkit.heads.checkpoint import HEAD_PREFIX
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
-__all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "ttt_targets", "soft_ce", "tau_sim"]
+__all__ = [
+    "Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError", "ttt_targets",
+    "soft_ce", "tau_sim",
+]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,12 @@ class EntropyFilterConfig:
             raise ValueError(f"model.entropy_filter.mode must be off, drop or downweight, got {self.mode!r}")
         if self.mode != "off" and (self.threshold is None) == (self.quantile is None):
             raise ValueError("model.entropy_filter: give exactly one of threshold or quantile")
+
+
+class NonFiniteTrainingError(ValueError):
+    """A training or validation batch gave a NaN/inf loss or gradient: ``fit`` stops before the optimizer
+    step (the weights stay finite) and before any metric or checkpoint is written from it. The message names
+    the batch's source (the offline cache shard and sequence, or the records) and what to change."""
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -232,6 +241,7 @@ class Eagle3Module(pl.LightningModule):
         self._epoch_batches = [0, 0]  # (updates, batches without a trainable token) in this epoch
         self.tokens_trained = 0
         """Real (non-padding) tokens of the training batches this rank stepped on, checkpointed."""
+        self._last_batch: tuple[int, list[str] | None] = (0, None)  # (batch_idx, sources) of the last training batch
         self.lr_horizon: int | None = None
         """H, the optimizer step at which the cosine schedule reaches its floor, when fixed by a callback
         (``TimeBudget``, through :meth:`set_lr_horizon`) or a checkpoint; None =
@@ -377,7 +387,25 @@ class Eagle3Module(pl.LightningModule):
         )
 
     # -- checkpoint -------------------------------------------------------------------------------------
+    def head_is_finite(self) -> bool:
+        """True when every floating-point tensor of the head is finite (one ``isfinite().all()`` per tensor)."""
+        return self.head is None or all(
+            bool(torch.isfinite(t).all()) for t in self.head.state_dict().values() if t.is_floating_point()
+        )
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep the head's tensors and the metrics' states, and add the ``draftkit`` metadata.
+
+        Raises:
+            NonFiniteTrainingError: when a head tensor is NaN/inf (naming them), so that no checkpoint
+                (``ModelCheckpoint``'s best/last, an interrupt checkpoint) is ever written from such weights.
+        """
+        if not self.head_is_finite():
+            bad = [k for k, t in self.head.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            raise NonFiniteTrainingError(
+                f"not saving a checkpoint at step {self.trainer.global_step if self._trainer is not None else '?'}: "
+                f"the head's {', '.join(bad)} hold NaN/inf; lower model.optim.lr or set trainer.gradient_clip_val"
+            )
         checkpoint["state_dict"] = {
             k: v for k, v in checkpoint["state_dict"].items()
             if k.startswith(HEAD_PREFIX) and not k.startswith((f"{HEAD_PREFIX}embed_tokens.", f"{HEAD_PREFIX}rotary_emb."))
@@ -521,6 +549,75 @@ class Eagle3Module(pl.LightningModule):
             stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
         return total, stats
 
+    # -- non-finite guard ------------------------------------------------------------------------------
+    def _check_finite_loss(self, total: torch.Tensor, batch: dict, batch_idx: int, stage: str) -> None:
+        """Stop on a NaN/inf loss before anything uses it (backward, metrics, checkpoints): one
+        ``isfinite`` per batch, summed over ranks under DDP so that every rank stops together.
+
+        Raises:
+            NonFiniteTrainingError: naming the step, the batch and its source (:meth:`_nonfinite_detail`).
+        """
+        bad = ~torch.isfinite(total.detach())
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1:
+            bad = self.trainer.strategy.reduce(bad.float(), reduce_op="sum") > 0
+        if not bool(bad):
+            return
+        step = self.trainer.global_step if self._trainer is not None else 0
+        if bool(torch.isfinite(total.detach())):
+            where = "another rank's batch (see that rank's error)"
+        else:
+            where = self._nonfinite_detail(batch)
+        raise NonFiniteTrainingError(
+            f"non-finite {stage} loss ({float(total)}) at optimizer step {step}, {stage} batch {batch_idx}: {where}"
+            + ("; stopped before the optimizer step, the weights stay finite and no checkpoint is written from it"
+               if stage == "train" else "; no accuracy or loss is reported for it")
+        )
+
+    def _nonfinite_detail(self, batch: dict) -> str:
+        """Why a batch's loss is non-finite, for the error: the rows with NaN/inf cached states (naming their
+        shard and sequence), else non-finite head weights, else the batch's sources and the options to change."""
+        sources = batch.get("source")
+        n = batch["input_ids"].shape[0]
+        name = (lambda i: sources[i]) if sources else (lambda i: f"batch row {i}")
+        if "aux_hidden_states" in batch:
+            rows = []
+            for i in range(n):
+                counts = [f"{int((~torch.isfinite(batch[key][i])).sum())} NaN/inf values in {key}"
+                          for key in ("aux_hidden_states", "last_hidden_state")
+                          if not bool(torch.isfinite(batch[key][i]).all())]
+                if counts:
+                    rows.append(f"{name(i)} has {' and '.join(counts)}")
+            if rows:
+                return ("; ".join(rows) + "; delete that shard file and rerun `python -m draftkit cache-hidden-states` "
+                        "with the same recipe and --output to rewrite it")
+        bad = [k for k, p in self.head.named_parameters() if not bool(torch.isfinite(p).all())]
+        listed = ", ".join(name(i) for i in range(n)) if sources else "its records are not named"
+        if bad:
+            return f"the head's {', '.join(bad)} are already NaN/inf (batch: {listed})"
+        return (f"its inputs are finite ({listed}), the loss overflowed: lower model.optim.lr, set "
+                "trainer.gradient_clip_val or train in trainer.precision 32-true")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Refuse NaN/inf gradients before the optimizer step (one ``isfinite`` per parameter, one sync), so
+        that the weights stay finite. Skipped under ``16-mixed``, whose gradient scaler skips such steps itself.
+
+        Raises:
+            NonFiniteTrainingError: naming the parameters, the step and the last batch's source.
+        """
+        if self._batch_empty or str(self.trainer.precision) == "16-mixed":
+            return
+        named = [(k, p.grad) for k, p in self.head.named_parameters() if p.grad is not None]
+        if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
+            return
+        bad = [k for k, g in named if not bool(torch.isfinite(g).all())]
+        batch_idx, sources = self._last_batch
+        raise NonFiniteTrainingError(
+            f"non-finite gradients of {', '.join(bad)} at optimizer step {self.trainer.global_step}, train batch "
+            f"{batch_idx} ({', '.join(sources) if sources else 'its records are not named'}); stopped before the "
+            "optimizer step, the weights stay finite; lower model.optim.lr or set trainer.gradient_clip_val"
+        )
+
     def on_train_epoch_start(self) -> None:
         self._epoch_batches = [0, 0]
 
@@ -533,6 +630,8 @@ class Eagle3Module(pl.LightningModule):
         ``train/tau_sim`` only when every step had one (never a placeholder).
         """
         total, stats = self.ttt_loss(batch)
+        self._last_batch = (batch_idx, batch.get("source"))
+        self._check_finite_loss(total, batch, batch_idx, "train")
         supervised = sum(float(s[2]) for s in stats)
         self._batch_empty = supervised == 0 and self.trainer.world_size == 1
         self._epoch_batches[self._batch_empty] += 1
@@ -584,7 +683,14 @@ class Eagle3Module(pl.LightningModule):
         self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate the batch's per-step accuracy and loss.
+
+        Raises:
+            NonFiniteTrainingError: on a NaN/inf loss (NaN logits would count as silently wrong or right
+                predictions), naming the batch's source.
+        """
         total, stats = self.ttt_loss(batch)
+        self._check_finite_loss(total, batch, batch_idx, "validation")
         for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
             if float(w_sum) > 0:
                 self.val_acc[k].update(correct_sum / w_sum, weight=w_sum)
