@@ -29,6 +29,7 @@ __all__ = [
     "GEMMA3_270M_REF",
     "ChunkedArtifact",
     "cache_dir",
+    "looks_like_path",
     "file_sha256",
     "resolve_artifact",
     "resolve_model_dir",
@@ -192,8 +193,9 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
         A local filesystem path (str) or the hub id.
 
     Raises:
-        FileNotFoundError: if a PyPI distribution lacks the inner path, or a path that looks local
-            (absolute, ``./``, ``~``, or with a file suffix) does not exist.
+        FileNotFoundError: if a PyPI distribution lacks the inner path, or a reference that looks local
+            (:func:`looks_like_path`: absolute, ``./``, ``~``, more than one ``/``, or a file suffix) does not
+            exist, naming the option, the path and whether it is a file or a directory.
         ValueError: on an unknown ``chunks:`` name or an assembled file whose sha256 does not match.
     """
     ref = str(ref)
@@ -213,11 +215,32 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     path = Path(ref).expanduser()
     if path.exists():
         return str(path)
-    looks_local = ref.startswith(("/", "./", "../", "~")) or path.suffix in (".json", ".jsonl", ".gz", ".gguf", ".parquet")
-    if looks_local:
+    if looks_like_path(ref):
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
-        raise FileNotFoundError(f"{option}: {ref} does not exist{where}; fix the path in the recipe")
+        kind = "directory " if option.endswith(MODEL_OPTIONS) and path.suffix not in FILE_SUFFIXES else ""
+        raise FileNotFoundError(
+            f"{option}: {kind}{ref} does not exist{where}; fix the path in the recipe or on the command line "
+            "(a hub id is org/name, with one '/')"
+        )
     return ref  # a hub id: transformers / datasets resolve it
+
+
+FILE_SUFFIXES = (".json", ".jsonl", ".gz", ".gguf", ".parquet", ".safetensors", ".ckpt", ".pt", ".bin", ".yaml")
+"""Suffixes that make a reference a local file."""
+
+MODEL_OPTIONS = ("target", "tokenizer")
+"""Options (by their last part) whose local references are model directories (named so in errors)."""
+
+
+def looks_like_path(ref: str) -> bool:
+    """True when ``ref`` can only be a local path, never a hub id: it starts with ``/``, ``./``, ``../`` or
+    ``~``, holds a backslash or more than one ``/`` (a hub id is ``name`` or ``org/name``), or ends in a
+    file suffix of :data:`FILE_SUFFIXES`. A URL (``scheme://``) is not a path."""
+    ref = str(ref)
+    if "://" in ref:
+        return False
+    return (ref.startswith(("/", "./", "../", "~", ".\\")) or "\\" in ref or ref.count("/") > 1
+            or Path(ref).suffix in FILE_SUFFIXES)
 
 
 def resolve_model_dir(ref: str, option: str = "model.target") -> str:

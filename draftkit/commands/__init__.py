@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -162,24 +163,44 @@ def _normalize(args: list[str]) -> list[str]:
     return [*head, *out]
 
 
+def _check_target_arg(args: list[str]) -> None:
+    """A ``--model.target`` given on the command line that looks like a local path must exist; checked before
+    set-up so the error names ``model.target`` (``data.tokenizer``, linked to it, is resolved first otherwise).
+
+    Raises:
+        FileNotFoundError: see ``draftkit.artifacts.resolve_artifact``.
+    """
+    from draftkit.artifacts import looks_like_path, resolve_artifact
+
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name == "--model.target":
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if looks_like_path(value):
+                resolve_artifact(value, "model.target")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftkit`` and ``python -m draftkit``.
 
     Returns:
-        0 on success; 2 on bad input (a message naming the option or file is printed to stderr).
+        0 on success; 2 on bad input: a ``ValueError`` or ``OSError`` from any verb (``fit``/``validate``
+        included) prints one line ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
+        to raise it with its traceback instead. Other exceptions (bugs) propagate with their traceback.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args and args[0] in LIGHTNING_VERBS:
-        from draftkit.cli import DraftkitCLI
-
-        if logging.getLogger().handlers:  # Lightning adds a handler of its own that also propagates: print once
-            logging.getLogger("lightning").handlers.clear()
-        DraftkitCLI(args=argv, parser_kwargs={"prog": "draftkit"})
-        return 0
     verb = " ".join(args[:2]) if args[:1] == ["bench"] else (args[0] if args else "")
     try:
+        if args and args[0] in LIGHTNING_VERBS:
+            from draftkit.cli import DraftkitCLI
+
+            if logging.getLogger().handlers:  # Lightning adds a handler of its own that also propagates: print once
+                logging.getLogger("lightning").handlers.clear()
+            _check_target_arg(args)
+            DraftkitCLI(args=argv, parser_kwargs={"prog": "draftkit"})
+            return 0
         if args and not args[0].startswith("-"):
             args = _normalize(args)
         parser = build_parser()
@@ -191,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {k: v for k, v in vars(options).items() if k in inspect.signature(fn).parameters}
         fn(**options)
     except (ValueError, OSError) as exc:  # missing/unreadable files, bad options, head/target mismatch
+        if os.environ.get("DRAFTKIT_DEBUG", "") not in ("", "0"):
+            raise
         print(f"draftkit {verb}: error: {exc}", file=sys.stderr)
         return 2
     return 0

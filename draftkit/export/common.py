@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 
 from draftkit.heads.checkpoint import check_finite, expected_tensor_specs
 from draftkit.heads.eagle3_llama import Eagle3Config
+from draftkit.jsonio import InsufficientSpaceError, check_free_space
 from draftkit.selection.vocab import VocabMap
 
 __all__ = [
@@ -227,20 +229,35 @@ def write_directory(
 
     Raises:
         FileExistsError: if ``out_dir`` exists and ``overwrite`` is false.
+        draftkit.jsonio.InsufficientSpaceError: (a ValueError) naming ``out_dir`` and the bytes needed, when the
+            filesystem has less free space than the files plus a margin (checked before anything is written),
+            or fills up while writing (the temporary directory is removed).
         Exception: whatever ``check`` raises; the temporary directory is removed and ``out_dir`` is untouched.
     """
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
+    json_text = {name: json.dumps(obj, indent=2) + "\n" for name, obj in json_files.items()}
+    nbytes = (sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 4096
+              + sum(len(t.encode("utf-8")) for t in [*json_text.values(), *text_files.values()]))
+    check_free_space(out_dir.parent, nbytes, f"export to {out_dir}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     old = None
     try:
-        _write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
-        for name, obj in json_files.items():
-            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
-        for name, text in text_files.items():
-            (tmp / name).write_text(text)
+        try:
+            _write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+            for name, text in json_text.items():
+                (tmp / name).write_text(text)
+            for name, text in text_files.items():
+                (tmp / name).write_text(text)
+        except Exception as exc:  # the disk filled while writing (safetensors raises its own error type)
+            if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
+                raise InsufficientSpaceError(
+                    f"export to {out_dir}: the disk filled while writing ({nbytes} bytes needed plus a margin); "
+                    "nothing was left behind: free space or write somewhere else"
+                ) from exc
+            raise
         check(tmp)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

@@ -217,7 +217,8 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
     Raises:
         FileNotFoundError: if a local target does not exist.
         ValueError: if the metadata records no aux layer ids (never guessed), the draft-vocab map ``d2t`` is
-            missing while V_d < V, head tensors are missing or unexpected or hold non-finite weights
+            missing while V_d < V, head tensors are missing or unexpected, have other shapes than the stored
+            ``head_config`` gives (:func:`expected_tensor_specs`) or hold non-finite weights
             (:func:`check_finite`), the target has another hidden size, vocabulary or tokenizer
             (:func:`check_tokenizer`; names both), or lacks the aux layers.
     """
@@ -254,6 +255,13 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
             + ("; a head with H != H_t needs its own embed_tokens.weight (V, H) in the checkpoint" if
                "embed_tokens.weight" in missing else "")
         )
+    for name, (shape, _) in expected.items():  # the stored head_config must describe the tensors (every verb)
+        if tuple(state[name].shape) != shape:
+            raise ValueError(
+                f"checkpoint {path}: {name} has shape {tuple(state[name].shape)}, expected {shape} from its "
+                "stored head_config; the metadata and the tensors disagree (an edited or mixed checkpoint): "
+                "re-save it from the run that trained it"
+            )
 
     check_finite(state, f"checkpoint {path}")
     target_ref = str(target if target is not None else meta.get("target") or "")

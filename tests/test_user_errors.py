@@ -1,0 +1,79 @@
+"""User errors print one line and exit 2 for every verb, fit/validate included; DRAFTKIT_DEBUG=1 re-raises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import draftkit.cli
+from draftkit.artifacts import looks_like_path, resolve_artifact
+from draftkit.commands import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("ref, local", [
+    ("scratch/targets/does-not-exist", True), ("./m", True), ("../m", True), ("/abs/m", True), ("~/m", True),
+    ("a\\b", True), ("data/x.jsonl", True), ("org/name", False), ("gpt2", False),
+    ("Qwen/Qwen2.5-0.5B-Instruct", False), ("meta-llama/Llama-3.1-8B", False), ("hf://datasets/a/b/c", False),
+])
+def test_which_references_are_paths(ref, local):
+    assert looks_like_path(ref) is local
+
+
+def test_a_missing_target_directory_is_named_as_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^model.target: directory scratch/targets/does-not-exist does "
+                                                r"not exist \(a relative path is read from the current directory, "):
+        resolve_artifact("scratch/targets/does-not-exist", "model.target")
+    assert resolve_artifact("org/name", "model.target") == "org/name"
+
+
+class _Raises:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __call__(self, *args, **kwargs):
+        raise self.exc
+
+
+@pytest.mark.parametrize("verb", ["fit", "validate"])
+def test_a_value_error_in_lightning_set_up_is_one_line_and_exit_2(verb, monkeypatch, capsys):
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.setattr(draftkit.cli, "DraftkitCLI", _Raises(ValueError("data.val_size: 0 records left to train")))
+    assert main([verb, "--trainer.max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"draftkit {verb}: error: data.val_size: 0 records left to train\n"
+
+
+def test_debug_env_re_raises_and_bugs_keep_their_traceback(monkeypatch):
+    monkeypatch.setattr(draftkit.cli, "DraftkitCLI", _Raises(ValueError("bad option")))
+    monkeypatch.setenv("DRAFTKIT_DEBUG", "1")
+    with pytest.raises(ValueError, match="bad option"):
+        main(["fit"])
+    monkeypatch.setenv("DRAFTKIT_DEBUG", "0")
+    assert main(["fit"]) == 2
+    monkeypatch.setattr(draftkit.cli, "DraftkitCLI", _Raises(RuntimeError("a real bug")))
+    with pytest.raises(RuntimeError, match="a real bug"):
+        main(["fit"])
+
+
+def test_fit_with_a_missing_target_path_exits_2_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DRAFTKIT_DEBUG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftkit", "fit", "--recipe", str(ROOT / "recipes" / "tiny-debug.yaml"),
+         "--model.target", "scratch/targets/does-not-exist", "--trainer.max_steps", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"draftkit fit: error: model.target: directory scratch/targets/does-not-exist does not exist (a relative "
+        f"path is read from the current directory, {tmp_path}); fix the path in the recipe or on the command line "
+        "(a hub id is org/name, with one '/')"
+    )
+    assert not (tmp_path / "checkpoints").exists()
