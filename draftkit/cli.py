@@ -180,7 +180,7 @@ class DraftkitCLI(LightningCLI):
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", "") if ckpt else ""
-        last = getattr(ckpt, "last_model_path", "") if ckpt else ""
+        last = _save_final_last(trainer, ckpt)
         logdir = trainer.logger.log_dir if trainer.logger else trainer.default_root_dir
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         steps = trainer.global_step - self._run_start.step
@@ -197,10 +197,51 @@ class DraftkitCLI(LightningCLI):
             f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
             f"auto on this machine: {auto['reason']})\n"
             f"  time budget: {budget}\n"
-            f"  best checkpoint: {best or '(none)'}\n  last checkpoint: {last or '(none)'}\n"
+            f"  best checkpoint: {_with_step(best)}\n  last checkpoint: {_with_step(last)}\n"
             f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
             f"  validation: {metrics}"
         )
+
+
+def _stored_step(path: str) -> int | None:
+    """The ``global_step`` stored in checkpoint ``path`` (None when it cannot be read)."""
+    import torch
+
+    try:
+        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("global_step"))
+    except Exception:  # noqa: BLE001 - a missing or unreadable file is reported as "(none)"/no step
+        return None
+
+
+def _with_step(path: str) -> str:
+    """``path (step N)`` for the end-of-fit summary, ``(none)`` for no path."""
+    if not path:
+        return "(none)"
+    step = _stored_step(path)
+    return f"{path} (step {step})" if step is not None else path
+
+
+def _save_final_last(trainer, ckpt) -> str:
+    """Make ``last.ckpt`` hold the final optimizer step and return its path ("" when there is no last checkpoint).
+
+    Lightning's ``ModelCheckpoint(save_last=True)`` refreshes ``last.ckpt`` only together with a save it makes on
+    a validation or epoch end, so a run whose monitored metric falls (or whose last steps follow the last
+    validation) leaves ``last.ckpt`` at an earlier step. After fit the trainer's state is written to that path
+    again when its stored ``global_step`` differs from ``trainer.global_step``. Called on every rank
+    (``trainer.save_checkpoint`` is collective)."""
+    if ckpt is None or not getattr(ckpt, "save_last", None):
+        return getattr(ckpt, "last_model_path", "") if ckpt else ""
+    last = getattr(ckpt, "last_model_path", "") or ""
+    if not last:
+        if not ckpt.dirpath:
+            return ""
+        last = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
+    stored = _stored_step(last) if os.path.isfile(last) else None
+    if stored != trainer.global_step and trainer.global_step > 0:
+        trainer.save_checkpoint(last)
+        ckpt.last_model_path = last
+        rank_zero_info(f"last checkpoint {last}: written at the final step {trainer.global_step} (held {stored})")
+    return last
 
 
 class _RecipeReader(DraftkitCLI):
