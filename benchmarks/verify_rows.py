@@ -9,8 +9,14 @@ head alone on one AVX512 core took 9.9 ms for 1 row, 22 ms for 2, 36 ms for 3 an
 row by row, 4 take one GEMM). ``decoding.cost`` pads a verify up to the cheapest measured row count
 (``CostTable.cover``, ``TargetSession.pad_rows``) under ``evaluate --k auto`` / ``--tree auto``.
 
+``--kernels stock onednn`` times each row count with the stock linear and with every linear weight packed
+for oneDNN (``draftkit.target.kernels``, issue 35; one model copy per kernel, alternating repeat by repeat),
+and prints each row count's time as a ratio to the same kernel's one row and the packed / stock ratio.
+
 Run:  python benchmarks/verify_rows.py [--rows 1 2 3 4 8] [--context 200] [--threads 2] [--dtype float32]
-Prints min/median milliseconds per forward (12 repeats, 2 warm-ups dropped) and the CPU capability.
+          [--kernels stock onednn] [--attn sdpa] [--logits all] [--clock process]
+Prints min/median milliseconds per forward (12 repeats, 2 warm-ups dropped) and the CPU capability;
+``--clock process`` times process CPU seconds (robust to other processes on a shared machine with one thread).
 """
 
 from __future__ import annotations
@@ -31,35 +37,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--kernels", nargs="+", default=["stock"], choices=["stock", "onednn"])
+    p.add_argument("--attn", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    p.add_argument("--logits", nargs="+", default=["all", "last"], choices=["all", "last"])
+    p.add_argument("--clock", default="wall", choices=["wall", "process"])
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from draftkit.artifacts import resolve_model_dir
+    from draftkit.target.kernels import pack_linears
 
     torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.target), dtype=getattr(torch, args.dtype)).eval()
-    vocab = model.config.vocab_size
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    path = resolve_model_dir(args.target)
+    models, handles = {}, []
+    for kernel in args.kernels:  # one copy per kernel, so that the kernels alternate repeat by repeat
+        models[kernel] = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+        handles.append(pack_linears(models[kernel].requires_grad_(False), kernel))
+    vocab = models[args.kernels[0]].config.vocab_size
     ids = torch.randint(0, vocab, (1, args.context), generator=torch.Generator().manual_seed(0))
     print(f"{args.target}: {args.dtype}, {args.threads} threads, context {args.context}, "
-          f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    for impl in ("sdpa", "eager"):
-        model.config._attn_implementation = impl
-        for keep in ("all", "last"):
-            row = {}
+          f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {args.clock} clock; kernels "
+          f"{ {h.choice.kernel: h.as_dict()['packed_bytes'] for h in handles} } packed bytes")
+    for impl in args.attn:
+        for keep in args.logits:
+            best = {kernel: {} for kernel in args.kernels}
+            row = {kernel: {} for kernel in args.kernels}
             for t in args.rows:
+                new = torch.randint(0, vocab, (1, t))
+                caches, times = {}, {kernel: [] for kernel in args.kernels}
                 with torch.no_grad():
-                    cache = DynamicCache()
-                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    new = torch.randint(0, vocab, (1, t))
-                    times = []
+                    for kernel, model in models.items():
+                        model.config._attn_implementation = impl
+                        caches[kernel] = DynamicCache()
+                        model(ids, past_key_values=caches[kernel], use_cache=True, logits_to_keep=1)
                     for _ in range(args.repeats):
-                        t0 = time.perf_counter()
-                        model(new, past_key_values=cache, use_cache=True, logits_to_keep=0 if keep == "all" else 1)
-                        times.append(time.perf_counter() - t0)
-                        cache.crop(-t)
-                times = times[2:]
-                row[t] = f"{1000 * min(times):.1f}/{1000 * statistics.median(times):.1f}"
-            print(f"{impl:5s} logits {keep:4s} ms min/median by rows: {row}", flush=True)
+                        for kernel, model in models.items():
+                            t0 = clock()
+                            model(new, past_key_values=caches[kernel], use_cache=True,
+                                  logits_to_keep=0 if keep == "all" else 1)
+                            times[kernel].append(clock() - t0)
+                            caches[kernel].crop(-t)
+                for kernel in args.kernels:
+                    kept = times[kernel][2:]
+                    best[kernel][t] = min(kept)
+                    row[kernel][t] = f"{1000 * min(kept):.1f}/{1000 * statistics.median(kept):.1f}"
+            for kernel in args.kernels:
+                print(f"{impl:5s} logits {keep:4s} {kernel:6s} ms min/median by rows: {row[kernel]}", flush=True)
+                one = best[kernel][args.rows[0]]
+                print(f"{impl:5s} logits {keep:4s} {kernel:6s} min / {args.rows[0]} row(s): "
+                      f"{ {t: round(v / one, 2) for t, v in best[kernel].items()} }", flush=True)
+            if {"stock", "onednn"} <= set(args.kernels):
+                print(f"{impl:5s} logits {keep:4s} onednn / stock min: "
+                      f"{ {t: round(best['onednn'][t] / best['stock'][t], 2) for t in args.rows} }", flush=True)
     return 0
 
 

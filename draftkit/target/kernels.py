@@ -17,14 +17,15 @@ The decision, once per process, device and dtype (cached, logged once with its r
 3. otherwise a probe: a (4096, 576) weight (one SmolLM2-135M MLP projection's size, 9.4 MB in float32, so
    it streams from memory as a real decode step does) times 1 and 3 rows, stock vs packed, best of a few
    alternating repeats on the current torch thread count: ``onednn`` iff the packed time is at most
-   ``1 - PACK_MARGIN`` of the stock time (the packed copy costs memory, so a tie keeps stock).
+   ``1 - PACK_MARGIN`` of the stock time (the packed copy costs memory, so a tie keeps stock). Weights under
+   ``PACK_MIN_ELEMENTS`` stay stock whatever the probe says (oneDNN's fixed cost per call dominates there).
 
 Packed weights have no backward (``_linear_pointwise`` registers no autograd kernel), so packing refuses a
 model whose linear weights require grad, and a packed layer runs the stock path whenever autograd would
 record it (grad enabled and the input or weight requires grad), under autocast, for another dtype or device,
 and after its weight was replaced or changed in place. The packed copy is a second copy of every linear
-weight (SmolLM2-135M float32: 652 MB with its tied 49152 x 576 LM head); :meth:`PackedLinears.release`
-(or leaving the ``with`` block) drops it and restores the stock forward.
+weight (SmolLM2-135M: 538 MB in float32, 269 MB in bfloat16, its tied 49152 x 576 LM head included);
+:meth:`PackedLinears.release` (or leaving the ``with`` block) drops it and restores the stock forward.
 
 Shapes: M rows (tokens), K in features, N out features.
 """
@@ -64,6 +65,11 @@ PROBE_ROWS = (1, 3)
 
 PACK_MARGIN = 0.05
 """Pack only when the packed probe took at most 95 % of the stock time."""
+
+PACK_MIN_ELEMENTS = 2**16
+"""Weights with fewer elements stay stock: oneDNN's fixed cost per call (~18 us against ~5 us for ``F.linear``
+on one AVX512 core) outweighs the gain (the tiny test target's 8-layer forward took 1.5-1.7x its stock time
+packed). SmolLM2-135M's smallest, a 192 x 576 K/V projection, has 110592."""
 
 _ATTR = "_draftkit_packed"
 """Attribute of a packed model holding its :class:`PackedLinears`."""
@@ -109,7 +115,7 @@ def _onednn_bf16() -> bool:
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(..., K) x packed (N, K) [+ bias (N,)] -> (..., N) in x's dtype, oneDNN's kernel."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 def probe_packed_ratio(dtype: str | torch.dtype = "float32", repeats: int = 5, max_seconds: float = 0.3) -> float:
@@ -261,21 +267,22 @@ class PackedLinears:
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor):
     """A forward for ``module`` that runs ``packed`` while it is valid, else ``F.linear`` on the module's weight."""
-    weight = module.weight
+    params = module._parameters  # read on every call: a replaced weight is seen
+    weight = params["weight"]
     version = weight._version
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        w, b = module.weight, module.bias
-        stale = w is not weight or w._version != version or w.requires_grad
-        if (stale or x.dtype != packed.dtype or x.device.type != "cpu" or x.dim() < 2
-                or (torch.is_grad_enabled() and x.requires_grad) or torch.is_autocast_enabled("cpu")):
+        w, b = params["weight"], params["bias"]
+        stale = w is not weight or w.requires_grad or w._version != version
+        if (stale or x.dtype != packed.dtype or not x.is_cpu or x.dim() < 2
+                or (x.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled("cpu")):
             return F.linear(x, w, b)
         return _packed_linear(x, packed, b)
 
     return forward
 
 
-def pack_linears(model: nn.Module, kernel: str = "auto") -> PackedLinears:
+def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int = PACK_MIN_ELEMENTS) -> PackedLinears:
     """Pack every ``nn.Linear`` weight of an inference model for oneDNN once, when the kernel choice says so.
 
     Packing is once per model: a second call returns the first handle while it is active. Module names,
@@ -286,6 +293,7 @@ def pack_linears(model: nn.Module, kernel: str = "auto") -> PackedLinears:
             target.
         kernel: ``auto`` (:func:`auto_kernels` on the weights' device and dtype), ``onednn`` (pack on any CPU
             oneDNN supports for that dtype; a no-op off the CPU) or ``stock`` (pack nothing).
+        min_elements: weights with fewer elements stay stock (``PACK_MIN_ELEMENTS``).
 
     Returns:
         :class:`PackedLinears` (inactive when nothing was packed).
@@ -328,13 +336,15 @@ def pack_linears(model: nn.Module, kernel: str = "auto") -> PackedLinears:
     with torch.no_grad():
         for _name, m in linears:
             w = m.weight
-            if w.device.type != "cpu" or w.dtype != weight.dtype:
+            if w.device.type != "cpu" or w.dtype != weight.dtype or w.numel() < min_elements:
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             m.forward = _packed_forward(m, packed)
             handle.modules.append(m)
             handle.packed_bytes += packed.nbytes
             handle.weight_bytes += w.nbytes
+    if not handle.modules:
+        return handle
     handle.model = model
     setattr(model, _ATTR, handle)
     log.info("kernels: %d linear weights packed for oneDNN (%.1f MB copy; %s)",

@@ -90,10 +90,10 @@ def test_packed_linear_matches_stock_and_releases():
     x = torch.randn(2, 5, 64)
     want = model(x)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pack_linears(model, "onednn") as packed:
+    with pack_linears(model, "onednn", min_elements=0) as packed:
         assert packed.active and packed.modules == [model[0], model[1]]
         assert packed.packed_bytes == packed.weight_bytes == 4 * (96 * 64 + 32 * 96)
-        assert pack_linears(model, "auto") is packed  # once per model
+        assert pack_linears(model, "auto", min_elements=0) is packed  # once per model
         got = model(x)
         assert "forward" in vars(model[0])
         assert packed.as_dict()["packed_linears"] == 2
@@ -112,7 +112,7 @@ def test_packed_kernel_is_the_one_that_runs(monkeypatch):
     calls = []
     real = kernels._packed_linear
     monkeypatch.setattr(kernels, "_packed_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    with pack_linears(model, "onednn"):
+    with pack_linears(model, "onednn", min_elements=0):
         model(torch.randn(3, 16))
         model(torch.randn(2, 4, 16))
     model(torch.randn(3, 16))  # released
@@ -126,7 +126,7 @@ def test_dtype_mismatch_falls_back_to_stock(monkeypatch):
     calls = []
     real = kernels._packed_linear
     monkeypatch.setattr(kernels, "_packed_linear", lambda *a: calls.append(1) or real(*a))
-    with pack_linears(model, "onednn"):
+    with pack_linears(model, "onednn", min_elements=0):
         with pytest.raises(RuntimeError):  # the stock F.linear's own dtype error, not a packed result
             model(torch.randn(3, 16, dtype=torch.float64))
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -138,7 +138,7 @@ def test_refused_while_parameters_require_grad():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)
     with pytest.raises(ValueError, match=r"cannot pack 1\.weight for oneDNN: it requires grad"):
-        pack_linears(model, "onednn")
+        pack_linears(model, "onednn", min_elements=0)
     assert "forward" not in vars(model[0]) and not hasattr(model, kernels._ATTR)  # nothing partial
     with pytest.raises(ValueError, match="kernels must be one of auto, onednn, stock, got 'fast'"):
         pack_linears(model.requires_grad_(False), "fast")
@@ -148,7 +148,7 @@ def test_refused_while_parameters_require_grad():
 def test_ignored_when_autograd_records_or_weights_change():
     torch.manual_seed(0)
     model = nn.Linear(8, 4).requires_grad_(False)
-    with pack_linears(model, "onednn"):
+    with pack_linears(model, "onednn", min_elements=0):
         x = torch.randn(3, 8, requires_grad=True)
         model(x).sum().backward()  # stock path: a real gradient
         torch.testing.assert_close(x.grad, model.weight.sum(0).expand(3, 8))
@@ -166,21 +166,31 @@ def test_stock_and_off_cpu_pack_nothing(fake_probe):
     fake_probe(0.1)  # the probe would say pack: the device decides first
     model = nn.Linear(4, 4, device="meta").requires_grad_(False)  # a non-CPU device, like CUDA
     for kernel in ("auto", "onednn"):
-        handle = pack_linears(model, kernel)
+        handle = pack_linears(model, kernel, min_elements=0)
         assert not handle.active and handle.choice.kernel == "stock" and "forward" not in vars(model)
-    assert pack_linears(model, "auto").choice.reason == "meta: keeps its own kernels -> stock"
+    assert pack_linears(model, "auto", min_elements=0).choice.reason == "meta: keeps its own kernels -> stock"
     cpu = nn.Linear(4, 4).requires_grad_(False)
-    handle = pack_linears(cpu, "stock")
+    handle = pack_linears(cpu, "stock", min_elements=0)
     assert not handle.active and handle.as_dict()["packed_bytes"] == 0 and "forward" not in vars(cpu)
+
+
+@needs_onednn
+def test_small_weights_stay_stock(tiny_target_dir):
+    model = _frozen_tiny(tiny_target_dir)  # largest weight 320 x 64: oneDNN's per-call cost would dominate
+    handle = pack_linears(model, "onednn")
+    assert not handle.active and not hasattr(model, kernels._ATTR)
+    both = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255)).requires_grad_(False)
+    with pack_linears(both, "onednn") as handle:  # 65536 elements packed, 65280 not
+        assert handle.modules == [both[0]] and handle.packed_bytes == 4 * 2**16
 
 
 @needs_onednn
 def test_auto_follows_the_probe(fake_probe):
     fake_probe(2.0)
     model = nn.Linear(4, 4).requires_grad_(False)
-    assert not pack_linears(model, "auto").active
+    assert not pack_linears(model, "auto", min_elements=0).active
     fake_probe(0.5)
-    with pack_linears(model, "auto") as handle:
+    with pack_linears(model, "auto", min_elements=0) as handle:
         assert handle.active and handle.choice.kernel == "onednn"
 
 
@@ -192,7 +202,7 @@ def test_tiny_target_packed_logits_and_greedy_decode(tiny_target_dir, dtype):
     with torch.no_grad():
         want = model(ids).logits
     greedy = _greedy(model, ids, 24)
-    with pack_linears(model, "onednn") as handle:
+    with pack_linears(model, "onednn", min_elements=0) as handle:
         n_linear = sum(type(m) is nn.Linear for m in model.modules())
         assert len(handle.modules) == n_linear == 8 * 7 + 1  # q k v o gate up down per layer, the LM head
         with torch.no_grad():
@@ -219,7 +229,9 @@ def test_smollm2_packed_logits_and_greedy_decode(dtype):
         want = model(ids).logits
     greedy = _greedy(model, ids, 32)
     with pack_linears(model, "onednn") as handle:
-        assert handle.packed_bytes == handle.weight_bytes > 0
+        assert len(handle.modules) == 30 * 7 + 1  # every projection and the (tied) LM head
+        assert handle.packed_bytes == handle.weight_bytes == (
+            sum(m.weight.numel() for m in handle.modules) * model.dtype.itemsize)
         with torch.no_grad():
             got = model(ids).logits
         if dtype == "float32":
