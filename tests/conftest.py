@@ -85,6 +85,15 @@ def tiny_target(tiny_target_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny(tiny_target_dir):
+    """(FrozenTarget in float32, tokenizer) of the tiny Llama: V=320, H_t=64, 8 layers, aux ids [2, 4, 5]."""
+    from draftkit.target.frozen import FrozenTarget, load_target
+
+    model, tokenizer = load_target(str(tiny_target_dir), "float32")
+    return FrozenTarget(model, None), tokenizer
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_target_dir):
     from transformers import AutoTokenizer
 

@@ -82,7 +82,7 @@ def evaluate(
         format_summary,
         write_tensorboard,
     )
-    from draftkit.decoding.sampling import check_sampling
+    from draftkit.sampling import check_sampling
     from draftkit.export.load import load_head
     from draftkit.jsonio import write_json_atomic
     from draftkit.precision import DTYPES, precision_record, resolve_dtype

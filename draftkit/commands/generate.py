@@ -9,7 +9,7 @@ Examples::
         --output regen.jsonl --turns all --temperature 0.7 --top_p 0.9
 
 Rerunning the same command resumes an interrupted run (the shards in ``<output>.parts`` are kept); the
-library is ``draftkit.decoding.regenerate``. Point a recipe's ``data.path`` at the output.
+library is ``draftkit.data.regenerate``. Point a recipe's ``data.path`` at the output.
 
 Shapes: none (a command).
 """
@@ -70,9 +70,9 @@ def generate(
 
     Raises:
         ValueError: without a source or a target, or on bad settings.
-        FileExistsError: see ``draftkit.decoding.regenerate.regenerate``.
+        FileExistsError: see ``draftkit.data.regenerate.regenerate``.
     """
-    from draftkit.decoding.regenerate import RegenerateConfig, regenerate
+    from draftkit.data.regenerate import RegenerateConfig, regenerate
 
     if recipe:
         from draftkit.cli import load_recipe

@@ -1,6 +1,5 @@
-"""Decoding with draft heads.
+"""Decoding with draft heads (token sampling and ``DecodeConfig`` live one floor down, in ``draftkit.sampling``).
 
-- ``sampling``: temperature / top-k / top-p warping and sampling (temperature 0 = greedy).
 - ``speculative``: plain decoding with the target KV cache, chain speculative decoding (EAGLE3 head with its
   own KV cache, greedy or rejection-sampling acceptance), prompt-lookup drafting, an uncached reference.
 - ``tree``: tree drafting (EAGLE-2's rule), one tree-masked target verify, greedy path acceptance and

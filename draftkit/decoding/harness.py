@@ -39,7 +39,7 @@ import torch
 from draftkit.data.prompts import Prompt
 from draftkit.decoding import cost
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
-from draftkit.decoding.sampling import NonFiniteLogitsError, check_sampling
+from draftkit.sampling import NonFiniteLogitsError, check_sampling
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Drafter,

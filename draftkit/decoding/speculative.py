@@ -32,7 +32,8 @@ from typing import Protocol
 import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
-from draftkit.decoding.sampling import (
+from draftkit.sampling import (
+    DecodeConfig,
     check_finite_logits,
     check_sampling,
     probs_from_logits,
@@ -58,35 +59,6 @@ __all__ = [
     "speculative_loop",
     "weight_bytes",
 ]
-
-
-@dataclass
-class DecodeConfig:
-    """What to generate and how to pick tokens.
-
-    Args:
-        max_new_tokens: stop after this many new tokens (>= 1).
-        temperature: >= 0; 0 = greedy.
-        top_k: 0 = off.
-        top_p: 1 = off.
-        eos_token_ids: stop after emitting any of these ids (the stop token is kept in the output).
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def weight_bytes(module: torch.nn.Module, exclude: tuple[str, ...] = ()) -> int:

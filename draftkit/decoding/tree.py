@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftkit.decoding.sampling import check_finite_logits, probs_from_logits, sample_from_probs
+from draftkit.sampling import check_finite_logits, probs_from_logits, sample_from_probs
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Eagle3Drafter,

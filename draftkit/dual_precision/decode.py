@@ -5,7 +5,7 @@ self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 25
 rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
 read; the token limit, the stop ids and the sampling options come in one
 ``draftkit.decoding.speculative.DecodeConfig``; sampling (T > 0) draws from the warped distribution of the
-logits a step ends with (``draftkit.decoding.sampling``), and the accept rules are those of
+logits a step ends with (``draftkit.sampling``), and the accept rules are those of
 ``draftkit.decoding.speculative``.
 
 Shapes: n generated tokens, V target vocab.
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from draftkit.decoding.sampling import probs_from_logits, sample, sample_from_probs
+from draftkit.sampling import probs_from_logits, sample, sample_from_probs
 from draftkit.decoding.speculative import DecodeConfig, greedy_verify, rejection_verify
 from draftkit.dual_precision.gates import Gate
 from draftkit.dual_precision.lm import DualLM
@@ -73,7 +73,7 @@ def greedy_decode(
     3. if score > tau: crop those tokens from the cache and re-run the step at 8 bits, which overwrites
        its K/V, and take the 8-bit logits;
     4. emit the argmax, or at ``cfg.temperature`` > 0 a draw from the warped distribution of the step's final
-       logits (``draftkit.decoding.sampling``); stop at an id of ``cfg.eos_token_ids`` or after
+       logits (``draftkit.sampling``); stop at an id of ``cfg.eos_token_ids`` or after
        ``cfg.max_new_tokens``.
 
     Args:

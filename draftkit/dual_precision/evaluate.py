@@ -18,7 +18,7 @@ Notable:
   argmax p_lo != argmax p_hi; AUC, PR-AUC, catch at budgets, bootstrap CIs over prompts
 - live comparison (§6): bytes per token (cost models i/ii/iii), KL(high || method) along the method's own
   trajectory, argmax agreement, exact match with all-high, McNemar exact test
-- sampling (T > 0, top-p/top-k, ``draftkit.decoding.sampling``): every method draws from the warped
+- sampling (T > 0, top-p/top-k, ``draftkit.sampling``): every method draws from the warped
   distribution of the logits it ends a step with; gates score the untempered 4-bit softmax; verified
   speculation accepts by rejection sampling, so its output is distributed as all-high sampling; each prompt's
   methods share one seed (exact match with all-high is then a same-seed comparison, not a correctness test)
@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, kl_from_logits
-from draftkit.decoding.sampling import check_sampling
+from draftkit.sampling import check_sampling
 from draftkit.decoding.speculative import DecodeConfig
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate

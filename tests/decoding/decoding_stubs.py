@@ -145,7 +145,7 @@ class MarkovDrafter(StatelessDrafter):
 
 def target_joint(target, prompt: list[int], length: int, top_k: int) -> dict[tuple[int, ...], float]:
     """Exact probability of every ``length``-token continuation under top-k warped sampling at T = 1."""
-    from draftkit.decoding.sampling import probs_from_logits
+    from draftkit.sampling import probs_from_logits
 
     joint = {(): 1.0}
     for _ in range(length):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftkit.decoding.harness import evaluate_head
-from draftkit.decoding.sampling import NonFiniteLogitsError, check_finite_logits, probs_from_logits, sample
+from draftkit.sampling import NonFiniteLogitsError, check_finite_logits, probs_from_logits, sample
 from draftkit.decoding.speculative import greedy_verify
 
 

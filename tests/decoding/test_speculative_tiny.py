@@ -4,7 +4,7 @@ import pytest
 import torch
 from decoding_stubs import TINY_PROMPTS, greedy_references, joint_pvalue, target_joint
 
-from draftkit.decoding.sampling import probs_from_logits
+from draftkit.sampling import probs_from_logits
 from draftkit.decoding.speculative import (
     DecodeConfig,
     Draft,

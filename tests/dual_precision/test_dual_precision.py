@@ -165,7 +165,7 @@ def _markov_tables(vocab=4, seed=0):
 def test_sampled_verified_reproduces_the_8bit_distribution(temperature, top_p):
     from decoding_stubs import chi2_pvalue
 
-    from draftkit.decoding.sampling import probs_from_logits
+    from draftkit.sampling import probs_from_logits
 
     high, low = _markov_tables()
     lm = MarkovDualLM(high, low)

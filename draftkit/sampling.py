@@ -1,4 +1,8 @@
-"""Token sampling for decoding: temperature, top-k and top-p (nucleus) warping of logits.
+"""Token sampling for decoding: temperature, top-k and top-p (nucleus) warping of logits, and
+:class:`DecodeConfig` (what to generate and how to pick tokens).
+
+Floor 1 (architecture.md "Floors"): decoding, dual precision and data regeneration (``draftkit.data.regenerate``)
+all pick tokens here, so none of them imports another for it.
 
 Temperature 0 means greedy (argmax); :func:`probs_from_logits` then returns the one-hot distribution of
 the argmax, so that speculative rejection sampling at temperature 0 reduces to greedy acceptance.
@@ -10,10 +14,13 @@ Shapes: V vocabulary (target V or draft V_d), ``...`` any leading dims.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
-    "NonFiniteLogitsError", "check_finite_logits", "check_sampling", "probs_from_logits", "sample", "sample_from_probs",
+    "DecodeConfig", "NonFiniteLogitsError", "check_finite_logits", "check_sampling", "probs_from_logits", "sample",
+    "sample_from_probs",
 ]
 
 
@@ -165,3 +172,32 @@ def sample(
     if temperature == 0:
         return logits.argmax(-1)
     return sample_from_probs(_warp(logits, temperature, top_k, top_p), generator)
+
+
+@dataclass
+class DecodeConfig:
+    """What to generate and how to pick tokens.
+
+    Args:
+        max_new_tokens: stop after this many new tokens (>= 1).
+        temperature: >= 0; 0 = greedy.
+        top_k: 0 = off.
+        top_p: 1 = off.
+        eos_token_ids: stop after emitting any of these ids (the stop token is kept in the output).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        self.eos_token_ids = tuple(int(i) for i in self.eos_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

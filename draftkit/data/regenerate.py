@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from draftkit.decoding.sampling import check_sampling, sample
+from draftkit.sampling import check_sampling, sample
 from draftkit.jsonio import check_free_space, write_json_atomic
 from draftkit.target.tokens import encode_chat
 
@@ -106,7 +106,7 @@ def generate_batch(
     Left padding keeps every row's last prompt token in the last column; each row's RoPE positions count
     its own tokens (``cumsum(mask) - 1``), so a row's computation is the one it would get alone. A row
     that emits a stop id (kept in its output) or reaches ``max_new_tokens`` leaves the batch, and its
-    cache rows are dropped. Tokens are picked by ``draftkit.decoding.sampling.sample`` (argmax at T = 0).
+    cache rows are dropped. Tokens are picked by ``draftkit.sampling.sample`` (argmax at T = 0).
 
     Args:
         model: a Hugging Face causal LM (eval, no grad), e.g. ``FrozenTarget.model``.

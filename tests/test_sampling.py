@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from draftkit.decoding.sampling import probs_from_logits, sample
+from draftkit.sampling import probs_from_logits, sample
 
 
 def test_temperature_zero_is_greedy():
