@@ -3,7 +3,11 @@
 Notable:
 - one decoder layer; attention reads cat(input_layernorm(embedding), hidden_norm(feature)), width 2H
 - ``fc`` fuses the target's aux hidden states (HF ``hidden_states`` indices, default [2, N//2, N-3])
-- the next TTT step / draft step receives the pre-norm output h (diff with EAGLE-3.1 ``norm_output``)
+- the next TTT step / draft step receives the pre-norm output h, or norm(h) with EAGLE-3.1 ``norm_output``
+- EAGLE-3.1 input norms (``norm_before_fc``: one RMSNorm over the n*H_t concatenation, weight ``input_norm``;
+  ``fc_norm``: one RMSNorm per aux state, weights ``fc_norm.{i}``) run before ``fc``, as speculators
+  ``models/eagle3/core.py``, vLLM and SGLang ``models/llama_eagle3.py`` and TensorRT-LLM
+  ``_torch/models/modeling_speculative.py`` apply them
 - module names equal the checkpoint keys that vLLM, SGLang and TensorRT-LLM load
   (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, buffers ``d2t``/``t2d``); the frozen ``embed_tokens``
   copy of the target embedding is kept out of exports when H == H_t
@@ -51,7 +55,17 @@ class Eagle3Config:
         rope: rope fields copied from the target config (``rope_theta``/``rope_scaling`` or
             transformers-5 ``rope_parameters``).
         norm_before_residual: residual is hidden_norm(g) instead of g (speculators/vLLM flag).
+        norm_before_fc: EAGLE-3.1: fc reads input_norm(F), one RMSNorm over the whole (n*H_t) concatenation.
+        fc_norm: EAGLE-3.1: fc reads cat(fc_norm_0(h_0), ..., fc_norm_{n-1}(h_{n-1})), one RMSNorm per aux
+            state (H_t each). Exclusive with ``norm_before_fc`` (speculators refuses both; TensorRT-LLM would
+            apply only ``fc_norm``, vLLM and SGLang both).
+        norm_output: EAGLE-3.1: the next step's feature is norm(h), the normed state the logits read, instead
+            of the pre-norm h (logits are unchanged).
         aux_layer_ids: HF ``hidden_states`` indices the head was trained on (recorded, not used here).
+
+    Raises:
+        ValueError: for V_d outside [1, V], heads not a multiple of kv heads, or both ``norm_before_fc`` and
+            ``fc_norm``.
     """
 
     hidden_size: int
@@ -67,6 +81,9 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     rope: dict = field(default_factory=lambda: {"rope_theta": 10000.0})
     norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     aux_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,6 +95,11 @@ class Eagle3Config:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(
+                "norm_before_fc and fc_norm are exclusive (speculators refuses both; TensorRT-LLM would apply only "
+                "fc_norm): choose one"
             )
 
     @classmethod
@@ -469,6 +491,8 @@ class Eagle3LlamaHead(nn.Module):
     Buffers ``d2t`` (V_d,) int64 and ``t2d`` (V,) bool hold the draft-vocab map (see
     ``draftkit.selection.vocab``); they start as the identity and must be set with :meth:`set_vocab`
     when V_d < V. ``embed_tokens`` (V, H) is a frozen copy of the target embedding (:meth:`load_embedding`).
+    With ``cfg.norm_before_fc`` the head has ``input_norm`` (n*H_t), with ``cfg.fc_norm`` ``fc_norm`` (n norms
+    of H_t); both start at ones.
     """
 
     def __init__(self, cfg: Eagle3Config) -> None:
@@ -477,6 +501,10 @@ class Eagle3LlamaHead(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.input_norm = (RMSNorm(cfg.num_aux_layers * cfg.target_hidden_size, cfg.rms_norm_eps)
+                           if cfg.norm_before_fc else None)
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                      for _ in range(cfg.num_aux_layers)) if cfg.fc_norm else None)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -550,12 +578,26 @@ class Eagle3LlamaHead(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------------
     def project(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Step-0 feature: (B, T, num_aux * H_t) concatenated aux states -> (B, T, H)."""
+        """Step-0 feature: (B, T, num_aux * H_t) concatenated aux states -> (B, T, H).
+
+        fc(F); fc(input_norm(F)) with ``norm_before_fc``; fc(cat(fc_norm_i(F_i))) over the n aux chunks of
+        width H_t with ``fc_norm`` (vLLM ``combine_hidden_states``, SGLang ``LlamaModel.forward``).
+        """
+        if self.input_norm is not None:
+            aux_hidden_states = self.input_norm(aux_hidden_states)
+        if self.fc_norm is not None:
+            chunks = aux_hidden_states.chunk(len(self.fc_norm), dim=-1)  # n x (B, T, H_t)
+            aux_hidden_states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden_states)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, H) pre-norm output -> (B, T, V_d) draft logits."""
         return self.lm_head(self.norm(h))
+
+    def next_feature(self, h: torch.Tensor) -> torch.Tensor:
+        """The feature the next draft / TTT step receives: h (EAGLE-3), or norm(h) with ``norm_output``
+        (vLLM and SGLang return the post-norm state as the aux output). (..., H) -> (..., H)."""
+        return self.norm(h) if self.config.norm_output else h
 
     def forward(
         self,
@@ -581,8 +623,8 @@ class Eagle3LlamaHead(nn.Module):
             attn_mask: (T, S+T) bool replacing the causal mask (tree drafting), or None.
 
         Returns:
-            logits (B, T, V_d) over the draft vocab and h (B, T, H), the pre-norm output fed to the next
-            step; T is 1 with ``last_only``.
+            logits (B, T, V_d) over the draft vocab and the feature of the next step (B, T, H): the pre-norm
+            output h, or norm(h) with ``norm_output`` (:meth:`next_feature`); T is 1 with ``last_only``.
         """
         emb = self.embed_tokens(input_ids).to(feature.dtype)  # (B, T, H), frozen
         cos, sin = self.rope(feature, position_ids)
@@ -591,7 +633,7 @@ class Eagle3LlamaHead(nn.Module):
         )
         if last_only:
             h = h[:, -1:]  # (B, 1, H)
-        return self.logits(h), h
+        return self.logits(h), self.next_feature(h)
 
     def ttt_step(
         self,
@@ -618,7 +660,8 @@ class Eagle3LlamaHead(nn.Module):
                 were computed at every earlier step).
 
         Returns:
-            logits (B, T, V_d), (n', V_d) with ``logits_index``; pre-norm h (B, T, H), or (n, H) with ``rows``.
+            logits (B, T, V_d), (n', V_d) with ``logits_index``; the next step's feature (:meth:`next_feature`
+            of h) (B, T, H), or (n, H) with ``rows``.
         """
         if rows is not None:
             input_ids = input_ids.reshape(-1)[rows][None]  # (1, n)
@@ -632,8 +675,8 @@ class Eagle3LlamaHead(nn.Module):
         h = self.midlayer(emb, feature, attend)  # (B, T, H) or (1, n, H)
         h = h if rows is None else h[0]  # (n, H)
         if logits_index is not None:
-            return self.logits(h.reshape(-1, h.shape[-1])[logits_index]), h  # (n', V_d)
-        return self.logits(h), h
+            return self.logits(h.reshape(-1, h.shape[-1])[logits_index]), self.next_feature(h)  # (n', V_d)
+        return self.logits(h), self.next_feature(h)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensors under the serving names (no ``embed_tokens``, no RoPE cache)."""
