@@ -50,7 +50,7 @@ from draftkit.dual_precision import (
 )
 from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
 from draftkit.data.prompts import load_prompts, split_prompts
-from draftkit.decoding.speculative import DecodeConfig
+from draftkit.sampling import DecodeConfig
 from draftkit.jsonio import write_json_atomic
 from draftkit.quant import (
     COST_MODELS,

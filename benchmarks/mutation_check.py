@@ -130,7 +130,7 @@ MUTANTS: dict[str, list[Mutant]] = {
         M("trtllm-ids-unshifted", "else [i - 1 for i in ids]", "else ids", "tests/export/test_layer_ids.py",
           "-k", "worked_examples"),
     ],
-    "draftkit/decoding/speculative.py": [
+    "draftkit/decoding/verify.py": [
         M("kl-next-target-row", "distribution_metrics(logits[:kd], draft.logits",
           "distribution_metrics(logits[1:kd + 1], draft.logits",
           STUBS, "-k", "kl", issue="17.7"),
@@ -145,6 +145,8 @@ MUTANTS: dict[str, list[Mutant]] = {
           "residual = target_probs[a].clone()", STUBS, "-k", "rejection_sampling"),
         M("target-cache-no-rollback", "target.crop(L + a + 1)", "target.crop(L + kd + 1)", TINY, "-k", "controlled"),
         M("drafter-commit-rows", "drafter.commit(aux[:a + 1])", "drafter.commit(aux[:a])", STUBS, "-k", "exact_tau"),
+    ],
+    "draftkit/decoding/drafters.py": [
         M("draft-chain-position", "z, h = self._step(t.view(1), h, L + j)",
           "z, h = self._step(t.view(1), h, L + j + 1)", TINY, "-k", "drafter_chain"),
         M("drafter-ignores-d2t", "torch.arange(cfg.draft_vocab_size, device=self.device) + head.d2t",

@@ -11,7 +11,7 @@ Steps: 1. ``draftkit export CHECKPOINT --to vllm`` into ``--work`` (an export di
 2. template the MT-bench first turns with the target tokenizer's chat template and write the token ids; 3. vLLM
 decodes them with and without the head (acceptance per position from its Prometheus counters, tokens/s); 4. draftkit's
 chain decoder
-(``draftkit.decoding.speculative.generate_speculative`` with the head *reloaded from the exported files*)
+(``draftkit.decoding.verify.generate_speculative`` with the head *reloaded from the exported files*)
 decodes the same ids; 5. print alpha_i for both, their relative difference, tau and vLLM's speed-up.
 
 Shapes: none (a script).
@@ -54,7 +54,10 @@ def draftkit_acceptance(export_dir: Path, prompts: list[list[int]], k: int, max_
     import torch
 
     from draftkit.decoding.metrics import AcceptanceStats
-    from draftkit.decoding.speculative import DecodeConfig, Eagle3Drafter, TargetSession, generate_speculative
+    from draftkit.decoding.drafters import Eagle3Drafter
+    from draftkit.decoding.verify import generate_speculative
+    from draftkit.sampling import DecodeConfig
+    from draftkit.target.session import TargetSession
     from draftkit.export import load_exported_head
     from draftkit.target.frozen import FrozenTarget, load_target
 

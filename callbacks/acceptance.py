@@ -21,7 +21,7 @@ from typing_extensions import override
 from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
-from draftkit.decoding.speculative import Eagle3Drafter
+from draftkit.decoding.drafters import Eagle3Drafter
 from draftkit.target.frozen import FrozenTarget
 from draftkit.target.lm_head import TargetLMHead
 

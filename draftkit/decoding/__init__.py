@@ -1,7 +1,9 @@
 """Decoding with draft heads (token sampling and ``DecodeConfig`` live one floor down, in ``draftkit.sampling``).
 
-- ``speculative``: plain decoding with the target KV cache, chain speculative decoding (EAGLE3 head with its
-  own KV cache, greedy or rejection-sampling acceptance), prompt-lookup drafting, an uncached reference.
+- ``drafters``: the ``Drafter`` protocol, the EAGLE3 head as a chain drafter (with its own KV cache) and
+  prompt-lookup drafting.
+- ``verify``: greedy and rejection-sampling acceptance, the round loop, plain and chain speculative decoding over
+  the target's KV-cache session (``draftkit.target.session.TargetSession``), an uncached reference.
 - ``tree``: tree drafting (EAGLE-2's rule), one tree-masked target verify, greedy path acceptance and
   multi-draft rejection sampling, cache compaction; a chain is the tree with top-k 1.
 - ``cost``: the cost model that picks chain k or tree (depth, top-k, N) from measured costs and a greedy

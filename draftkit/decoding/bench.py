@@ -30,14 +30,10 @@ import platform
 
 import torch
 
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    Draft,
-    Eagle3Drafter,
-    TargetSession,
-    generate_plain,
-    generate_speculative,
-)
+from draftkit.decoding.drafters import Draft, Eagle3Drafter
+from draftkit.decoding.verify import generate_plain, generate_speculative
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 
 __all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "load_for_bench", "prompt_ids"]
 

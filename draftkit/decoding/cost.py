@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from draftkit.decoding.metrics import acceptance_length
-from draftkit.decoding.speculative import DecodeConfig, TargetSession, generate_plain
+from draftkit.decoding.verify import generate_plain
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
 
 __all__ = [

@@ -40,14 +40,10 @@ from draftkit.data.prompts import Prompt
 from draftkit.decoding import cost
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
 from draftkit.sampling import NonFiniteLogitsError, check_sampling
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    Drafter,
-    PromptLookupDrafter,
-    TargetSession,
-    generate_plain,
-    generate_speculative,
-)
+from draftkit.decoding.drafters import Drafter, PromptLookupDrafter
+from draftkit.decoding.verify import generate_plain, generate_speculative
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 from draftkit.target.tokens import encode_chat, stop_token_ids
 

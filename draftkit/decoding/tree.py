@@ -39,14 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from draftkit.sampling import check_finite_logits, probs_from_logits, sample_from_probs
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    Eagle3Drafter,
-    GenerationResult,
-    Round,
-    TargetSession,
-    speculative_loop,
-)
+from draftkit.decoding.drafters import Eagle3Drafter
+from draftkit.decoding.verify import GenerationResult, Round, speculative_loop
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 
 __all__ = [
     "DraftTree",

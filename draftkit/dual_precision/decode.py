@@ -4,9 +4,9 @@ Definitions: shared/reference/dual-precision.md §3-4 (gated steps, KV drift) an
 self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424; greedy or by
 rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
 read; the token limit, the stop ids and the sampling options come in one
-``draftkit.decoding.speculative.DecodeConfig``; sampling (T > 0) draws from the warped distribution of the
+``draftkit.sampling.DecodeConfig``; sampling (T > 0) draws from the warped distribution of the
 logits a step ends with (``draftkit.sampling``), and the accept rules are those of
-``draftkit.decoding.speculative``.
+``draftkit.decoding.verify``.
 
 Shapes: n generated tokens, V target vocab.
 """
@@ -19,7 +19,8 @@ from typing import Sequence
 import torch
 
 from draftkit.sampling import probs_from_logits, sample, sample_from_probs
-from draftkit.decoding.speculative import DecodeConfig, greedy_verify, rejection_verify
+from draftkit.decoding.verify import greedy_verify, rejection_verify
+from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision.gates import Gate
 from draftkit.dual_precision.lm import DualLM
 from draftkit.quant import WeightBytes
@@ -143,7 +144,7 @@ def verified_decode(
        warped 4-bit distribution q_i (stop early at EOS), writing 4-bit K/V that step 2 discards;
     2. verify: crop the drafts' K/V and run [last token, d_1..d_k] at 8 bits -> k+1 distributions p_0..p_k;
     3. accept: greedy (``cfg.temperature`` 0) the longest prefix with d_i = argmax p_{i-1}, then the argmax at the
-       first mismatch or the bonus token (``draftkit.decoding.speculative.greedy_verify``); sampled,
+       first mismatch or the bonus token (``draftkit.decoding.verify.greedy_verify``); sampled,
        rejection sampling: accept d_i with probability min(1, p(d_i) / q(d_i)), else draw from
        norm(max(0, p - q)) (``rejection_verify``). Crop the K/V of rejected drafts; the cache stays all
        8-bit, so greedy output is the all-high output and sampled output is distributed as all-high sampling.

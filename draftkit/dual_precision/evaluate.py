@@ -47,7 +47,7 @@ import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, kl_from_logits
 from draftkit.sampling import check_sampling
-from draftkit.decoding.speculative import DecodeConfig
+from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate
 from draftkit.dual_precision.lm import DualLM

@@ -8,6 +8,7 @@ from draftkit.quant.bytes import (
     expected_tokens_per_round,
     expected_verified_ratio,
     gated_bytes_per_token,
+    param_bytes,
     verified_bytes_per_token,
     weight_bytes,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "native_int4_rtn",
     "nested_linears",
     "num_groups",
+    "param_bytes",
     "precision",
     "quantize_int8",
     "quantize_model",

@@ -34,6 +34,7 @@ from draftkit.quant.linear import NestedInt8Linear, QuantConfig, select_linears
 __all__ = [
     "COST_MODELS",
     "WeightBytes",
+    "param_bytes",
     "weight_bytes",
     "gated_bytes_per_token",
     "verified_bytes_per_token",
@@ -179,3 +180,19 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
 def expected_verified_ratio(rho: float, alpha: float, k: int) -> float:
     """Verified speculation's bytes relative to all-high: (k*rho + 1)(1 - alpha) / (1 - alpha^(k+1))."""
     return (k * rho + 1.0) / expected_tokens_per_round(alpha, k)
+
+
+def param_bytes(module: nn.Module, exclude: tuple[str, ...] = ()) -> int:
+    """Bytes of ``module``'s parameters as stored (each shared tensor once), skipping names that start with ``exclude``.
+
+    The plain count behind decoding's bytes-read figures (``TargetSession.weight_bytes``, a drafter's
+    ``round_bytes``); :func:`weight_bytes` is the quantized model's count at each precision.
+
+    Args:
+        module: any module.
+        exclude: parameter-name prefixes left out (e.g. ``("embed_tokens.",)``).
+
+    Returns:
+        Bytes (numel x element size, summed).
+    """
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(exclude))

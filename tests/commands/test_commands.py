@@ -77,7 +77,8 @@ def test_prompt_file_reads_the_same_in_fit_evaluate_and_dual_precision(tmp_path,
 def test_generation_config_eos_stops_evaluate_and_dual_precision_alike(tiny_target, tiny_tokenizer):
     """A target whose end token is only in its generation config stops there in both evaluators."""
     from draftkit.decoding.harness import evaluate_drafter
-    from draftkit.decoding.speculative import DecodeConfig, PromptLookupDrafter
+    from draftkit.decoding.drafters import PromptLookupDrafter
+    from draftkit.sampling import DecodeConfig
     from draftkit.dual_precision import DualPrecisionLM, greedy_decode
     from draftkit.target.frozen import FrozenTarget
     from draftkit.target.tokens import encode_chat, stop_token_ids

@@ -9,7 +9,9 @@ import torch
 
 from draftkit.data.chat import read_conversations
 from draftkit.data.regenerate import FORMAT, RegenerateConfig, _read_output, generate_batch, regenerate
-from draftkit.decoding.speculative import DecodeConfig, TargetSession, generate_plain
+from draftkit.decoding.verify import generate_plain
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 
 EOS = 257  # <|im_end|> of the tiny tokenizer
 

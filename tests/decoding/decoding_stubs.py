@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from draftkit.decoding.speculative import DecodeConfig, Draft, TargetSession, generate_plain
+from draftkit.decoding.drafters import Draft
+from draftkit.decoding.verify import generate_plain
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.selection.vocab import VocabMap
 

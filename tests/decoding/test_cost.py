@@ -14,7 +14,8 @@ from draftkit.decoding.cost import (
     monotone,
     predict,
 )
-from draftkit.decoding.speculative import DecodeConfig, TargetSession
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 
 MS = 1e-3

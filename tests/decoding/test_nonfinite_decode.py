@@ -6,7 +6,7 @@ import torch
 
 from draftkit.decoding.harness import evaluate_head
 from draftkit.sampling import NonFiniteLogitsError, check_finite_logits, probs_from_logits, sample
-from draftkit.decoding.speculative import greedy_verify
+from draftkit.decoding.verify import greedy_verify
 
 
 def test_b14_greedy_sample_on_nan_names_the_position():

@@ -10,14 +10,9 @@ from decoding_stubs import (
     deterministic_table,
 )
 
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    PromptLookupDrafter,
-    generate_plain,
-    generate_speculative,
-    greedy_verify,
-    rejection_verify,
-)
+from draftkit.decoding.drafters import PromptLookupDrafter
+from draftkit.decoding.verify import generate_plain, generate_speculative, greedy_verify, rejection_verify
+from draftkit.sampling import DecodeConfig
 
 V = 11
 

@@ -5,16 +5,10 @@ import torch
 from decoding_stubs import TINY_PROMPTS, greedy_references, joint_pvalue, target_joint
 
 from draftkit.sampling import probs_from_logits
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    Draft,
-    Eagle3Drafter,
-    TargetSession,
-    generate_plain,
-    generate_speculative,
-    generate_uncached,
-    greedy_verify,
-)
+from draftkit.decoding.drafters import Draft, Eagle3Drafter
+from draftkit.decoding.verify import generate_plain, generate_speculative, generate_uncached, greedy_verify
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.heads.eagle3_llama import KVCache
 
 PROMPTS = TINY_PROMPTS

@@ -11,12 +11,10 @@ from decoding_stubs import (
     target_joint,
 )
 
-from draftkit.decoding.speculative import (
-    DecodeConfig,
-    Eagle3Drafter,
-    TargetSession,
-    generate_speculative,
-)
+from draftkit.decoding.drafters import Eagle3Drafter
+from draftkit.decoding.verify import generate_speculative
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import (
     DraftTree,
     Eagle3TreeDrafter,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftkit.decoding.metrics import kl_from_logits
-from draftkit.decoding.speculative import DecodeConfig
+from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision import (
     DualPrecisionConfig,
     DualPrecisionLM,

@@ -8,6 +8,7 @@ from draftkit.quant import (
     expected_tokens_per_round,
     expected_verified_ratio,
     gated_bytes_per_token,
+    param_bytes,
     quantize_model,
     verified_bytes_per_token,
     weight_bytes,
@@ -158,3 +159,14 @@ def test_asymmetric_counts_on_a_quantized_model_equal_the_config_count():
     quantize_model(model, config)
     after = weight_bytes(model, QuantConfig(quantize_lm_head=True))  # the nested layers carry their own zero points
     assert after == before and after.zero_points == after.scales > 0
+
+
+def test_param_bytes_counts_stored_bytes_once_and_skips_prefixes():
+    """The plain count behind decoding's bytes read: numel x element size, a tied tensor once, prefixes left out."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False))
+    assert param_bytes(m) == (12 + 3 + 6) * 4
+    assert param_bytes(m, exclude=("0.",)) == 6 * 4
+    assert param_bytes(m.to(torch.bfloat16)) == (12 + 3 + 6) * 2
+    tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+    tied["head"].weight = tied["embed"].weight
+    assert param_bytes(tied) == 40 * 4

@@ -1,4 +1,4 @@
-"""Single-stream decoding with a KV cache: plain autoregressive and chain speculative decoding.
+"""Verification and the round loop: plain autoregressive and chain speculative decoding with a KV cache.
 
 Speculative round (chain of k drafts, arXiv 2211.17192 / 2302.01318, EAGLE3 drafting arXiv 2503.01840):
 
@@ -16,8 +16,9 @@ Cache invariant at the start of a round, with the sequence x_0..x_L (x_L emitted
 target): the target cache holds positions 0..L-1; the draft cache holds step-0 rows 0..p0-1 and the
 drafter holds m = L - p0 pending aux rows for positions p0..L-1 (row t reads token x_{t+1}).
 
-Prompt lookup (n-gram) drafting runs in the same loop as a baseline (Saxena 2023, Hugging Face
-``PromptLookupCandidateGenerator``; vLLM ``ngram``).
+The drafters (step 1; the EAGLE3 head and prompt lookup) are in ``draftkit.decoding.drafters``, the target's
+KV-cache session (steps 2 and 4) in ``draftkit.target.session``; this module holds the acceptance rules
+(step 3) and the loops.
 
 Shapes: T tokens, k drafts per round, n prompt tokens, H draft hidden, H_t target hidden, A number of aux
 layers, V target vocab, V_d draft vocab. Batch size is 1 throughout (single-stream latency).
@@ -27,324 +28,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from draftkit.decoding.drafters import Drafter
 from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
-from draftkit.sampling import (
-    DecodeConfig,
-    check_finite_logits,
-    check_sampling,
-    probs_from_logits,
-    sample,
-    sample_from_probs,
-)
-from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
+from draftkit.sampling import DecodeConfig, check_finite_logits, probs_from_logits, sample, sample_from_probs
+from draftkit.target.session import TargetSession
 
 __all__ = [
-    "DecodeConfig",
-    "Draft",
-    "Drafter",
-    "Eagle3Drafter",
     "GenerationResult",
-    "PromptLookupDrafter",
     "Round",
-    "TargetSession",
     "generate_plain",
     "generate_speculative",
     "generate_uncached",
     "greedy_verify",
     "rejection_verify",
     "speculative_loop",
-    "weight_bytes",
 ]
-
-
-def weight_bytes(module: torch.nn.Module, exclude: tuple[str, ...] = ()) -> int:
-    """Bytes of the (deduplicated) parameters of ``module`` whose names do not start with ``exclude``."""
-    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(exclude))
-
-
-# -- target -------------------------------------------------------------------------------------------------
-class TargetSession:
-    """One decoding stream of a ``FrozenTarget`` over a Hugging Face KV cache.
-
-    Args:
-        target: a ``draftkit.target.frozen.FrozenTarget``.
-    """
-
-    def __init__(self, target) -> None:
-        self.target = target
-        self.cache = None
-        self.length = 0
-        # {n: m}: a forward over n new rows runs m > n rows (dummy rows after the real ones, dropped again);
-        # set from ``decoding.cost.CostTable.padding`` where a kernel makes m rows cheaper than n
-        self.pad_rows: dict[int, int] = {}
-        model = target.model
-        tied = model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
-        embed = model.get_input_embeddings().weight
-        # an untied input embedding is a row gather, not a weight read
-        self.weight_bytes = weight_bytes(model) - (0 if tied else embed.numel() * embed.element_size())
-
-    @property
-    def max_length(self) -> int:
-        """Context window in tokens (``max_position_embeddings``)."""
-        return int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
-
-    def reset(self) -> None:
-        self.cache = None
-        self.length = 0
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        last_only: bool = False,
-        position_ids: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Extend the cache by T tokens.
-
-        Args:
-            input_ids: (T,) int64 tokens, by default at positions length..length+T-1.
-            last_only: compute the LM head for the last row only (prefill).
-            position_ids: (T,) int64 RoPE positions (tree verification), or None for the default.
-            attn_mask: (T, length+T) bool, True where a new row may attend (a tree mask over the cache),
-                or None for causal attention.
-
-        Returns:
-            logits (T, V) float32 (or (1, V) with ``last_only``) and aux (T, A*H_t) in the target dtype.
-
-        With T in ``pad_rows`` (and not ``last_only``) the forward runs ``pad_rows[T] - T`` dummy rows after the
-        real ones (the last token again, attending to the cache and itself; no real row attends to them) and
-        crops them from the cache, so the result and the cache are those of the unpadded forward.
-        """
-        T = input_ids.shape[0]
-        pad = 0 if last_only else self.pad_rows.get(T, T) - T
-        if pad > 0:
-            input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad)])
-            if position_ids is not None:
-                position_ids = torch.cat([position_ids, position_ids[-1:].expand(pad)])
-            if attn_mask is not None:
-                full = attn_mask.new_zeros(T + pad, attn_mask.shape[1] + pad)
-                full[:T, :-pad] = attn_mask
-                full[T:, :self.length] = True
-                full[T:, -pad:] = torch.eye(pad, dtype=torch.bool, device=attn_mask.device)
-                attn_mask = full
-        mask = None
-        if attn_mask is not None:
-            # a 4-D mask reaches the attention as-is (transformers ``masking_utils``); additive, so that
-            # both the eager and the SDPA kernels read it
-            dtype = self.target.model.dtype
-            mask = torch.zeros(attn_mask.shape, dtype=dtype, device=input_ids.device)
-            mask = mask.masked_fill(~attn_mask, torch.finfo(dtype).min)[None, None]  # (1, 1, T, length+T)
-        pos = None if position_ids is None else position_ids[None]
-        out = self.target(
-            input_ids[None], attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
-            compute_logits=not last_only,
-        )
-        self.cache = out.cache
-        self.length += input_ids.shape[0]
-        if last_only:
-            logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -1:])  # (1, 1, V)
-        else:
-            logits = out.logits[:, :T]  # (1, T, V)
-        if pad > 0:
-            self.crop(self.length - pad)
-        return logits[0].float(), out.aux_hidden_states[0, :T]
-
-    def crop(self, length: int) -> None:
-        """Roll the cache back to its first ``length`` positions."""
-        drop = self.length - length
-        if drop < 0:
-            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        if drop:
-            self.cache.crop(-drop)  # transformers 5: a negative count removes that many positions
-            self.length = length
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Compact the cache to the given positions, in order (a tree's accepted path).
-
-        Args:
-            rows: (R,) int64 ascending cache rows to keep; row i of the new cache is old row ``rows[i]``.
-        """
-        for layer in self.cache.layers:  # transformers 5 ``DynamicLayer``: keys/values (B, A_kv, S, d)
-            layer.keys = layer.keys.index_select(-2, rows)
-            layer.values = layer.values.index_select(-2, rows)
-        self.length = rows.shape[0]
-
-
-# -- drafters -----------------------------------------------------------------------------------------------
-@dataclass
-class Draft:
-    """One round's proposal.
-
-    Attributes:
-        ids: (k',) int64 target ids, k' <= k (prompt lookup may propose fewer, even none).
-        probs: (k', V) float32 draft distribution each d_i was drawn from, in the target vocab; None for a
-            deterministic draft (greedy, or prompt lookup: q is one-hot at d_i).
-        logits: (k', V_d) raw draft logits (for KL), or None.
-        t2d: (V,) bool draft-vocab membership (for KL), or None.
-    """
-
-    ids: torch.Tensor
-    probs: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    t2d: torch.Tensor | None = None
-
-
-class Drafter(Protocol):
-    """What the speculative loop needs from a drafter."""
-
-    def reset(self, prompt_ids: torch.Tensor, aux: torch.Tensor) -> None:
-        """Start a stream: prompt (n,) and the target's prefill aux states (n, A*H_t)."""
-
-    def propose(self, tokens: torch.Tensor, k: int, cfg: DecodeConfig, generator: torch.Generator | None) -> Draft:
-        """Draft up to k tokens after ``tokens`` (L+1,), the whole sequence so far."""
-
-    def commit(self, aux: torch.Tensor) -> None:
-        """The target accepted a+1 new positions; aux (a+1, A*H_t) are their aux states."""
-
-    def round_bytes(self, drafted: int) -> int:
-        """Weight bytes read to draft ``drafted`` tokens in one round."""
-
-
-class Eagle3Drafter:
-    """Chain drafting with an EAGLE3 head and its own KV cache (eagle3-format.md §3).
-
-    Args:
-        head: an :class:`Eagle3LlamaHead` in eval mode, with ``embed_tokens`` loaded from the target.
-    """
-
-    def __init__(self, head: Eagle3LlamaHead) -> None:
-        self.head = head
-        self.dtype = head.fc.weight.dtype
-        self.device = head.fc.weight.device
-        cfg = head.config
-        self.draft_target_ids = torch.arange(cfg.draft_vocab_size, device=self.device) + head.d2t  # (V_d,)
-        self.vocab_size = cfg.vocab_size
-        self.cache = KVCache()
-        self.pending: torch.Tensor | None = None
-        fc = weight_bytes(head.fc)
-        chain = weight_bytes(head, exclude=("embed_tokens.", "fc.", "rotary_emb."))
-        self._first_bytes, self._chain_bytes = fc + chain, chain
-
-    def round_bytes(self, drafted: int) -> int:
-        """``fc`` once (on the pending rows) plus the layer, norm and ``lm_head`` per draft token."""
-        return self._first_bytes + (drafted - 1) * self._chain_bytes if drafted else 0
-
-    def reset(self, prompt_ids: torch.Tensor, aux: torch.Tensor) -> None:
-        self.cache = KVCache()
-        self.pending = aux
-
-    def commit(self, aux: torch.Tensor) -> None:
-        self.pending = aux
-
-    def feed_pending(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the m pending step-0 rows (tokens x_{p0+1..p0+m}, features fc(aux)) at positions p0..p0+m-1.
-
-        Args:
-            tokens: (L+1,) the sequence so far; L = p0 + m.
-
-        Returns:
-            logits (V_d,) of the last row (the distribution of d_1) and its pre-norm output h (1, 1, H).
-
-        Raises:
-            RuntimeError: if the draft cache and pending rows do not cover ``tokens``.
-        """
-        p0, m = self.cache.length, self.pending.shape[0]
-        if tokens.shape[0] != p0 + m + 1:
-            raise RuntimeError(f"draft state out of sync: {p0} cached + {m} pending rows for {tokens.shape[0]} tokens")
-        feature = self.head.project(self.pending.to(self.dtype)[None])  # (1, m, A*H_t) -> (1, m, H)
-        self.pending = None
-        return self._step(tokens[p0 + 1:], feature, p0)
-
-    def _step(self, ids: torch.Tensor, feature: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the head on T new rows over the draft cache; return the last row's logits (V_d,) and h (1, 1, H)."""
-        pos = torch.arange(start, start + ids.shape[0], device=self.device)[None]  # (1, T)
-        logits, h = self.head(ids[None], feature, pos, self.cache, last_only=True)  # (1, 1, V_d), (1, 1, H)
-        return logits[0, 0], h
-
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, k: int, cfg: DecodeConfig, generator: torch.Generator | None) -> Draft:
-        """Draft k tokens.
-
-        Steps: 1. feed the m pending rows (tokens x_{p0+1..p0+m}, features fc(aux)) at positions p0..p0+m-1;
-        2. pick d_1 from the last row; 3. for j = 1..k-1 feed (d_j, previous h) at position p0+m+j-1 and
-        pick d_{j+1}; 4. crop the draft cache back to its p0+m step-0 rows.
-
-        Args:
-            tokens: (L+1,) the sequence so far; L = p0 + m.
-            k: draft length (>= 1).
-            cfg: sampling options (the draft is warped like the target).
-            generator: RNG for sampled drafts.
-
-        Returns:
-            :class:`Draft` with k target ids, q in the target vocab when sampling, and the raw logits.
-        """
-        L = tokens.shape[0] - 1
-        z, h = self.feed_pending(tokens)
-        ids, logits, probs = [], [], []
-        for j in range(k):
-            check_finite_logits(z, f"draft logits at draft position {j + 1}")
-            logits.append(z)
-            if cfg.greedy:
-                d = z.argmax()
-            else:
-                q = probs_from_logits(z, cfg.temperature, cfg.top_k, cfg.top_p)  # (V_d,)
-                d = sample_from_probs(q, generator)
-                probs.append(q)
-            t = self.draft_target_ids[d]
-            ids.append(t)
-            if j + 1 < k:
-                z, h = self._step(t.view(1), h, L + j)
-        self.cache.crop(L)
-        draft_ids = torch.stack(ids)  # (k,)
-        q_full = None
-        if probs:
-            q_full = torch.zeros(k, self.vocab_size, device=self.device)
-            q_full[:, self.draft_target_ids] = torch.stack(probs)  # (k, V_d) -> (k, V)
-        return Draft(draft_ids, q_full, torch.stack(logits), self.head.t2d)
-
-
-class PromptLookupDrafter:
-    """Prompt-lookup (n-gram) drafting: copy what followed an earlier occurrence of the sequence's suffix.
-
-    Tries suffix lengths ``max_ngram`` down to ``min_ngram``; among the earlier occurrences it takes the
-    latest one followed by k tokens, else the earliest; proposes nothing when no suffix recurs.
-
-    Args:
-        max_ngram: longest suffix matched.
-        min_ngram: shortest suffix matched (>= 1).
-    """
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def reset(self, prompt_ids: torch.Tensor, aux: torch.Tensor) -> None:
-        pass
-
-    def commit(self, aux: torch.Tensor) -> None:
-        pass
-
-    def round_bytes(self, drafted: int) -> int:
-        return 0
-
-    def propose(self, tokens: torch.Tensor, k: int, cfg: DecodeConfig, generator: torch.Generator | None) -> Draft:
-        """Up to k tokens that followed an earlier match of the last n tokens (empty when none)."""
-        L = tokens.shape[0]
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            windows = tokens[:-1].unfold(0, n, 1)  # (L-n, n): every n-gram with a continuation
-            hits = (windows == tokens[-n:]).all(-1).nonzero()[:, 0]
-            if hits.numel():
-                # the latest match that still has k tokens after it, else the earliest (longest continuation)
-                full = hits[hits <= L - n - k]
-                start = int(full[-1] if full.numel() else hits[0]) + n
-                return Draft(tokens[start:start + k].clone())
-        return Draft(tokens.new_zeros(0))
 
 
 # -- acceptance ---------------------------------------------------------------------------------------------
