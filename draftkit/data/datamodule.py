@@ -38,6 +38,7 @@ from draftkit.data.chat import (
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import AUTO, HiddenStateCache, tokenizer_fingerprint, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
+from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
 from draftkit.target.tokens import pad_token_id
 
 __all__ = ["ChatDataModule"]
@@ -57,6 +58,19 @@ def _lengths(ds) -> list[int]:
 
 def _fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _reason_counts(rows: list[dict]) -> dict[str, int]:
+    """``{reason: rows}`` for rows with a ``reason``, most common first (ties by name)."""
+    counts: dict[str, int] = {}
+    for r in sorted(rows, key=lambda r: r["reason"]):
+        counts[r["reason"]] = counts.get(r["reason"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _count_reasons(rows: list[dict]) -> str:
+    """``"267 context-free prompt, 53 duplicate prompt"`` for rows with a ``reason``."""
+    return ", ".join(f"{n} {reason}" for reason, n in _reason_counts(rows).items())
 
 
 def _log_plan(plan: dict) -> None:
@@ -80,11 +94,18 @@ class ChatDataModule(pl.LightningDataModule):
         max_conversations: read at most this many usable conversations from the source (None = all);
             bounds tokenization time on large sources.
         max_samples: use at most this many conversations after the validation split (None = all).
-        val_size: conversations held out for validation (deterministic, seeded); at most half of the
-            trainable conversations (more is an error, not a silent cap).
+        val_size: conversations held out for validation (deterministic, seeded), grouped by prompt: no
+            normalised first prompt is on both sides (``draftkit.data.splits``); at most half of the kept
+            conversations (more is an error, not a silent cap).
         batch_size: sequences per device per step.
         num_workers: DataLoader workers.
         seed: seed of the train/validation split.
+        dedup_prompts: keep only the first conversation of each normalised first prompt (later copies would
+            train the same prompt several times per epoch).
+        min_prompt_chars: drop conversations whose normalised first prompt is shorter than this many
+            characters, or made only of continuation/filler words ("continue", "please go on"), or opening with
+            a request to go on: such a turn only makes sense after an answer the record does not hold (0 = keep
+            them all). Dropped conversations are named in the log and ``skipped_records.json``.
         num_proc: processes for tokenization.
         bucket_window: length bucketing: sequences of similar length are batched together within each
             window of this many sequences of the seeded permutation (0 = off; e.g. 64 x the global batch).
@@ -129,6 +150,8 @@ class ChatDataModule(pl.LightningDataModule):
         hidden_states_cache: str | None = None,
         supervise: str = "assistant",
         max_skip_fraction: float = 0.2,
+        dedup_prompts: bool = True,
+        min_prompt_chars: int = 8,
     ) -> None:
         super().__init__()
         if supervise not in SUPERVISE:
@@ -139,6 +162,8 @@ class ChatDataModule(pl.LightningDataModule):
             raise ValueError(f"data.max_length must be >= 8 tokens, got {max_length}")
         if not 0.0 <= max_skip_fraction <= 1.0:
             raise ValueError(f"data.max_skip_fraction must be within 0..1, got {max_skip_fraction}")
+        if min_prompt_chars < 0:
+            raise ValueError(f"data.min_prompt_chars must be >= 0 characters, got {min_prompt_chars}")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if val_size < 0 or (max_samples is not None and max_samples < 1):
@@ -198,7 +223,7 @@ class ChatDataModule(pl.LightningDataModule):
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")
         key = _fingerprint(
-            "chat-v3", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
+            "chat-v4", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
             hp.chat_template or tok.chat_template, tok.name_or_path, len(tok),
             tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
             hp.max_conversations,
@@ -208,10 +233,13 @@ class ChatDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Tokenize the whole source once into ``<cache>/data/<key>`` (atomic) and reuse it afterwards.
 
-        Runs before Lightning creates the logger's files, so data without signal stops the run here, with
-        nothing written (:meth:`_check_signal`).
+        Runs before Lightning creates the logger's files, so data without signal, or a validation split larger
+        than what the prompt rule keeps, stops the run here, with nothing written (:meth:`_check_signal`,
+        :meth:`_split`).
         """
-        self._check_signal(self._load_or_build()[1])
+        ds, stats = self._load_or_build()
+        self._check_signal(stats)
+        self._split(ds)
 
     def _load_or_build(self):
         import datasets
@@ -226,7 +254,10 @@ class ChatDataModule(pl.LightningDataModule):
         log.info("%s", summary)
         if not conversations:
             raise ValueError(f"no usable conversation in {hp.path}: {summary}")
-        ds = datasets.Dataset.from_dict({"messages": conversations, "record": summary.records})
+        ds = datasets.Dataset.from_dict({
+            "messages": conversations, "record": summary.records,
+            "prompt_key": [normalize_prompt(first_prompt(c)) for c in conversations],
+        })
         template = hp.chat_template
 
         def encode(row):
@@ -300,7 +331,7 @@ class ChatDataModule(pl.LightningDataModule):
 
         Raises:
             ValueError: when no conversation has a trainable token (naming the cause and the option to
-                change), or ``data.val_size`` holds out more sequences than it leaves for training.
+                change), or more than ``data.max_skip_fraction`` of the records is skipped.
         """
         hp = self.hparams
         n = stats["sequences"]
@@ -329,11 +360,43 @@ class ChatDataModule(pl.LightningDataModule):
                 + "; ".join(causes) + (f" (read: {stats['read']})" if stats["skipped"] else "")
             )
         self._check_skip_fraction(stats)
+
+    def _split(self, ds) -> tuple[list[int], list[int], list[dict]]:
+        """The train and validation rows of the tokenized data and the rows the prompt rule drops.
+
+        The rule and the grouped split are ``draftkit.data.splits``'s (options ``data.dedup_prompts``,
+        ``data.min_prompt_chars``; ``data.val_size`` and ``data.seed``); ``data.max_samples`` caps the training
+        rows after the split.
+
+        Returns:
+            ``(train_rows, val_rows, dropped)``: row indices of ``ds`` (ascending) and one ``{"record", "reason",
+            "detail"}`` per dropped row.
+
+        Raises:
+            ValueError: when ``data.val_size`` holds out more sequences than it leaves for training.
+        """
+        hp = self.hparams
+        rule = PromptFilter(min_prompt_chars=hp.min_prompt_chars, drop_fillers=hp.min_prompt_chars > 0,
+                            dedup=hp.dedup_prompts)
+        keys = ds["prompt_key"]
+        kept, _, dropped_rows = rule.keep(keys)
+        records = ds["record"]
+        dropped = [{"record": records[i], "reason": reason, "detail": f"first prompt {keys[i][:60]!r}"}
+                   for reason, rows in dropped_rows.items() for i in rows]
+        n = len(kept)
         if n - hp.val_size < hp.val_size:
             raise ValueError(
                 f"data.val_size={hp.val_size} holds out more sequences than it leaves for training: {hp.path} "
-                f"has {n} trainable sequences; set data.val_size to at most {n // 2}"
+                f"has {n} trainable sequences"
+                + (f" after the prompt rule ({len(dropped)} dropped: {_count_reasons(dropped)})" if dropped else "")
+                + f"; set data.val_size to at most {n // 2}"
             )
+        train_idx, val_idx = grouped_split(keys, kept, hp.val_size, hp.seed)
+        order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(hp.seed)).tolist()
+        train_idx = [train_idx[i] for i in order]
+        if hp.max_samples is not None:
+            train_idx = train_idx[: hp.max_samples]
+        return train_idx, val_idx, dropped
 
     def _check_skip_fraction(self, stats: dict) -> None:
         """Refuse a source of which more than ``data.max_skip_fraction`` of the records is skipped.
@@ -346,10 +409,8 @@ class ChatDataModule(pl.LightningDataModule):
         skips, total = stats["skips"], stats["records"]
         if not total or len(skips) <= hp.max_skip_fraction * total:
             return
-        counts: dict[str, int] = {}
-        for s in skips:
-            counts[s["reason"]] = counts.get(s["reason"], 0) + 1
-        reason = max(sorted(counts), key=counts.get)
+        counts = _reason_counts(skips)
+        reason = next(iter(counts))
         example = next(s for s in skips if s["reason"] == reason)
         raise ValueError(
             f"{hp.path}: {len(skips)} of {total} records skipped ({len(skips) / total:.0%}), more than "
@@ -364,7 +425,7 @@ class ChatDataModule(pl.LightningDataModule):
         Called on every rank: ``trainer.log_dir`` is a collective (a broadcast from rank 0) under DDP, so it is
         read by all ranks before global rank 0 alone writes the file.
         """
-        skips = self.stats.get("skips") or []
+        skips = (self.stats.get("skips") or []) + (self.stats.get("prompt_rule") or [])
         if not skips or self.trainer is None:
             return
         log_dir = self.trainer.log_dir  # every rank: a broadcast under DDP
@@ -382,12 +443,8 @@ class ChatDataModule(pl.LightningDataModule):
         ds, self.stats = self._load_or_build()
         self._check_signal(self.stats)
         hp = self.hparams
-        n = len(ds)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(hp.seed)).tolist()
-        val_idx, train_idx = sorted(order[: hp.val_size]), order[hp.val_size:]
-        if hp.max_samples is not None:
-            train_idx = train_idx[: hp.max_samples]
-        cols = ["input_ids", "loss_mask"]
+        train_idx, val_idx, self.stats["prompt_rule"] = self._split(ds)
+        cols = ["input_ids", "loss_mask", "record"]  # record: batches name their rows in errors
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)
         self.train_lengths = _lengths(self.train_set)
@@ -397,9 +454,11 @@ class ChatDataModule(pl.LightningDataModule):
             self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
         log.info(
-            "data: %d train / %d val sequences (%d truncated to %d tokens, %d dropped with no assistant token)",
+            "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens, %d dropped with no "
+            "assistant token, %d by the prompt rule: %s)",
             len(self.train_set), len(self.val_set), self.stats["truncated"], hp.max_length,
-            self.stats["no_supervised_token"],
+            self.stats["no_supervised_token"], len(self.stats["prompt_rule"]),
+            _count_reasons(self.stats["prompt_rule"]) or "none",
         )
 
     def _write_auto_cache(self) -> None:
@@ -454,11 +513,12 @@ class ChatDataModule(pl.LightningDataModule):
         return count_tokens(self.train_set["input_ids"], self.train_set["loss_mask"], vocab_size)
 
     def fingerprint(self) -> str:
-        """Key of the tokenized data (tokenization code, tokenizer, data, template, max_length) plus the split
-        and sample cap."""
+        """Key of the tokenized data (tokenization code, tokenizer, data, template, max_length) plus the split,
+        the prompt rule and the sample cap."""
         key, _ = self._cache_key()
         hp = self.hparams
-        return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples)
+        return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples, "grouped", hp.dedup_prompts,
+                            hp.min_prompt_chars)
 
     # -- loaders ----------------------------------------------------------------------------------------
     def _loader(self, split: str, shuffle: bool) -> DataLoader:

@@ -57,7 +57,7 @@ class IndexedData(ChatDataModule):
 @pytest.fixture()
 def chat20(tmp_path):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"q{i}" + "x" * (i % 7)}, {"role": "assistant", "content": f"a{i}"}]}
+    rows = [{"messages": [{"role": "user", "content": f"question {i}" + "x" * (i % 7)}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(24)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

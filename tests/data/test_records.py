@@ -128,7 +128,7 @@ def test_skip_list_is_written_beside_the_run_logs(tmp_path, tiny_target_dir):
     from lightning.pytorch.loggers import CSVLogger
 
     path = tmp_path / "d.json"
-    path.write_text(json.dumps([*[_chat(i) for i in range(4)], {"id": "bad", "conversations": []}]))
+    path.write_text(json.dumps([*[_chat(i, q="question ") for i in range(4)], {"id": "bad", "conversations": []}]))
     dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=1)
     dm.trainer = pl.Trainer(logger=CSVLogger(tmp_path / "logs", name="csv"), default_root_dir=tmp_path)
     dm.setup("fit")

@@ -74,3 +74,49 @@ def test_grouped_split_with_distinct_prompts_takes_exactly_val_size():
 def test_grouped_split_refuses_a_negative_size():
     with pytest.raises(ValueError, match="data.val_size"):
         grouped_split(["a"], [0], -1, 0)
+
+
+def _chat_file(path, prompts):
+    import json
+
+    with open(path, "w") as f:
+        for i, p in enumerate(prompts):
+            msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": f"answer number {i}"}]
+            f.write(json.dumps({"id": f"r{i}", "messages": msgs}) + "\n")
+    return path
+
+
+def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path, tiny_target_dir, monkeypatch):
+    """The wired rule: 40 distinct prompts, each also present as a near-copy, plus 6 context-free records.
+
+    Train and validation share no normalised prompt, the copies and fragments are dropped and named, and
+    turning the rule off keeps them (so the test fails if the datamodule ignores the options)."""
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    from draftkit.data.datamodule import ChatDataModule
+    from draftkit.data.splits import normalize_prompt
+
+    distinct = [f"Write a short story about topic {i}" for i in range(40)]
+    prompts = distinct + [p.upper() + "!" for p in distinct] + ["continue", "Please continue", "go on",
+                                                               "more", "ok", "Continue writing please"]
+    path = _chat_file(tmp_path / "chat.jsonl", prompts)
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=8, seed=3)
+    dm.setup()
+    assert (len(dm.train_set), len(dm.val_set)) == (32, 8)
+
+    train_records, val_records = set(dm.train_set["record"]), set(dm.val_set["record"])
+    assert not train_records & val_records
+    by_record = dict(zip((f"r{i}" for i in range(len(prompts))), (normalize_prompt(p) for p in prompts)))
+    assert not {by_record[r] for r in train_records} & {by_record[r] for r in val_records}
+    assert {by_record[r] for r in train_records | val_records} == {normalize_prompt(p) for p in distinct}
+    reasons = {r["record"]: r["reason"] for r in dm.stats["prompt_rule"]}
+    assert reasons == {**{f"r{i}": "duplicate prompt" for i in range(40, 80)},
+                       **{f"r{i}": "context-free prompt" for i in range(80, 86)}}
+
+    off = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=8, seed=3,
+                         dedup_prompts=False, min_prompt_chars=0)
+    off.setup()
+    assert len(off.train_set) + len(off.val_set) == 86
+    # without dedup the copies stay, but still on one side: the split is grouped
+    off_train = {by_record[r] for r in off.train_set["record"]}
+    assert not off_train & {by_record[r] for r in off.val_set["record"]}
+    assert off.fingerprint() != dm.fingerprint()
