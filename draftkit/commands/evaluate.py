@@ -75,17 +75,12 @@ def evaluate(
     import torch
 
     from draftkit.data.prompts import load_prompts
-    from draftkit.decoding.harness import (
-        Topology,
-        check_head_matches_target,
-        evaluate_head,
-        format_summary,
-        write_tensorboard,
-    )
-    from draftkit.sampling import check_sampling
+    from draftkit.decoding.harness import Topology, check_head_matches_target, evaluate_head
+    from draftkit.decoding.report import format_summary, write_tensorboard
     from draftkit.export.load import load_head
     from draftkit.jsonio import write_json_atomic
     from draftkit.precision import DTYPES, precision_record, resolve_dtype
+    from draftkit.sampling import check_sampling
     from draftkit.target.frozen import FrozenTarget, load_target
 
     from draftkit.decoding.tree import TreeConfig

@@ -11,6 +11,7 @@
 - ``metrics``: acceptance length tau, per-position acceptance, acceptance rate, KL(target || draft).
 - ``harness``: :func:`~draftkit.decoding.harness.evaluate_head`, the harness of ``draftkit evaluate`` and the
   ``AcceptanceLengthMonitor`` callback.
+- ``report``: the text summary, TensorBoard scalars and figures of an evaluate report.
 - ``bench``: decode-speed measurement behind ``draftkit bench decode`` (per-round costs, speedup at a scripted
   acceptance).
 """
