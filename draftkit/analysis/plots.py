@@ -5,9 +5,9 @@ Shapes: P candidate layers.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from draftkit.jsonio import atomic_path
 
 __all__ = ["cka_heatmap", "entropy_curve", "log_figures", "save_figure"]
 
@@ -107,17 +107,9 @@ def entropy_curve(layer_ids: list[int], h1, h2, dim: int | None = None, chosen: 
 
 
 def save_figure(fig, path: str | Path) -> None:
-    """Write a PNG atomically (temporary file, then ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
+    """Write a PNG atomically (``draftkit.jsonio.atomic_path``: temporary file, fsync, ``os.replace``)."""
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def log_figures(writer, figures: dict, step: int = 0) -> None:

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import bisect
 import errno
-import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftkit.data.collate import collate
-from draftkit.jsonio import write_json_atomic
+from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 
 __all__ = [
     "AUTO", "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
@@ -64,24 +62,20 @@ AUTO = "auto"  # data.hidden_states_cache value: fit writes (or reuses) the cach
 REBUILD = "rebuild it with `python -m draftkit cache-hidden-states --recipe ...` for this recipe"
 
 
-def _sha16(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def cache_key(fingerprint: dict) -> str:
     """16 hex digits naming a fingerprint (the default cache directory name)."""
-    return _sha16(fingerprint)
+    return short_hash(fingerprint)
 
 
 def config_fingerprint(config) -> str:
     """Hash of a target's ``PretrainedConfig`` without paths, versions and dtype (16 hex digits)."""
     d = config.to_dict()
-    return _sha16({k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")})
+    return short_hash({k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")})
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of a fast tokenizer's vocabulary, merges and special tokens (16 hex digits)."""
-    return _sha16([tokenizer.backend_tokenizer.to_str(), len(tokenizer)])
+    return short_hash([tokenizer.backend_tokenizer.to_str(), len(tokenizer)])
 
 
 def bytes_per_token(target_hidden_size: int, num_aux_layers: int) -> int:
@@ -443,12 +437,6 @@ def write_recipe_cache(
     return {**result, "output": str(out_dir), "precision": str(precision), "device": device}
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 @torch.no_grad()
 def _write_shard(path: Path, rows, forward, batch_size: int, pad_token_id: int, split: str, shard: dict) -> int:
     """Run the target on one shard's rows and write the shard atomically; return its size in bytes."""
@@ -482,11 +470,6 @@ def _write_shard(path: Path, rows, forward, batch_size: int, pad_token_id: int, 
         "last_hidden_state": torch.cat(last),  # (S, H_t)
         "offsets": offsets,  # (n+1,)
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:  # safetensors would create a 0600 file; shards are shared like any output
         save_file(tensors, str(tmp), metadata={"format": FORMAT, "split": split, "rows": json.dumps(shard["rows"])})
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600 files; shards are shared like any output
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path.stat().st_size

@@ -32,12 +32,9 @@ Shapes: B batch, T tokens, S cached positions, V target vocab.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -46,7 +43,7 @@ from pathlib import Path
 import torch
 
 from draftkit.sampling import check_sampling, sample
-from draftkit.jsonio import check_free_space, write_json_atomic
+from draftkit.jsonio import atomic_path, check_free_space, short_hash, write_json_atomic
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
@@ -258,21 +255,13 @@ def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, c
 
 # -- files ----------------------------------------------------------------------------------------------------
 def _write_lines_atomic(path: Path, lines: list[str]) -> None:
-    """Write text lines to ``path`` (gzip when it ends in ``.gz``, with a fixed mtime) via a temp file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            if path.name.endswith(".gz"):
-                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-                    f.write("".join(lines).encode("utf-8"))
-            else:
-                raw.write("".join(lines).encode("utf-8"))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write text lines to ``path`` (gzip when it ends in ``.gz``, with a fixed mtime) through ``atomic_path``."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+        if path.name.endswith(".gz"):
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+                f.write("".join(lines).encode("utf-8"))
+        else:
+            raw.write("".join(lines).encode("utf-8"))
 
 
 def _read_output(path: Path) -> tuple[dict, dict[str, list[str]]] | None:
@@ -322,10 +311,6 @@ def _part_problem(path: Path, meta: dict) -> str | None:
     if ids != meta["ids"]:
         return "not the shard its index lists (other record ids)"
     return None
-
-
-def _sha16(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def regenerate(
@@ -414,7 +399,7 @@ def regenerate(
         "target_fingerprint": {
             "config": config_fingerprint(model.config), "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype,
         },
-        "chat_template_sha16": _sha16(template),
+        "chat_template_sha16": short_hash(template),
         "decode": {**asdict(cfg), "stop_token_ids": stop_ids, "batch_size": batch_size},
         "source": source,
         "source_sha256": file_sha256(path) if Path(path).is_file() else None,
@@ -423,7 +408,7 @@ def regenerate(
         "shard_size": shard_size,
     }
     # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
-    settings = _sha16({k: v for k, v in header.items() if k != "max_records"})
+    settings = short_hash({k: v for k, v in header.items() if k != "max_records"})
     index_path = parts / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     if index is not None and index.get("settings") != settings:

@@ -36,8 +36,6 @@ Shapes: P prompts, n generated tokens, V target vocab.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
@@ -46,15 +44,15 @@ from typing import Callable, Sequence
 import torch
 
 from draftkit.decoding.metrics import AcceptanceStats, kl_from_logits
-from draftkit.sampling import check_sampling
-from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate
 from draftkit.dual_precision.lm import DualLM
 from draftkit.dual_precision.replay import DEFAULT_BUDGETS, ReplaySteps, calibrate_thresholds
 from draftkit.dual_precision.replay import replay_metrics, replay_steps
 from draftkit.dual_precision.stats import bootstrap_ci, cat_groups, mcnemar_exact
+from draftkit.jsonio import short_hash
 from draftkit.quant import COST_MODELS, WeightBytes, expected_verified_ratio, gated_bytes_per_token
+from draftkit.sampling import DecodeConfig, check_sampling
 
 __all__ = ["METHODS", "DualPrecisionConfig", "evaluate_dual_precision"]
 
@@ -139,7 +137,7 @@ def _traj_row(traj: Trajectory) -> dict:
 
 def _eval_key(i: int, prompt: Sequence[int]) -> str:
     """Record key of evaluation prompt ``i``: its index (the prompt's seed) and a digest of its token ids."""
-    return f"evaluation/{i}/{hashlib.sha256(json.dumps(list(prompt)).encode()).hexdigest()[:16]}"
+    return f"evaluation/{i}/{short_hash(list(prompt))}"
 
 
 def _steps_row(steps: ReplaySteps) -> dict:

@@ -53,14 +53,15 @@ def tokenizer_identity(tokenizer, chat_template: str | None = None) -> str:
     Stored in training checkpoints and export sidecars (``tokenizer_fingerprint``) and compared with the
     target's tokenizer on load (``draftkit.heads.checkpoint.check_tokenizer``).
     """
-    import hashlib
     import json
+
+    from draftkit.jsonio import short_hash
 
     table = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     special = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in tokenizer.all_special_tokens}
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     blob = json.dumps([table, sorted(special.items()), template], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return short_hash(blob.encode("utf-8", "surrogatepass"))
 
 
 def ids_to_skip(tokenizer) -> list[int]:
