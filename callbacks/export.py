@@ -18,7 +18,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from draftkit.export import DTYPES, ENGINES, export_checkpoint
+from draftkit.export import ENGINES, EXPORT_DTYPES, export_checkpoint
 
 __all__ = ["ExportOnCheckpoint"]
 
@@ -63,8 +63,8 @@ class ExportOnCheckpoint(Callback):
             raise ValueError(f"ExportOnCheckpoint engines must be a non-empty subset of {list(ENGINES)}, got {engines}")
         if checkpoint not in ("final", "best", "last"):
             raise ValueError(f"ExportOnCheckpoint checkpoint must be 'final', 'best' or 'last', got {checkpoint!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"ExportOnCheckpoint dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"ExportOnCheckpoint dtype must be one of {list(EXPORT_DTYPES)}, got {dtype!r}")
         if num_speculative_tokens < 1:
             raise ValueError(f"ExportOnCheckpoint num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.engines = engines

@@ -26,7 +26,7 @@ Shapes: H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, N ta
 from types import ModuleType
 
 from draftkit.export import sglang, speculators, trtllm, vllm
-from draftkit.export.common import DTYPES
+from draftkit.export.common import EXPORT_DTYPES
 
 ENGINES: dict[str, ModuleType] = {m.ENGINE: m for m in (vllm, speculators, sglang, trtllm)}
 """The engine registry: name -> engine module."""
@@ -52,7 +52,7 @@ from draftkit.export.speculation import Speculation  # noqa: E402
 from draftkit.heads.checkpoint import HeadSource, read_checkpoint  # noqa: E402
 
 __all__ = [
-    "DTYPES",
+    "EXPORT_DTYPES",
     "ENGINES",
     "HeadSource",
     "Speculation",

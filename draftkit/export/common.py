@@ -35,7 +35,7 @@ from draftkit.jsonio import InsufficientSpaceError, check_free_space
 from draftkit.selection.vocab import VocabMap
 
 __all__ = [
-    "DTYPES",
+    "EXPORT_DTYPES",
     "SIDECAR",
     "llama_config_fields",
     "norm_flags",
@@ -46,7 +46,7 @@ __all__ = [
     "write_directory",
 ]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 """Weight dtypes an export may be written in (bf16 is the default; §7.1)."""
 
 SIDECAR = "draftkit_export.json"

@@ -26,7 +26,7 @@ from torch import nn
 
 from draftkit.artifacts import cache_dir
 from draftkit.export.common import (
-    DTYPES,
+    EXPORT_DTYPES,
     SIDECAR,
     head_config_dict,
     serving_tensors,
@@ -102,8 +102,8 @@ def export_checkpoint(
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     k = _draft_tokens(num_speculative_tokens, speculation)
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
@@ -178,7 +178,7 @@ def export_head_source(
     module = ENGINES[engine]
     out_dir = Path(out_dir).expanduser().absolute()
     cfg, n_layers, aux = source.config, source.num_layers, source.aux_layer_ids
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = EXPORT_DTYPES[dtype]
     if dtype == "float16":
         log.warning("exporting fp16 weights: fp16 drafts have overflowed to NaN logits in engines; prefer bfloat16")
 
