@@ -30,6 +30,130 @@ __all__ = ["DraftkitCLI", "load_recipe"]
 
 RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
 
+RESUME_KEY = "draftkit_trainer_options"  # checkpoint key: the run's trainer options (plain values), for resume checks
+
+SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "trainer.min_steps", "trainer.min_epochs"),
+     "limits: they say when to stop, not how a step trains"),
+    (("trainer.val_check_interval", "trainer.check_val_every_n_epoch", "trainer.limit_val_batches",
+      "trainer.num_sanity_val_steps"), "validation: when and how much it measures; it never updates the head"),
+    (("trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary"),
+     "logging and display intervals"),
+    (("trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.accelerator"),
+     "the processes a step runs on (data.batch_size is checked against them: the global batch must stay)"),
+    (("trainer.callbacks", "trainer.enable_checkpointing"), "the monitor and callbacks: they watch and save the run"),
+    (("trainer.logger", "trainer.default_root_dir"), "paths that only say where to write"),
+    (("data.num_workers", "data.num_proc"), "loader and tokenizer processes: the rows and batches are the same"),
+)
+"""Options that ``fit --ckpt_path`` lets change (each change is logged once), with the reason; every other
+``model.*``/``data.*`` option that differs from the checkpoint's is refused (:func:`_check_resume_options`)."""
+
+RESOLVED_ON_RUN = {"model.aux_layer_ids": None, "model.target_dtype": "auto", "data.hidden_states_cache": "auto",
+                   "trainer.precision": None}
+"""Options whose placeholder a run replaces in place (and the checkpoint stores resolved): the placeholder in
+the resumed run's config means "the checkpoint's value", not a change."""
+
+NOT_COMPARED = ("data.tokenizer",)
+"""Linked to ``model.target``, which is compared."""
+
+
+def _plain(value):
+    """A config value as plain JSON types (tuples -> lists, Namespaces -> dicts, objects -> their repr)."""
+    import json
+
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    return json.loads(json.dumps(value, default=repr))
+
+
+def _flatten(prefix: str, values: dict, nested: bool = True) -> dict:
+    """``{"model.optim.lr": 0.001, ...}`` from nested dicts (lists and class_path dicts are kept whole)."""
+    out = {}
+    for key, value in values.items():
+        if str(key).startswith("_"):
+            continue  # Lightning's _instantiator / _class_path
+        name = f"{prefix}.{key}"
+        if nested and isinstance(value, dict) and "class_path" not in value:
+            out.update(_flatten(name, value))
+        else:
+            out[name] = value
+    return out
+
+
+def _trainer_record(config) -> dict:
+    """The run's ``trainer.*`` options as plain values, stored in every checkpoint under ``RESUME_KEY``."""
+    return _flatten("trainer", _plain(config.trainer), nested=False)
+
+
+def _same(name: str, old, new) -> bool:
+    """Whether a resumed run's ``new`` value of option ``name`` is the checkpoint's ``old`` one."""
+    if old == new or (name in RESOLVED_ON_RUN and new == RESOLVED_ON_RUN[name] and old is not None):
+        return True
+    return isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new) \
+        and os.path.samefile(old, new)  # one data file named from another directory
+
+
+def _world(trainer: dict) -> int | None:
+    """Processes of a trainer record (``devices`` x ``num_nodes``), None when ``devices`` is not a count."""
+    devices = trainer.get("trainer.devices")
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    count = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) and devices > 0 else None
+    return None if count is None else count * int(trainer.get("trainer.num_nodes") or 1)
+
+
+def _check_resume_options(config, ckpt: dict, path: str) -> None:
+    """Compare a resumed fit's ``model.*``, ``data.*`` and ``trainer.*`` options with the checkpoint's.
+
+    The checkpoint's model and data options are the ``hyper_parameters`` / ``datamodule_hyper_parameters``
+    that ``save_hyperparameters`` stores; its trainer options are ``RESUME_KEY`` (written by ``_RunStart``).
+    A change listed in :data:`SAFE_ON_RESUME` is logged once (``old -> new``); ``data.batch_size`` may change
+    only together with the processes, keeping the global batch (``batch_size x devices x num_nodes``). An
+    option the checkpoint does not store (written by an older draftkit) is reported and not compared.
+
+    Raises:
+        ValueError: for any other difference (LightningCLI would otherwise replace the new ``model.*`` values
+            with the checkpoint's without a word), naming each option, the checkpoint's and the new value, and
+            how to proceed; raised before anything is instantiated.
+    """
+    safe = {name for names, _ in SAFE_ON_RESUME for name in names}
+    stored = {**_flatten("model", ckpt.get("hyper_parameters") or {}),
+              **_flatten("data", ckpt.get("datamodule_hyper_parameters") or {}),
+              **(ckpt.get(RESUME_KEY) or {})}
+    current = {**_flatten("model", _plain(config.model)), **_flatten("data", _plain(config.data)),
+               **_trainer_record(config)}
+    if not ckpt.get(RESUME_KEY):
+        rank_zero_info(f"resuming {path}: the checkpoint stores no trainer options (an older draftkit); "
+                       "trainer options are not compared")
+    old_world, new_world = _world(stored), _world(current)
+    refused, missing = [], []
+    for name, new in current.items():
+        if name in NOT_COMPARED or (name.startswith("trainer.") and not ckpt.get(RESUME_KEY)):
+            continue
+        if name not in stored:
+            missing.append(f"{name} (this run: {new!r})")
+            continue
+        old = stored[name]
+        if _same(name, old, new):
+            continue
+        global_batch_kept = name == "data.batch_size" and old_world and new_world and old * old_world == new * new_world
+        if name in safe or global_batch_kept:
+            why = f" (global batch {old * old_world} kept)" if global_batch_kept else ""
+            rank_zero_info(f"resuming {path}: {name} changed {old!r} -> {new!r}{why}")
+        else:
+            hint = " (it may change only with trainer.devices, keeping the global batch)" if name == "data.batch_size" else ""
+            refused.append(f"{name} is {new!r} in this run but {old!r} in the checkpoint{hint}")
+    if missing:
+        rank_zero_info(f"resuming {path}: the checkpoint stores no {', '.join(missing)} (written by an older "
+                       "draftkit): not compared")
+    if refused:
+        raise ValueError(
+            f"--ckpt_path {path}: {'; '.join(refused)}. Resuming continues the checkpoint's run, so these options "
+            "cannot change: drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a "
+            "new run without --ckpt_path to train with the new values. Options that may change on resume: "
+            + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
+        )
+
 
 def _continue_run_dir(config) -> None:
     """Point a resumed fit's TensorBoard logger at the version directory of the run that wrote its checkpoint.
@@ -94,6 +218,8 @@ class _RunStart(Callback):
     checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""
 
     step = 0
+    trainer_options: dict | None = None
+    """The run's trainer options (``_trainer_record``), stored in every checkpoint for resume checks."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Read the start step; install the Ctrl-C handler (after Lightning's own signal set-up, which restores
@@ -112,9 +238,12 @@ class _RunStart(Callback):
         self._previous = signal.signal(signal.SIGINT, first_ctrl_c)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        """Record the run's logger directory, so that a resume continues it (``_continue_run_dir``)."""
+        """Record the run's logger directory, so that a resume continues it (``_continue_run_dir``), and its
+        trainer options, so that a resume can compare them (``_check_resume_options``)."""
         if trainer.logger is not None and trainer.logger.log_dir:
             checkpoint[RUN_DIR_KEY] = str(trainer.logger.log_dir)
+        if self.trainer_options is not None:
+            checkpoint[RESUME_KEY] = self.trainer_options
 
     def _restore(self) -> None:
         if hasattr(self, "_previous"):
@@ -155,6 +284,18 @@ class DraftkitCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
 
+    def _parse_ckpt_path(self) -> None:
+        """``fit --ckpt_path``: refuse options that differ from the checkpoint's (``_check_resume_options``)
+        before LightningCLI fills ``model.*`` from the checkpoint's hyperparameters (which then changes only
+        the placeholders of ``RESOLVED_ON_RUN``)."""
+        config = self.config.get(self.config.get("subcommand") or "", None)
+        path = config.get("ckpt_path") if config is not None else None
+        if self.config.get("subcommand") == "fit" and path and os.path.isfile(path):
+            import torch
+
+            _check_resume_options(config, torch.load(path, map_location="cpu", mmap=True, weights_only=False), path)
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand == "fit":
@@ -172,6 +313,7 @@ class DraftkitCLI(LightningCLI):
     def before_fit(self) -> None:
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()
+        self._run_start.trainer_options = _trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
         self.trainer.callbacks.append(self._run_start)
         # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
         self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))

@@ -1,0 +1,95 @@
+"""``fit --ckpt_path`` compares the run's options with the checkpoint's: a changed ``model.*``/``data.*`` option
+is refused naming both values; a limit (``trainer.max_steps``) may change and the change is logged once."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit.cli import RESUME_KEY, DraftkitCLI, _check_resume_options, load_recipe
+from draftkit.commands import main
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/tiny-debug.yaml"
+
+
+def _args(root: Path, *extra: str) -> list[str]:
+    return ["fit", "--recipe", RECIPE, "--trainer.default_root_dir", str(root), "--trainer.val_check_interval", "2",
+            "--trainer.enable_progress_bar", "false", *extra]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """(run root, last.ckpt) of a 2-step tiny fit."""
+    root = tmp_path_factory.mktemp("resume")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        DraftkitCLI(args=_args(root, "--trainer.max_steps", "2"))
+    return root, root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def _checkpoints(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("flag, new, old", [("--model.draft_vocab_size", "32", "64"), ("--model.ttt.steps", "2", "3"),
+                                            ("--data.max_length", "64", "128")])
+def test_a_changed_model_or_data_option_is_refused_naming_both_values(two_steps, monkeypatch, capsys, flag, new, old):
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    before = _checkpoints(root)
+    assert main(_args(root, "--trainer.max_steps", "4", "--ckpt_path", str(ckpt), flag, new)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"draftkit fit: error: --ckpt_path {ckpt}: {flag[2:]} is {new} in this run but {old} in "
+                          "the checkpoint. Resuming continues the checkpoint's run, so these options cannot change: "
+                          "drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a new "
+                          "run without --ckpt_path to train with the new values.")
+    assert _checkpoints(root) == before  # refused before anything ran
+
+
+def test_a_changed_limit_trains_on_and_is_logged_once(two_steps, monkeypatch, caplog):
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)[RESUME_KEY]["trainer.max_steps"] == 2
+    with caplog.at_level(logging.INFO):
+        cli = DraftkitCLI(args=_args(root, "--trainer.max_steps", "3", "--data.num_workers", "0", "--ckpt_path",
+                                     str(ckpt)))
+    assert cli.trainer.global_step == 3
+    assert caplog.text.count(f"resuming {ckpt}: trainer.max_steps changed 2 -> 3") == 1
+    assert "changed" not in caplog.text.replace("trainer.max_steps changed", "")  # nothing else differs
+    assert torch.load(ckpt.parent / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 3
+
+
+def _stored(ckpt: Path) -> dict:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)
+
+
+def test_an_option_the_checkpoint_lacks_is_reported_not_refused(two_steps, monkeypatch, caplog):
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    saved = _stored(ckpt)
+    del saved["hyper_parameters"]["serving_k"], saved[RESUME_KEY]  # as an older draftkit wrote it
+    config = load_recipe([RECIPE], ["--model.serving_k", "2", "--trainer.max_steps", "9"])
+    with caplog.at_level(logging.INFO):
+        _check_resume_options(config, saved, "old.ckpt")
+    assert "resuming old.ckpt: the checkpoint stores no trainer options (an older draftkit)" in caplog.text
+    assert "resuming old.ckpt: the checkpoint stores no model.serving_k (this run: 2) (written by an older" in caplog.text
+
+
+def test_the_batch_size_may_change_only_keeping_the_global_batch(two_steps, monkeypatch, caplog):
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    saved = _stored(ckpt)
+    saved["datamodule_hyper_parameters"]["batch_size"] = 2
+    saved[RESUME_KEY]["trainer.devices"] = 2  # a 2-process run resumed on one process
+    with caplog.at_level(logging.INFO):
+        _check_resume_options(load_recipe([RECIPE], ["--trainer.max_steps", "2"]), saved, "ddp.ckpt")
+    assert "resuming ddp.ckpt: data.batch_size changed 2 -> 4 (global batch 4 kept)" in caplog.text
+    assert "resuming ddp.ckpt: trainer.devices changed 2 -> 1" in caplog.text
+    with pytest.raises(ValueError, match=r"data.batch_size is 3 in this run but 2 in the checkpoint \(it may change "
+                                         r"only with trainer.devices, keeping the global batch\)"):
+        _check_resume_options(load_recipe([RECIPE], ["--data.batch_size", "3"]), saved, "ddp.ckpt")
