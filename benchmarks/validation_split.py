@@ -6,6 +6,9 @@ split (``draftkit.data.splits``, the datamodule's default now) drops context-fre
 no prompt on both sides. This script validates one head on four sets: the old split, its leaked rows (prompt also
 in training), its clean rows, and the grouped split, and prints ``val/tau_sim``, ``val/acc_k`` and ``val/loss``.
 
+For a head trained on the old split, ``old_clean`` is its honest figure: ``grouped``'s rows were mostly among its
+training rows. For a head trained on the grouped split, ``grouped`` is.
+
 Run:  python benchmarks/validation_split.py --recipe recipes/smollm2-135m-eagle3-long.yaml \
           --head checkpoints/smollm2-135m-eagle3-head --output benchmarks/results/validation_split.json
       (online: the target runs on each validation batch; ``--head`` takes an export directory or a ``.ckpt``)
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     dm.setup("fit")
     model.build(dm)
     head, meta = load_head(args.head, model.hparams.target)
+    head.load_embedding(model.target.input_embeddings().float())  # heads are stored without the target's embedding
     model.head = head.float()
     sets = validation_sets(dm)
     ds, _ = dm._load_or_build()
