@@ -707,6 +707,10 @@ class Eagle3Module(pl.LightningModule):
         Raises:
             RuntimeError: when validation runs during fit before the head received any optimizer update (no
                 training batch so far had a trainable token), so that no "best" checkpoint is written for it.
+            ValueError: during fit, when a TTT step had no supervised row while a callback monitors
+                ``val/tau_sim`` (``ModelCheckpoint`` would raise after training started): at the sanity check
+                when it saw every validation batch (before any optimizer step), else at the first validation;
+                naming ``data.val_size``, ``data.path`` and what to change (:meth:`_nothing_to_measure`).
         """
         weight = self.trainer.strategy.reduce(self._val_weight, reduce_op="sum")  # (K,) over ranks
         fitting = self.trainer.state.fn == "fit" and not self.trainer.sanity_checking
@@ -728,8 +732,34 @@ class Eagle3Module(pl.LightningModule):
             self.log("val/tau_sim", tau_sim(accs), prog_bar=True)
             self.log(f"val/tau_sim_k{k}", tau_sim(accs[:k]))
         else:
-            log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation",
-                        [k for k in range(self.ttt.steps) if not weight[k] > 0])
+            empty = [k for k in range(self.ttt.steps) if not weight[k] > 0]
+            monitors = sorted({str(cb.monitor) for cb in self.trainer.callbacks
+                               if str(getattr(cb, "monitor", None) or "").startswith("val/tau_sim")})
+            # the rows depend only on the data, the target and the draft vocab, not on the head's weights: a
+            # sanity check that saw every validation batch already knows, before the first optimizer step
+            complete = not self.trainer.sanity_checking or self.trainer.num_sanity_val_batches == self.trainer.num_val_batches
+            if monitors and complete and self.trainer.state.fn == "fit":
+                raise self._nothing_to_measure(empty, monitors)
+            log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation", empty)
+
+    def _nothing_to_measure(self, empty: list[int], monitors: list[str]) -> ValueError:
+        """The error for a validation split without a supervised row at some TTT step while a callback
+        (``ModelCheckpoint``, ``EarlyStopping``) monitors ``val/tau_sim``, which then can never be logged."""
+        dm = self.trainer.datamodule
+        hp = getattr(dm, "hparams", {})
+        n = len(dm.val_set) if getattr(dm, "val_set", None) is not None else "?"
+        return ValueError(
+            f"validation has nothing to measure: its {n} sequence(s) (data.val_size={hp.get('val_size')} held out "
+            f"from data.path={hp.get('path')}; trainer.limit_val_batches={self.trainer.limit_val_batches}) have no "
+            f"supervised row at TTT step(s) {empty} (step k supervises row p when token p+2+k is an assistant token "
+            f"and the target's top token after p+1+k is one of the model.draft_vocab_size="
+            f"{self.hparams.draft_vocab_size} draft ids), so {', '.join(monitors)}, which a callback monitors, "
+            "is never logged; raise data.val_size (or hold out conversations with longer assistant turns), raise "
+            "model.draft_vocab_size or lower model.ttt.steps; "
+            + ("stopped at the sanity check, before the first optimizer step" if self.trainer.sanity_checking
+               else f"stopped at optimizer step {self.trainer.global_step}")
+            + ", no checkpoint written"
+        )
 
     # -- schedule ---------------------------------------------------------------------------------------
     def _lr_progress(self, step: int, total: int | None) -> tuple[int, float | None]:
