@@ -35,6 +35,7 @@ def evaluate(
     prompt_lookup: bool = True,
     tensorboard: Optional[str] = None,
     sweep: Optional[str] = None,
+    lossless_check: bool = True,
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
 
@@ -65,6 +66,11 @@ def evaluate(
         sweep: more topologies measured in the same run, space-separated ``k=K`` and ``tree=D,K,N`` entries
             (e.g. "k=1 k=2 k=3 tree=5,4,16"): each prompt runs plain decoding once, then every topology, so
             their speedups share the machine's load; the report's ``sweep`` holds each one's keys.
+        lossless_check: at temperature 0 with the baseline, when the timed dtype is not float32: decode every
+            prompt again in float32 (plain and each topology that ran, untimed) and report ``lossless``:
+            ``greedy_equal`` there, its dtype and near ties. Speed is what users see in their fast dtype, where
+            batched verification may round differently from one-row decoding; losslessness is a float32 property.
+            At float32 the timed run's ``greedy_equal`` is the check.
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -116,9 +122,65 @@ def evaluate(
     )
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
                            draft_dtype=draft_dtype, precision=precision)
+    if lossless_check and baseline and temperature == 0:
+        report["lossless"] = _lossless(report, head, target_ref, dtype, draft_dtype, tokenizer, prompt_list,
+                                       max_new_tokens, seed, meta.get("chat_template"))
     write_json_atomic(output, report)
     if tensorboard:
         write_tensorboard(report, tensorboard)
     print(format_summary(report))
+    if report.get("lossless"):
+        ll = report["lossless"]
+        print(f"lossless ({ll['dtype']}, {ll['source']}): greedy_equal {ll['greedy_equal']}/{report['num_prompts']}"
+              f" (speed above in {dtype})")
     print(f"report: {output}")
     return report
+
+
+def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str, tokenizer, prompts,
+              max_new_tokens: int, seed: int, chat_template) -> dict:
+    """The report's ``lossless`` block: float32 greedy equality of speculative and plain decoding.
+
+    When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the
+    target is loaded again in float32 and every topology of the report (the main one and any ``--sweep`` entry,
+    as they ran, ``--k auto``'s choice included) decodes every prompt, untimed, beside plain decoding.
+
+    Returns:
+        ``{"dtype": "float32", "source": "timed run" | "float32 pass", "greedy_equal": int,
+        "greedy_near_ties": int, "per_topology": [{"topology", "greedy_equal", "greedy_near_ties"}, ...]}``.
+    """
+    import torch
+
+    from draftkit.decoding.harness import Topology, evaluate_head
+    from draftkit.decoding.tree import TreeConfig
+    from draftkit.target.frozen import FrozenTarget, load_target
+
+    def block(rep: dict, source: str) -> dict:
+        entries = rep["sweep"] or [rep]
+        return {"dtype": "float32", "source": source, "greedy_equal": rep["greedy_equal"],
+                "greedy_near_ties": rep["greedy_near_ties"],
+                "per_topology": [{"topology": e.get("topology", rep["setup"]["topology"]),
+                                  "greedy_equal": e["greedy_equal"], "greedy_near_ties": e["greedy_near_ties"]}
+                                 for e in entries]}
+
+    if dtype == "float32" and draft_dtype == "float32":
+        return block(report, "timed run")
+
+    def topology(entry: dict) -> Topology:
+        tree = entry.get("tree")
+        return Topology(entry["k"], None if tree is None else TreeConfig(tree["depth"], tree["topk"], tree["num_nodes"]))
+
+    topologies = [topology(e) for e in (report["sweep"] or [report])]
+    model, _ = load_target(target_ref, "float32")
+    frozen = FrozenTarget(model, list(head.config.aux_layer_ids))
+    original = next(head.parameters()).dtype
+    head.float()
+    try:
+        exact = evaluate_head(
+            head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
+            max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template, baseline=True,
+            prompt_lookup=False, collect_kl=False, warmup=False, sweep=topologies[1:] or None,
+        )
+    finally:
+        head.to(original)
+    return block(exact, "float32 pass")

@@ -314,3 +314,33 @@ def test_main_sweep_with_no_round_writes_its_tensorboard(tmp_path, ckpt, prompts
     assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out), "--max_new_tokens",
                  "1", "--dtype", "float32", "--sweep", "k=1 k=2", "--tensorboard", str(tmp_path / "tb")]) == 0
     assert [r["tau"] for r in json.loads(out.read_text())["sweep"]] == [None, None, None]
+
+
+def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
+        tmp_path, ckpt, prompts_file, fake_precision, monkeypatch, capsys):
+    """Speed in the policy's dtype (bf16 here), greedy_equal from a float32 pass over every topology that ran;
+    at float32 the timed run is the check; --lossless_check false skips it."""
+    import draftkit.target.frozen as frozen_mod
+
+    fake_precision("bfloat16", 0.5)
+    loads = []
+    real = frozen_mod.load_target
+    monkeypatch.setattr(frozen_mod, "load_target", lambda ref, dtype, *a, **kw: loads.append(dtype) or real(ref, dtype, *a, **kw))
+    out = tmp_path / "report.json"
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "8", "--prompt_lookup", "false"]
+    assert main([*common, "--output", str(out), "--k", "3", "--sweep", "k=1 tree=2,2,3"]) == 0
+    report = json.loads(out.read_text())
+    assert report["setup"]["target_dtype"] == "bfloat16" and loads == ["bfloat16", "float32"]
+    ll = report["lossless"]
+    assert (ll["dtype"], ll["source"], ll["greedy_equal"]) == ("float32", "float32 pass", 3)
+    assert [t["topology"] for t in ll["per_topology"]] == ["chain k=3", "chain k=1", "tree depth=2 topk=2 N=3"]
+    assert all(t["greedy_equal"] == 3 for t in ll["per_topology"])
+    assert "lossless (float32, float32 pass): greedy_equal 3/3 (speed above in bfloat16)" in capsys.readouterr().out
+
+    loads.clear()
+    assert main([*common, "--output", str(out), "--dtype", "float32"]) == 0
+    report = json.loads(out.read_text())
+    assert loads == ["float32"] and report["lossless"]["source"] == "timed run"
+    assert report["lossless"]["greedy_equal"] == report["greedy_equal"] == 3
+    assert main([*common, "--output", str(out), "--lossless_check", "false"]) == 0
+    assert "lossless" not in json.loads(out.read_text())
