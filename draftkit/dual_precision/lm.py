@@ -8,13 +8,13 @@ Shapes: T tokens, V target vocab.
 
 from __future__ import annotations
 
-import inspect
 from typing import Protocol, Sequence
 
 import torch
 from torch import nn
 
 from draftkit.quant import QuantConfig, WeightBytes, nested_linears, quantize_model, set_precision, weight_bytes
+from draftkit.target.frozen import cache_kwarg
 
 __all__ = ["DualLM", "DualPrecisionLM"]
 
@@ -48,8 +48,7 @@ class DualPrecisionLM:
         self.quant_config = quant_config or QuantConfig()
         self.layers = nested_linears(model) or list(quantize_model(model, self.quant_config).values())
         self.bytes = weight_bytes(model, self.quant_config)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_kwarg(model.forward)
         self._device = model.get_input_embeddings().weight.device
 
     def new_cache(self):
