@@ -36,6 +36,7 @@ def evaluate(
     tensorboard: Optional[str] = None,
     sweep: Optional[str] = None,
     lossless_check: bool = True,
+    kernels: str = "auto",
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
 
@@ -71,6 +72,9 @@ def evaluate(
             ``greedy_equal`` there, its dtype and near ties. Speed is what users see in their fast dtype, where
             batched verification may round differently from one-row decoding; losslessness is a float32 property.
             At float32 the timed run's ``greedy_equal`` is the check.
+        kernels: the target's linear kernels (``draftkit.target.kernels``): auto (prepacked oneDNN weights where
+            a probe measures them faster on this CPU and dtype, else stock), onednn or stock; the report's
+            ``setup.kernels`` says which ran, why, and the packed copy's bytes.
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -87,9 +91,9 @@ def evaluate(
     from draftkit.jsonio import write_json_atomic
     from draftkit.precision import DTYPES, precision_record, resolve_dtype
     from draftkit.sampling import check_sampling
-    from draftkit.target.frozen import FrozenTarget, load_target
-
     from draftkit.decoding.tree import TreeConfig
+    from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.target.kernels import pack_linears
 
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
@@ -110,6 +114,7 @@ def evaluate(
     head, meta = load_head(checkpoint, target)
     target_ref = target or meta["target"]
     model, tokenizer = load_target(target_ref, dtype)
+    packed = pack_linears(model, kernels)
     frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
     check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
     head.load_embedding(frozen.input_embeddings().float())
@@ -121,10 +126,11 @@ def evaluate(
         calibration_tokens=calibration_tokens, sweep=sweep_list,
     )
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
-                           draft_dtype=draft_dtype, precision=precision)
+                           draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict())
+    packed.release()
     if lossless_check and baseline and temperature == 0:
         report["lossless"] = _lossless(report, head, target_ref, dtype, draft_dtype, tokenizer, prompt_list,
-                                       max_new_tokens, seed, meta.get("chat_template"))
+                                       max_new_tokens, seed, meta.get("chat_template"), kernels)
     write_json_atomic(output, report)
     if tensorboard:
         write_tensorboard(report, tensorboard)
@@ -138,11 +144,11 @@ def evaluate(
 
 
 def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str, tokenizer, prompts,
-              max_new_tokens: int, seed: int, chat_template) -> dict:
+              max_new_tokens: int, seed: int, chat_template, kernels: str) -> dict:
     """The report's ``lossless`` block: float32 greedy equality of speculative and plain decoding.
 
     When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the
-    target is loaded again in float32 and every topology of the report (the main one and any ``--sweep`` entry,
+    target is loaded again in float32 (its linear kernels chosen by ``kernels`` for float32) and every topology of the report (the main one and any ``--sweep`` entry,
     as they ran, ``--k auto``'s choice included) decodes every prompt, untimed, beside plain decoding.
 
     Returns:
@@ -154,6 +160,7 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
     from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.target.kernels import pack_linears
 
     def block(rep: dict, source: str) -> dict:
         entries = rep["sweep"] or [rep]
@@ -175,6 +182,7 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
     frozen = FrozenTarget(model, list(head.config.aux_layer_ids))
     original = next(head.parameters()).dtype
     head.float()
+    packed = pack_linears(model, kernels)
     try:
         exact = evaluate_head(
             head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
@@ -182,5 +190,6 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
             prompt_lookup=False, collect_kl=False, warmup=False, sweep=topologies[1:] or None,
         )
     finally:
+        packed.release()
         head.to(original)
     return block(exact, "float32 pass")

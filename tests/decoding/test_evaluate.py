@@ -342,5 +342,11 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
     report = json.loads(out.read_text())
     assert loads == ["float32"] and report["lossless"]["source"] == "timed run"
     assert report["lossless"]["greedy_equal"] == report["greedy_equal"] == 3
-    assert main([*common, "--output", str(out), "--lossless_check", "false"]) == 0
-    assert "lossless" not in json.loads(out.read_text())
+    assert main([*common, "--output", str(out), "--lossless_check", "false", "--kernels", "stock"]) == 0
+    report = json.loads(out.read_text())
+    assert "lossless" not in report
+    assert report["setup"]["kernels"] == {"kernel": "stock", "reason": "kernels=stock on cpu -> stock",
+                                          "packed_ratio": None, "packed_linears": 0, "packed_bytes": 0,
+                                          "weight_bytes": 0}
+    assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2
+    assert "kernels must be one of auto, onednn, stock, got 'fast'" in capsys.readouterr().err
