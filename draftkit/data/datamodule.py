@@ -36,10 +36,10 @@ from draftkit.data.chat import (
     tokenize_conversation,
 )
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
-from draftkit.data.hidden_cache import AUTO, HiddenStateCache, tokenizer_fingerprint, write_recipe_cache
+from draftkit.data.hidden_cache import AUTO, HiddenStateCache, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
-from draftkit.target.tokens import pad_token_id
+from draftkit.target.tokens import pad_token_id, tokenizer_fingerprint
 
 __all__ = ["ChatDataModule"]
 

@@ -73,11 +73,6 @@ def config_fingerprint(config) -> str:
     return short_hash({k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")})
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of a fast tokenizer's vocabulary, merges and special tokens (16 hex digits)."""
-    return short_hash([tokenizer.backend_tokenizer.to_str(), len(tokenizer)])
-
-
 def bytes_per_token(target_hidden_size: int, num_aux_layers: int) -> int:
     """Cache bytes per token: bf16 aux (n_aux*H_t) and last (H_t) states, int32 id, uint8 mask."""
     return 2 * (num_aux_layers + 1) * target_hidden_size + 4 + 1

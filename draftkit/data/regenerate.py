@@ -355,10 +355,10 @@ def regenerate(
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
     from draftkit.data.chat import read_conversations
-    from draftkit.data.hidden_cache import config_fingerprint, tokenizer_fingerprint
+    from draftkit.data.hidden_cache import config_fingerprint
     from draftkit.precision import default_device, resolve_dtype
     from draftkit.target.frozen import load_target
-    from draftkit.target.tokens import pad_token_id, stop_token_ids
+    from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_fingerprint
 
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")

@@ -9,7 +9,9 @@ Shapes: T tokens.
 
 from __future__ import annotations
 
-__all__ = ["encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids", "tokenizer_identity"]
+__all__ = [
+    "encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids", "tokenizer_fingerprint", "tokenizer_identity",
+]
 
 
 def _ids(value) -> set[int]:
@@ -62,6 +64,20 @@ def tokenizer_identity(tokenizer, chat_template: str | None = None) -> str:
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     blob = json.dumps([table, sorted(special.items()), template], sort_keys=True, default=str)
     return short_hash(blob.encode("utf-8", "surrogatepass"))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Fingerprint (16 hex digits) of a fast tokenizer as data is keyed by it: its whole serialisation
+    (vocabulary, merges, normaliser, special tokens; ``backend_tokenizer.to_str()``) and its length.
+
+    Stored in hidden-state caches (``draftkit.data.hidden_cache``, field ``tokenizer``) and in ``draftkit
+    generate`` headers (``target_fingerprint.tokenizer``). Heads are checked with :func:`tokenizer_identity`
+    instead (table, special ids and chat template, what a head learns); both stay because their values are
+    stored in files already written.
+    """
+    from draftkit.jsonio import short_hash
+
+    return short_hash([tokenizer.backend_tokenizer.to_str(), len(tokenizer)])
 
 
 def ids_to_skip(tokenizer) -> list[int]:

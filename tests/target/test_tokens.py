@@ -1,4 +1,4 @@
-"""Tokenizer facts: the one EOS rule, pad id, skipped ids and chat-prompt encoding."""
+"""Tokenizer facts: the one EOS rule, pad id, skipped ids, chat-prompt encoding and the two stored fingerprints."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ from types import SimpleNamespace
 
 from transformers import GenerationConfig
 
-from draftkit.target.tokens import encode_chat, ids_to_skip, pad_token_id, stop_token_ids
+from draftkit.target.tokens import (
+    encode_chat,
+    ids_to_skip,
+    pad_token_id,
+    stop_token_ids,
+    tokenizer_fingerprint,
+    tokenizer_identity,
+)
 
 
 def test_stop_ids_join_tokenizer_and_generation_config():
@@ -33,3 +40,11 @@ def test_encode_chat_renders_generation_prompt_without_extra_specials(tiny_token
     ids = encode_chat(tiny_tokenizer, messages)
     assert ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tiny_tokenizer.decode(ids) == text and text.endswith("assistant\n")
+
+
+def test_stored_tokenizer_fingerprints_keep_their_values(tiny_tokenizer):
+    """Both values are stored in files already written (caches and generate headers; checkpoints and exports):
+    the tiny tokenizer's are pinned, and the identity follows the chat template while the fingerprint does not."""
+    assert tokenizer_fingerprint(tiny_tokenizer) == "684c71787fd1066c"
+    assert tokenizer_identity(tiny_tokenizer) == "88db22ae3bdb024a"
+    assert tokenizer_identity(tiny_tokenizer, "{{x}}") == "6f28e371ea6a2772"
