@@ -31,7 +31,9 @@ Shapes: n prompt tokens, T calibration tokens, D depth, K top-k, N verified draf
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -54,6 +56,16 @@ __all__ = [
     "monotone",
     "predict",
 ]
+
+
+Naming = Callable[[int], AbstractContextManager]
+"""``naming(i)`` wraps the work on calibration prompt i, so that an error there names the prompt: ``evaluate``
+passes ``decoding.harness._naming_prompt``, which re-raises a ``NonFiniteLogitsError`` with the prompt's index
+and id and the target's and head's dtypes, as its decoding does."""
+
+
+def _named(naming: Naming | None, i: int) -> AbstractContextManager:
+    return naming(i) if naming is not None else nullcontext()
 
 
 PAD_MARGIN = 0.03
@@ -196,6 +208,7 @@ def calibrate_rounds(
     target: TargetSession,
     sequences: list[tuple[torch.Tensor, torch.Tensor]],
     topologies: list[TreeConfig],
+    naming: Naming | None = None,
 ) -> dict[TreeConfig, list[int]]:
     """Accepted drafts per round a_r that greedy decoding with each topology would play, from plain greedy
     outputs (see the module docstring); :func:`calibrate_tau` turns them into tau.
@@ -205,6 +218,7 @@ def calibrate_rounds(
         target: the target session (used for one forward over each whole sequence).
         sequences: (prompt (n,), greedy continuation (T,)) int64 pairs.
         topologies: the topologies to rate.
+        naming: wraps the work on sequence i (:data:`Naming`), e.g. to name its prompt in an error.
 
     Returns:
         {topology: [a_r over the rounds of all sequences]}; a round whose bonus token would fall past a
@@ -212,39 +226,41 @@ def calibrate_rounds(
 
     Raises:
         ValueError: if no sequence has a continuation of at least 2 tokens.
+        NonFiniteLogitsError: (a ValueError) on NaN/inf draft logits, through ``naming`` when given.
     """
     max_depth = max(t.depth for t in topologies)
     by_topk = sorted({t.topk for t in topologies})
     accepted: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
-    for prompt, cont in sequences:
+    for index, (prompt, cont) in enumerate(sequences):
         n, T = prompt.shape[0], cont.shape[0]
         if T < 2:
             continue
-        full = torch.cat([prompt, cont])
-        target.reset()
-        _, aux = target.forward(full, last_only=True)  # aux (n+T, A*H_t)
-        drafter.reset(prompt, aux[:n])
-        per_root: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
-        for L in range(n, n + T - 1):  # root x_L, continuation full[L+1:]
-            z, h = drafter.feed_pending(full[:L + 1])
-            for k in by_topk:
-                big = TreeConfig(max_depth, k, TreeConfig(max_depth, k, 1).max_nodes)
-                tree = drafter.expand(z, h, L, big)  # every candidate, in EAGLE-2 rank order
-                want = torch.cat([tree.depths.new_zeros(1), tree.depths]) + L + 1  # (N+1,) position each row predicts
-                best = torch.where(want < full.shape[0], full[want.clamp_max(full.shape[0] - 1)], -1)
-                path, _ = tree_greedy_accept(tree, best)
-                depth_of = tree.depths.tolist()
-                for t in topologies:
-                    if t.topk != k:
-                        continue
-                    rank = torch.cumsum((tree.depths <= t.depth).long(), 0) - 1  # rank among depth <= D nodes
-                    a = 0
-                    for node in path:
-                        if depth_of[node] > t.depth or int(rank[node]) >= t.num_nodes:
-                            break
-                        a += 1
-                    per_root[t].append(a)
-            drafter.commit(aux[L:L + 1])
+        with _named(naming, index):
+            full = torch.cat([prompt, cont])
+            target.reset()
+            _, aux = target.forward(full, last_only=True)  # aux (n+T, A*H_t)
+            drafter.reset(prompt, aux[:n])
+            per_root: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
+            for L in range(n, n + T - 1):  # root x_L, continuation full[L+1:]
+                z, h = drafter.feed_pending(full[:L + 1])
+                for k in by_topk:
+                    big = TreeConfig(max_depth, k, TreeConfig(max_depth, k, 1).max_nodes)
+                    tree = drafter.expand(z, h, L, big)  # every candidate, in EAGLE-2 rank order
+                    want = torch.cat([tree.depths.new_zeros(1), tree.depths]) + L + 1  # (N+1,) position each row predicts
+                    best = torch.where(want < full.shape[0], full[want.clamp_max(full.shape[0] - 1)], -1)
+                    path, _ = tree_greedy_accept(tree, best)
+                    depth_of = tree.depths.tolist()
+                    for t in topologies:
+                        if t.topk != k:
+                            continue
+                        rank = torch.cumsum((tree.depths <= t.depth).long(), 0) - 1  # rank among depth <= D nodes
+                        a = 0
+                        for node in path:
+                            if depth_of[node] > t.depth or int(rank[node]) >= t.num_nodes:
+                                break
+                            a += 1
+                        per_root[t].append(a)
+                drafter.commit(aux[L:L + 1])
         for t in topologies:  # replay the rounds this topology would play
             i = 0
             while i < T - 1:
@@ -261,9 +277,10 @@ def calibrate_tau(
     target: TargetSession,
     sequences: list[tuple[torch.Tensor, torch.Tensor]],
     topologies: list[TreeConfig],
+    naming: Naming | None = None,
 ) -> dict[TreeConfig, float]:
     """{topology: tau} from :func:`calibrate_rounds` (same arguments and errors)."""
-    rounds = calibrate_rounds(drafter, target, sequences, topologies)
+    rounds = calibrate_rounds(drafter, target, sequences, topologies, naming)
     return {t: acceptance_length(acc) for t, acc in rounds.items()}
 
 
@@ -387,12 +404,19 @@ def measure_costs(
 
 
 def greedy_sequences(
-    target: TargetSession, prompts: list[torch.Tensor], tokens: int, eos_token_ids: tuple[int, ...] = ()
+    target: TargetSession, prompts: list[torch.Tensor], tokens: int, eos_token_ids: tuple[int, ...] = (),
+    naming: Naming | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(prompt (n,), plain greedy continuation of up to ``tokens`` tokens) per prompt, for :func:`calibrate_tau`."""
+    """(prompt (n,), plain greedy continuation of up to ``tokens`` tokens) per prompt, for :func:`calibrate_tau`.
+
+    Raises:
+        NonFiniteLogitsError: (a ValueError) on NaN/inf target logits, through ``naming`` (:data:`Naming`)
+            when given.
+    """
     cfg = DecodeConfig(max_new_tokens=tokens, eos_token_ids=eos_token_ids)
     out = []
-    for p in prompts:
-        cont = generate_plain(target, p, cfg).tokens
+    for i, p in enumerate(prompts):
+        with _named(naming, i):
+            cont = generate_plain(target, p, cfg).tokens
         out.append((p, torch.tensor(cont, dtype=torch.long, device=p.device)))
     return out

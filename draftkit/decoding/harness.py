@@ -334,8 +334,9 @@ def evaluate_drafter(
 
     auto_report = None
     if auto:
-        auto_report = _choose_topology(drafter, session, encoded, auto == "tree", calibration_prompts,
-                                       calibration_tokens, cfg.eos_token_ids)
+        auto_report = _choose_topology(
+            drafter, session, encoded, auto == "tree", calibration_prompts, calibration_tokens, cfg.eos_token_ids,
+            lambda i: _naming_prompt(i, prompts[i], target, drafter, f" (--{auto} auto calibration)"))
         tree = auto_report.pop("_tree")
         k = tree.depth
     if tree is not None and tree.is_chain and auto:
@@ -441,15 +442,16 @@ def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[
     return depth, name
 
 
-def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos) -> dict:
-    """Measure costs, calibrate tau and pick with ``decoding.cost``; the report's ``auto`` block."""
+def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos, naming=None) -> dict:
+    """Measure costs, calibrate tau and pick with ``decoding.cost``; the report's ``auto`` block (``naming``:
+    see ``cost.Naming``)."""
     if prompts < 1 or tokens < 2:
         raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
     topologies = cost.candidate_topologies(tree)
     rows = sorted({t.num_nodes + 1 for t in topologies})
     costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
-    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos)
-    predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies), costs)
+    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos, naming)
+    predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies, naming), costs)
     best = cost.choose(predictions)
     session.pad_rows = costs.padding()  # every later forward (plain and speculative) runs the cheapest cover
     log.info("auto: %s; verify rows padded %s", "plain decoding" if best is None else

@@ -128,3 +128,39 @@ def test_fastest_interleaves_and_keeps_the_fastest_call(monkeypatch):
     calls = []
     best = fastest({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
     assert best == {"a": 1.0, "b": 2.0} and calls == ["a", "b"] * 3
+
+
+def test_k_auto_calibration_names_the_prompt_and_dtype_of_non_finite_logits(tiny, tiny_head):
+    """``--k auto``'s calibration stops on non-finite logits naming the prompt (index and id) and the dtypes, as
+    evaluate's decoding does: a head whose lm_head weights overflow the draft logits (finite weights: NaN ones are
+    refused before decoding) stops on prompt 0; NaN target logits on prompt 1's token 300 stop on prompt 1."""
+    from draftkit.data.prompts import Prompt
+    from draftkit.decoding.harness import evaluate_head
+    from draftkit.sampling import NonFiniteLogitsError
+
+    target, _ = tiny
+    prompts = [Prompt("q-a", ids=[256, 1, 2, 3]), Prompt("q-b", ids=[256, 9, 300, 9])]
+
+    def run(head):
+        with pytest.raises(NonFiniteLogitsError) as err:
+            evaluate_head(head, target, None, prompts, max_new_tokens=4, eos_token_ids=[257], auto="k",
+                          calibration_prompts=2, calibration_tokens=4, prompt_lookup=False, warmup=False)
+        return str(err.value)
+
+    def nan_on_token_300(mod, args, out):
+        return out * float("nan") if bool((args[0] == 300).any()) else out
+
+    handle = target.model.get_input_embeddings().register_forward_hook(nan_on_token_300)
+    try:
+        msg = run(tiny_head)
+    finally:
+        handle.remove()
+    assert msg.startswith("prompt 1 (id 'q-b') (--k auto calibration): non-finite target logits: 320 of 320 values "
+                          "(float32) are NaN/inf, first at position [0] (vocab id 0) = nan")
+    assert msg.endswith("[target dtype float32, head dtype float32]")
+    with torch.no_grad():
+        tiny_head.lm_head.weight.fill_(3e38)
+    assert run(tiny_head) == (
+        "prompt 0 (id 'q-a') (--k auto calibration): non-finite draft logits at tree depth 1: 256 of 256 values "
+        "(float32) are NaN/inf, first at position [0] (vocab id 0) = nan; check the model's weights and inputs "
+        "[target dtype float32, head dtype float32]")
