@@ -267,6 +267,7 @@ def decode(
     pattern: str = "1,3,2,4,0,2",
     threads: Optional[int] = None,
     output: Optional[str] = None,
+    kernels: str = "auto",
 ) -> list[dict]:
     """Decode speed: plain tokens/s, per-round cost of chain speculation, speedup at a scripted acceptance.
 
@@ -284,15 +285,18 @@ def decode(
         pattern: scripted accepted drafts per round, cycled (comma-separated, each in [0, k]).
         threads: torch CPU threads (default: torch's).
         output: also write the results (a JSON list, one entry per dtype) here.
+        kernels: the target's linear kernels (``draftkit.target.kernels``): auto, onednn or stock; HF
+            ``generate()`` runs on the same model, so both sides use them.
 
     Returns:
-        One result dict per dtype (printed as one JSON line each).
+        One result dict per dtype (printed as one JSON line each), with ``kernels`` (which ran and why).
 
     Raises:
         ValueError: if k < 1 or a pattern entry is outside [0, k].
     """
     from draftkit.decoding.bench import bench_decode
     from draftkit.precision import precision_record
+    from draftkit.target.kernels import pack_linears
 
     if threads:
         torch.set_num_threads(threads)
@@ -305,8 +309,10 @@ def decode(
                                                     draft_dtype)
         prompts = _prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
         t0 = time.perf_counter()
-        result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
+        with pack_linears(frozen.model, kernels) as packed:
+            result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
         result["wall_s"] = time.perf_counter() - t0
+        result["kernels"] = packed.as_dict()
         result["precision"] = precision_record(name, "cpu")
         results.append(result)
         print(json.dumps(result))

@@ -5,7 +5,10 @@ command loads the target and the head (``draftkit.commands.bench``).
 
 For each prompt, in this order (so that machine load hits all alike):
 
-1. plain greedy decoding with the target's KV cache (the reference output and the baseline time);
+1. plain greedy decoding with the target's KV cache (the reference output and the baseline time), and
+   Hugging Face ``generate()`` on the same model, ids and dtype (greedy, KV cache, exactly ``max_new_tokens``):
+   ``plain_vs_hf_generate`` is draftkit's plain tokens/s over HF's, ``hf_outputs_equal_plain`` the prompts
+   whose two outputs are identical;
 2. speculative decoding with the head: its real tau, draft ms per round (k head passes) and verify ms per
    round (one target forward over k+1 tokens, cache crop included);
 3. speculative decoding with the same head computation but a scripted acceptance pattern: the proposed
@@ -35,7 +38,7 @@ from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 
-__all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "load_for_bench", "prompt_ids"]
+__all__ = ["ScriptedAcceptanceDrafter", "bench_decode"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
     vocab = target.vocab_size
     generate_plain(session, prompts[0], DecodeConfig(max_new_tokens=4))
     generate_speculative(session, Eagle3Drafter(head), prompts[0], k, DecodeConfig(max_new_tokens=8))
+    hf_tokens, hf_s, hf_equal = 0, 0.0, 0
+    _hf_generate(target.model, prompts[0], 4)
     plain_s = plain_decode_s = head_s = scripted_s = draft_s = verify_s = 0.0
     plain_tokens = plain_decode = head_tokens = scripted_tokens = rounds = scripted_rounds = 0
     head_accepted = scripted_accepted = 0
@@ -103,6 +108,10 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
         plain_decode_s += plain.seconds - plain.prefill_seconds
         plain_tokens += len(plain.tokens)
         plain_decode += plain.decode_tokens
+        hf, seconds = _hf_generate(target.model, ids, max_new_tokens)
+        hf_s += seconds
+        hf_tokens += len(hf)
+        hf_equal += hf == plain.tokens
         spec = generate_speculative(session, Eagle3Drafter(head), ids, k, cfg)
         head_s += spec.seconds
         head_tokens += len(spec.tokens)
@@ -129,6 +138,9 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
         "hardware": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus".strip(),
         "plain_tokens_per_s": plain_tps,
         "plain_ms_per_token": 1000 * plain_decode_s / plain_decode,
+        "hf_generate_tokens_per_s": hf_tokens / hf_s,
+        "plain_vs_hf_generate": plain_tps / (hf_tokens / hf_s),
+        "hf_outputs_equal_plain": hf_equal,
         "head_tau": (head_accepted + rounds) / rounds,
         "head_tokens_per_s": head_tokens / head_s,
         "draft_ms_per_round": 1000 * draft_s / rounds,
@@ -142,3 +154,15 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
                                * (1000 * plain_decode_s / plain_decode) / (1000 * (draft_s + verify_s) / rounds)),
         "outputs_equal_plain": equal,
     }
+
+
+def _hf_generate(model, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float]:
+    """Hugging Face greedy ``generate()`` (KV cache, no stop token): (the ``max_new_tokens`` new ids, seconds)."""
+    import time
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, use_cache=True,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, ids.numel():].tolist(), time.perf_counter() - t0

@@ -33,3 +33,19 @@ def test_bench_train_dtypes_side_by_side(monkeypatch, capsys, fake_precision):
     assert rows == {"auto": ["32-true", "float32"], "bfloat16": ["bf16-mixed", "bfloat16"]}
     assert main(["train", "--recipe", "recipes/tiny-debug.yaml", "--dtypes", "auto,fp8"]) == 2
     assert "--dtypes: unknown dtype 'fp8'" in capsys.readouterr().err
+
+
+def test_bench_decode_reports_hf_generate_and_the_kernels(tmp_path):
+    """bench decode on the tiny target: draftkit's plain decoding beside HF generate() (identical greedy tokens)
+    and the kernel choice in every result."""
+    import json
+
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--target", "tiny:llama", "--dtype", "[float32]", "--k", "2", "--max_new_tokens", "6",
+                 "--num_prompts", "2", "--pattern", "1,2", "--kernels", "stock", "--draft_vocab_size", "256",
+                 "--output", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["hf_outputs_equal_plain"] == 2 and result["outputs_equal_plain"] == 2
+    assert result["plain_vs_hf_generate"] == pytest.approx(
+        result["plain_tokens_per_s"] / result["hf_generate_tokens_per_s"])
+    assert result["kernels"]["kernel"] == "stock" and result["kernels"]["packed_linears"] == 0

@@ -215,6 +215,10 @@ def test_bench_scripted_acceptance(tiny, tiny_head):
     assert result["outputs_equal_plain"] == 2
     assert result["scripted_tau"] == pytest.approx(3.0)
     assert result["head_tau"] >= 1.0 and result["draft_ms_per_round"] > 0
+    # HF generate() on the same model and ids: the same greedy tokens, its speed beside plain's
+    assert result["hf_outputs_equal_plain"] == 2
+    assert result["plain_vs_hf_generate"] == pytest.approx(
+        result["plain_tokens_per_s"] / result["hf_generate_tokens_per_s"])
 
 
 def test_expected_acceptance_matches_measured_acceptance_rate_at_t1(tiny, tiny_head):
