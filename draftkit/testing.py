@@ -11,7 +11,7 @@ from pathlib import Path
 
 from draftkit.jsonio import atomic_path
 
-__all__ = ["TINY_LLAMA", "build_tiny_target", "tiny_llama_config"]
+__all__ = ["TINY_LLAMA", "DeviceFactoryCheck", "build_tiny_target", "tiny_llama_config"]
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -61,3 +61,74 @@ def build_tiny_target(dest: str | Path, seed: int = 0, **overrides) -> Path:
         model.save_pretrained(tmp)
         _byte_tokenizer().save_pretrained(tmp)
     return dest
+
+
+class DeviceFactoryCheck:
+    """Records every tensor factory call made from draftkit's own code without a ``device``: on a GPU such a
+    tensor lands on the CPU (a device mismatch, or a silent host copy), so CPU tests can catch it.
+
+    A ``torch.overrides.TorchFunctionMode`` sees the factories (``torch.zeros``, ``arange``, ``full``, ``tensor``,
+    ...) before they run; a call whose innermost caller frame lies below ``roots`` (default: the ``draftkit``
+    package and the installed ``draftkit.callbacks``) and that passes no ``device`` is recorded as
+    ``"file:line function"``. ``as_tensor``/``tensor`` of a tensor keep its device and are not recorded; the
+    ``*_like`` and ``Tensor.new_*`` forms take their device from a tensor and are not factories here.
+
+    Use::
+
+        with DeviceFactoryCheck() as check:
+            run_the_step()
+        assert check.violations == []
+
+    Attributes:
+        violations: sorted, unique call sites.
+    """
+
+    FACTORIES = ("zeros", "ones", "full", "empty", "arange", "tensor", "as_tensor", "rand", "randn", "randint",
+                 "randperm", "eye", "linspace")
+
+    def __init__(self, roots: tuple[str, ...] | None = None) -> None:
+        import draftkit
+
+        if roots is None:
+            roots = (str(Path(draftkit.__file__).parent),)
+            try:
+                import draftkit.callbacks as cb
+
+                roots += (str(Path(cb.__file__).parent),)
+            except ImportError:
+                pass
+        self.roots = tuple(roots)
+        self.violations: list[str] = []
+        self._mode = None
+
+    def __enter__(self) -> DeviceFactoryCheck:
+        import sys
+
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        factories = {getattr(torch, name) for name in self.FACTORIES}
+        check = self
+        here = str(Path(__file__).resolve())
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in factories and kwargs.get("device") is None and not (
+                        args and isinstance(args[0], torch.Tensor)):
+                    frame = sys._getframe(1)
+                    while frame is not None and frame.f_code.co_filename == here:
+                        frame = frame.f_back
+                    if frame is not None and frame.f_code.co_filename.startswith(check.roots):
+                        site = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                        if site not in check.violations:
+                            check.violations.append(site)
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self.violations.sort()

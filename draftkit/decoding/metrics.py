@@ -194,8 +194,9 @@ class AcceptanceStats:
         self.k = k
         self.accepted: list[int] = []
         self.drafted: list[int] = []
-        self._dist_sum = torch.zeros(len(DISTRIBUTION_METRICS), k, dtype=torch.float64)
-        self._dist_count = torch.zeros(k, dtype=torch.long)
+        # host-side report accumulators (whatever device decodes): one small copy per round in update()
+        self._dist_sum = torch.zeros(len(DISTRIBUTION_METRICS), k, dtype=torch.float64, device="cpu")
+        self._dist_count = torch.zeros(k, dtype=torch.long, device="cpu")
 
     def update(self, accepted: int, drafted: int, dist: dict[str, torch.Tensor] | None = None) -> None:
         """Record one round.

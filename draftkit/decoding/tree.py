@@ -184,9 +184,10 @@ def select_nodes(
     new = {old: j for j, old in enumerate(keys)}
     par = parents.tolist()
     # a parent scores >= its child and is shallower, so it ranks first: the kept set is a tree
-    new_parents = torch.tensor([new[par[i]] if par[i] >= 0 else -1 for i in keys], dtype=torch.long)
+    new_parents = torch.tensor([new[par[i]] if par[i] >= 0 else -1 for i in keys], dtype=torch.long,
+                               device=tokens.device)
     idx = torch.tensor(keys, dtype=torch.long, device=tokens.device)
-    return DraftTree(tokens[idx], new_parents.to(tokens.device), depths[idx], scores[idx])
+    return DraftTree(tokens[idx], new_parents, depths[idx], scores[idx])
 
 
 def tree_greedy_accept(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
