@@ -87,6 +87,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str, option: str = "--device") -> str:
+    """The device a command runs on: ``auto`` = :func:`default_device`; ``cpu``, ``cuda`` or ``cuda:N`` as given.
+
+    Raises:
+        ValueError: naming ``option`` on another value, or on a CUDA device when none is available.
+    """
+    if device == "auto":
+        return default_device()
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"{option} must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{option} {device}: no CUDA device is available here (torch {torch.__version__}); "
+                         "use --device cpu or auto")
+    return device
+
+
 def probe_bf16_slowdown(repeats: int = 5, max_seconds: float = 0.3) -> float:
     """Measured CPU time of a bf16 probe matmul divided by its float32 time, on the current torch thread count.
 

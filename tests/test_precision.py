@@ -149,3 +149,18 @@ def test_module_resolves_auto_when_built_without_the_cli(fake_precision, tiny_ta
     assert model.hparams.target_dtype == "float32" and model.target.config.vocab_size == 320
     with pytest.raises(ValueError, match="model.target_dtype must be one of auto"):
         Eagle3Module(str(tiny_target_dir), target_dtype="bf16")
+
+
+def test_resolve_device(monkeypatch):
+    import torch
+
+    from draftkit.precision import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="--device cuda:1: no CUDA device is available here"):
+        resolve_device("cuda:1")
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:0") == "cuda:0"

@@ -37,6 +37,7 @@ def evaluate(
     sweep: Optional[str] = None,
     lossless_check: bool = True,
     kernels: str = "auto",
+    device: str = "auto",
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
 
@@ -75,6 +76,8 @@ def evaluate(
         kernels: the target's linear kernels (``draftkit.target.kernels``): auto (prepacked oneDNN weights where
             a probe measures them faster on this CPU and dtype, else stock), onednn or stock; the report's
             ``setup.kernels`` says which ran, why, and the packed copy's bytes.
+        device: where the target and the head run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N;
+            the precision policy and the kernels decide for that device.
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -89,7 +92,7 @@ def evaluate(
     from draftkit.decoding.report import format_summary, write_tensorboard
     from draftkit.export.load import load_head
     from draftkit.jsonio import write_json_atomic
-    from draftkit.precision import DTYPES, precision_record, resolve_dtype
+    from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
     from draftkit.sampling import check_sampling
     from draftkit.decoding.tree import TreeConfig
     from draftkit.target.frozen import FrozenTarget, load_target
@@ -105,20 +108,23 @@ def evaluate(
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
             raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
-    precision = precision_record(dtype, "cpu")  # the target and head run on the CPU
+    device = resolve_device(device)
+    device_type = torch.device(device).type
+    precision = precision_record(dtype, device_type)
     dtype = precision["dtype"]
-    draft_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype
+    draft_dtype = resolve_dtype(draft_dtype, device_type, "--draft_dtype") if draft_dtype else dtype
     if threads is not None:
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
     head, meta = load_head(checkpoint, target)
     target_ref = target or meta["target"]
     model, tokenizer = load_target(target_ref, dtype)
+    model.to(device)
     packed = pack_linears(model, kernels)
     frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
     check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
     head.load_embedding(frozen.input_embeddings().float())
-    head.to(getattr(torch, draft_dtype))
+    head.to(device=device, dtype=getattr(torch, draft_dtype))
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
@@ -179,6 +185,7 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
     model, _ = load_target(target_ref, "float32")
+    model.to(next(head.parameters()).device)
     frozen = FrozenTarget(model, list(head.config.aux_layer_ids))
     original = next(head.parameters()).dtype
     head.float()

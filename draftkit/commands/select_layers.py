@@ -91,7 +91,7 @@ def select_layers(
     import torch
 
     from draftkit.analysis.report import chat_batches, run_layer_analysis
-    from draftkit.precision import precision_record
+    from draftkit.precision import precision_record, resolve_device
     from draftkit.target.frozen import load_target
     from draftkit.target.tokens import ids_to_skip
 
@@ -111,7 +111,7 @@ def select_layers(
     max_length = values.get("max_length") or 2048
     if num_threads:
         torch.set_num_threads(num_threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = resolve_device(device)
 
     precision = precision_record(target_dtype, torch.device(device).type)
     t0 = time.perf_counter()

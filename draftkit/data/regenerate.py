@@ -385,8 +385,10 @@ def regenerate(
             (summary.header.get("counts") or {}).get("records", len(conversations)),
             summary.header.get("source"),
         )
-    dtype = resolve_dtype(dtype, default_device(), "--dtype")
+    device = default_device()
+    dtype = resolve_dtype(dtype, device, "--dtype")
     model, tokenizer = load_target(target, dtype)
+    model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")

@@ -350,3 +350,17 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
                                           "weight_bytes": 0}
     assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2
     assert "kernels must be one of auto, onednn, stock, got 'fast'" in capsys.readouterr().err
+
+
+def test_main_device_option(tmp_path, ckpt, prompts_file, capsys, monkeypatch):
+    """--device auto runs on the CPU here (setup.device), and a CUDA device on a machine without one is a
+    clear error (exit 2) before anything is loaded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "report.json"
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "4", "--num_prompts", "1",
+              "--prompt_lookup", "false", "--output", str(out), "--dtype", "float32"]
+    assert main([*common, "--device", "auto"]) == 0
+    assert json.loads(out.read_text())["setup"]["device"] == "cpu"
+    out.unlink()
+    assert main([*common, "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err and not out.exists()
