@@ -91,12 +91,11 @@ class DeviceFactoryCheck:
 
         if roots is None:
             roots = (str(Path(draftkit.__file__).parent),)
-            try:
-                import draftkit.callbacks as cb
+            import importlib.util
 
-                roots += (str(Path(cb.__file__).parent),)
-            except ImportError:
-                pass
+            spec = importlib.util.find_spec("draftkit.callbacks")  # located, not imported (it sits above this floor)
+            if spec is not None and spec.origin:
+                roots += (str(Path(spec.origin).parent),)
         self.roots = tuple(roots)
         self.violations: list[str] = []
         self._mode = None
