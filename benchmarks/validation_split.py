@@ -17,7 +17,6 @@ Run:  python benchmarks/validation_split.py --recipe recipes/smollm2-135m-eagle3
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

@@ -161,8 +161,6 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
         ``{"dtype": "float32", "source": "timed run" | "float32 pass", "greedy_equal": int,
         "greedy_near_ties": int, "per_topology": [{"topology", "greedy_equal", "greedy_near_ties"}, ...]}``.
     """
-    import torch
-
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
     from draftkit.target.frozen import FrozenTarget, load_target

@@ -15,7 +15,6 @@ Shapes: B sequences, T tokens, V target vocab.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from draftkit.data.chat import (
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import AUTO, HiddenStateCache, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
+from draftkit.jsonio import short_hash
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
 from draftkit.target.tokens import pad_token_id, tokenizer_fingerprint
 
@@ -57,7 +57,7 @@ def _lengths(ds) -> list[int]:
 
 
 def _fingerprint(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return short_hash(list(parts))
 
 
 def _reason_counts(rows: list[dict]) -> dict[str, int]:
