@@ -406,7 +406,7 @@ def package_of(path: str) -> str:
 
 ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_roundtrip.py")
 TESTS: dict[str, tuple[str, ...]] = {
-    "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py",),
+    "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py", "tests/models/test_eagle3_exact.py"),
     "draftkit/heads/eagle3_llama.py": ("tests/heads/", "tests/export/test_export_roundtrip.py"),
     "draftkit/data/datamodule.py": ("tests/data/test_chat.py", "tests/data/test_splits.py",
                                     "tests/data/test_data_order.py", "tests/data/test_skips.py"),
