@@ -625,12 +625,13 @@ def _sha(*texts: str) -> str:
 
 
 def _tests_hash(root: Path, tests: tuple[str, ...]) -> str:
-    """sha256 of the selection's arguments, of every file they name and of the test tree's conftest/helpers."""
+    """sha256 of the selection's arguments, of every file they name (every test file below a named folder) and of
+    the test tree's conftest/helpers."""
     texts = list(tests)
     for t in tests:
         p = root / t.split("::")[0]
-        if p.is_file():
-            texts.append(p.read_text())
+        for f in sorted(p.rglob("test_*.py")) if p.is_dir() else [p] if p.is_file() else []:
+            texts.append(f.read_text())
     helpers = sorted(p for p in (root / "tests").rglob("*.py") if not p.name.startswith("test_"))
     texts += [p.read_text() for p in helpers]
     return _sha(*texts)
@@ -759,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hand", action="store_true", help="run issue 17's hand list instead of generated mutants")
     p.add_argument("--rev", help="run on this committed tree instead of the working tree")
     p.add_argument("-k", dest="keyword", help="only mutants whose module path or name contains this")
+    p.add_argument("--only", action="append", metavar="PATH::NAME",
+                   help="only this mutant (repeatable; e.g. the survivors of an earlier run's --json)")
     p.add_argument("--sample", type=int, help="draw this many mutants, spread over the packages")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample")
     p.add_argument("--modules", type=int, help="with --sample: draw from this many modules per package")
@@ -775,6 +778,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         mutants = generated_mutants(REPO)
     mutants = [(path, m) for path, m in mutants if not args.keyword or args.keyword in f"{path}::{m.name}"]
+    if args.only:
+        missing = set(args.only) - {f"{path}::{m.name}" for path, m in mutants}
+        for key in sorted(missing):
+            print(f"--only {key}: no such mutant in this tree (its module changed?)")
+        mutants = [(path, m) for path, m in mutants if f"{path}::{m.name}" in args.only]
     if args.sample:
         mutants = sample(mutants, args.sample, args.seed, args.modules)
     equivalent = load_equivalent()
