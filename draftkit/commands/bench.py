@@ -200,58 +200,14 @@ def train(
     return r
 
 
-def _load_for_bench(target_ref: str, dtype: str, random_weights: bool, checkpoint: str | None, draft_vocab_size: int,
-                    draft_dtype: str | None):
-    """The target (frozen, ``dtype``), its tokenizer (None without one), the head and the target reference.
-
-    The head is the checkpoint's (``draftkit.export.load.load_head``) or a random-init one with ``draft_vocab_size``
-    rows; ``random_weights`` builds the target from its config alone (timing does not depend on the weights).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from draftkit.artifacts import resolve_model_dir
-    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-    from draftkit.precision import resolve_dtype
-    from draftkit.target.frozen import FrozenTarget, load_target
-
-    dtype = resolve_dtype(dtype, "cpu", "--dtype")
-    torch_dtype = getattr(torch, dtype)
-    meta = {}
-    head = None
-    if checkpoint:
-        from draftkit.export.load import load_head
-
-        head, meta = load_head(checkpoint, target_ref or None)
-        target_ref = target_ref or meta["target"]
-    if random_weights:
-        path = resolve_model_dir(target_ref)
-        config = AutoConfig.from_pretrained(path)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval().requires_grad_(False)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError):
-            tokenizer = None
-    else:
-        model, tokenizer = load_target(target_ref, dtype)
-    target = FrozenTarget(model, meta.get("aux_layer_ids"))
-    if head is None:
-        torch.manual_seed(0)
-        head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, draft_vocab_size))
-    head.load_embedding(target.input_embeddings().float())
-    head = head.to(getattr(torch, resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else dtype)).eval()
-    return target, tokenizer, head, target_ref
-
-
 def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Tensor]:
     """MT-bench prompts through the chat template, or 60 seeded random ids each for a target without one."""
-    from draftkit.data.prompts import load_prompts
-    from draftkit.target.tokens import encode_chat
+    from draftkit.data.prompts import encode_prompt, load_prompts
 
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab_size, (60,), generator=g) for _ in range(num_prompts)]
-    return [torch.tensor(encode_chat(tokenizer, p.messages)) for p in load_prompts("mt-bench", num_prompts)]
+    return [torch.tensor(encode_prompt(p, tokenizer)) for p in load_prompts("mt-bench", num_prompts)]
 
 
 def decode(
@@ -295,7 +251,8 @@ def decode(
         ValueError: if k < 1 or a pattern entry is outside [0, k].
     """
     from draftkit.decoding.bench import bench_decode
-    from draftkit.precision import precision_record
+    from draftkit.export.head_target import load_head_and_target
+    from draftkit.precision import precision_record, resolve_dtype
     from draftkit.target.kernels import pack_linears
 
     if threads:
@@ -305,8 +262,10 @@ def decode(
         raise ValueError(f"need --k >= 1 and --pattern entries in [0, k], got k={k}, {counts}")
     results = []
     for name in dtype or ["float32", "bfloat16"]:
-        frozen, tokenizer, head, _ = _load_for_bench(target, name, random_weights, checkpoint, draft_vocab_size,
-                                                    draft_dtype)
+        head_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else None
+        head, frozen, tokenizer, _, _ = load_head_and_target(
+            checkpoint, target or None, resolve_dtype(name, "cpu", "--dtype"), "cpu", head_dtype,
+            random_weights=random_weights, draft_vocab_size=draft_vocab_size)
         prompts = _prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
         t0 = time.perf_counter()
         with pack_linears(frozen.model, kernels) as packed:

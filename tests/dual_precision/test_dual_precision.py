@@ -428,7 +428,7 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
     choice = fake_precision("float32", 30.0)
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
     out, tb = tmp_path / "report.json", tmp_path / "tb"
-    rc = main(["evaluate", "--decoding", "dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+    rc = main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
                "--calibration_prompts", "2", "--num_prompts", "3", "--max_new_tokens", "6", "--k", "2",
                "--bootstrap_samples", "10", "--output", str(out), "--tensorboard", str(tb)])
     assert rc == 0

@@ -47,7 +47,7 @@ def test_sglang_version_rule_is_pinned():
     assert sglang.sglang_aux_rule("0.5.23") == PLUS_ONE
     assert sglang.sglang_aux_rule("0.5.12.post1") == PLUS_ONE
     assert sglang.sglang_aux_rule("0.7.0", rule=COND) == COND
-    with pytest.raises(ValueError, match="--sglang-aux-rule"):
+    with pytest.raises(ValueError, match="--sglang_aux_rule"):
         sglang.sglang_aux_rule("0.5.24")
     with pytest.raises(ValueError, match="unknown SGLang aux-id rule"):
         sglang.sglang_aux_rule("0.5.23", rule="minus_one")
