@@ -380,8 +380,11 @@ def _right_padding_order(key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of (B, heads, T, ...) picked along T by (B, T) int64 ``index`` (differentiable)."""
-    return torch.take_along_dim(x, index.view(index.shape[0], 1, -1, *([1] * (x.dim() - 3))), dim=2)
+    """Rows of (B, heads, T, ...) picked along T by (B, T) int64 ``index`` (differentiable); None keeps x."""
+    if index is None:
+        return x
+    b, t = index.shape
+    return torch.gather(x, 2, index.view(b, 1, t, *([1] * (x.dim() - 3))).expand(*x.shape[:2], t, *x.shape[3:]))
 
 
 CAUSAL_CHUNK = 256
@@ -539,10 +542,12 @@ def ttt_attention(q, ttt_cache, key_padding_mask, scale, causal_kernel=None):
     heads = q.shape[1]
     k0, v0 = ttt_cache[0]
     groups = heads // k0.shape[1]
-    order, inverse = _right_padding_order(key_padding_mask)
+    # on the CPU a right-padded batch (the collator's) skips the reordering: the check costs no device sync there
+    skip = q.device.type == "cpu" and bool((key_padding_mask[:, 1:] <= key_padding_mask[:, :-1]).all())
+    order, inverse = (None, None) if skip else _right_padding_order(key_padding_mask)
     q = _take_rows(q, order)
-    k0r = _take_rows(k0.repeat_interleave(groups, dim=1) if groups > 1 else k0, order)  # (B, A, T, d)
-    v0r = _take_rows(v0.repeat_interleave(groups, dim=1) if groups > 1 else v0, order)  # (B, A, T, d)
+    k0r, v0r = (_take_rows(x, order).repeat_interleave(groups, dim=1) if groups > 1 else _take_rows(x, order)
+                for x in (k0, v0))  # (B, A, T, d)
     if len(ttt_cache) == 1:
         o = F.scaled_dot_product_attention(q, k0r, v0r, is_causal=True, scale=scale)
     else:
