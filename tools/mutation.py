@@ -20,8 +20,9 @@ check refuses to run unless both ``__file__`` lie in it). The working tree is ne
 first runs unmutated (its *baseline*); a selection that fails there is reported broken and its mutants are not
 counted. A mutant is *killed* when its selection fails (pytest exit 1, or 2-3 when the mutant breaks collection)
 or runs past ``max(--timeout, 4 x baseline)``; it *survives* when the selection passes; it is *not covered* when
-no test covers its file. Mutants listed in ``tools/mutation_equivalent.txt`` (one line each: ``path::name`` and
-why no test can tell it from the original) are reported as equivalent and left out of the score.
+no test covers its file. Mutants listed in ``tools/mutation_equivalent.txt`` (one line each: ``path::kind:detail``,
+the backquoted source line and why no test can tell it from the original) are reported as equivalent and left
+out of the score.
 
 Cache: results are kept in a JSON file (``--cache``, default ``tools/mutation_cache.json``) under the key
 (sha256 of the unmutated file, mutant name, sha256 of the covering tests' files and arguments), baselines under
@@ -482,11 +483,21 @@ def sample(mutants: list[tuple[str, Mutant]], n: int, seed: int, modules: int | 
     return sorted(chosen, key=lambda item: order[id(item)])
 
 
+def equivalent_key(path: str, m: Mutant, source: str) -> str:
+    """The key of a mutant in the equivalent list: ``path::kind:detail `source line` `` (the stripped line where
+    the mutant starts; no line number, so edits elsewhere in the module do not unlist it)."""
+    start = m.start if m.start >= 0 else max(source.find(m.original), 0)
+    line = source[source.rfind("\n", 0, start) + 1:].split("\n", 1)[0].strip()
+    return f"{path}::{m.name.split('@')[0]} `{line}`"
+
+
 def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
-    """``{"path::name": reason}`` from the equivalent-mutant list (``#`` comments, blank lines ignored).
+    """``{equivalent_key: reason}`` from the equivalent-mutant list: lines ``path::kind:detail `source line` reason``
+    (``#`` comments and blank lines ignored); every generated mutant of that kind starting on a line with that
+    text in that module is equivalent.
 
     Raises:
-        ValueError: naming the line, if a line has no reason.
+        ValueError: naming the line, if it has no backquoted original or no reason.
     """
     out = {}
     if not path.is_file():
@@ -495,10 +506,10 @@ def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        key, _, reason = line.partition(" ")
-        if not reason.strip():
-            raise ValueError(f"{path}:{i}: '{key}' has no reason; write 'path::name why it is equivalent'")
-        out[key] = reason.strip()
+        match = re.fullmatch(r"(\S+::\S+) (`[^`]+`) (.+)", line)
+        if not match:
+            raise ValueError(f"{path}:{i}: write 'path::kind:detail `source line` why it is equivalent'")
+        out[f"{match[1]} {match[2]}"] = match[3].strip()
     return out
 
 
@@ -654,7 +665,7 @@ def run(mutants: list[tuple[str, Mutant]], rev: str | None = None, timeout: floa
         mutants: (module path, mutant); a mutant without ``tests`` runs its module's :func:`covering_tests`.
         timeout: seconds; a run is stopped (and the mutant killed) after ``max(timeout, 4 x baseline)``.
         cache: JSON file of earlier results (read and written), None for none.
-        equivalent: ``{"path::name": reason}``; those mutants are not run and not scored.
+        equivalent: ``{equivalent_key: reason}``; those mutants are not run and not scored.
 
     Raises:
         RuntimeError: if a run in the scratch copy would import draftkit or draftkit.callbacks from elsewhere.
@@ -681,7 +692,7 @@ def run(mutants: list[tuple[str, Mutant]], rev: str | None = None, timeout: floa
             key = f"{path}::{m.name}"
             seconds = 0.0
             mutated = m.apply(text)
-            if key in equivalent:
+            if equivalent_key(path, m, text) in equivalent:
                 status = "equivalent"
             elif mutated is None:
                 status = "not applied"
@@ -790,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for path, m in mutants:
             tests = m.tests or covering_tests(path)
-            tag = " [equivalent]" if f"{path}::{m.name}" in equivalent else ""
+            tag = " [equivalent]" if equivalent_key(path, m, (REPO / path).read_text()) in equivalent else ""
             print(f"{path}::{m.name}{tag}  {m.original!r} -> {m.replacement!r}  |  {' '.join(tests) or '(no test)'}")
         problems = check_snippets(REPO) if args.hand else stale_equivalents(equivalent)
         for problem in problems:
@@ -805,15 +816,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def stale_equivalents(equivalent: dict[str, str], root: Path = REPO) -> list[str]:
-    """Entries of the equivalent list that name no generated mutant of the tree (moved or edited code)."""
-    names: dict[str, set[str]] = {}
+    """Entries of the equivalent list that match no generated mutant of the tree (edited code)."""
+    keys: dict[str, set[str]] = {}
     problems = []
     for key in equivalent:
-        path, _, name = key.partition("::")
-        if path not in names:
-            names[path] = {m.name for m in generate((root / path).read_text())} if (root / path).is_file() else set()
-        if name not in names[path]:
-            problems.append(f"{EQUIVALENT.name}: {key} is no generated mutant of this tree (code moved?)")
+        path = key.split("::")[0]
+        if path not in keys:
+            text = (root / path).read_text() if (root / path).is_file() else ""
+            keys[path] = {equivalent_key(path, m, text) for m in generate(text)} if text else set()
+        if key not in keys[path]:
+            problems.append(f"{EQUIVALENT.name}: {key} matches no generated mutant of this tree (code edited?)")
     return problems
 
 
