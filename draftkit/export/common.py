@@ -7,7 +7,10 @@ Every engine directory holds ``config.json``, ``model.safetensors`` and the ``dr
 ``<prefix>{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
 ``<prefix>self_attn.{q,k,v,o}_proj.weight``, ``<prefix>mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
 ``lm_head.weight``, ``d2t`` (int64) and ``t2d`` (bool), with ``<prefix>`` = ``midlayer.`` (vLLM, SGLang,
-TensorRT-LLM) or ``layers.0.`` (speculators). ``embed_tokens.weight`` is written only when H != H_t.
+TensorRT-LLM) or ``layers.0.`` (speculators). ``embed_tokens.weight`` is written only when H != H_t;
+``d2t``/``t2d`` only when V_d < V (vLLM 0.33 ``llama_eagle3.py`` then has no ``draft_id_to_target_id`` and refuses
+a ``d2t``; TensorRT-LLM creates its ``d2t`` only when V_d != V); the EAGLE-3.1 ``input_norm.weight`` /
+``fc_norm.{i}.weight`` only with their flags.
 
 Layer ids stay HF ``hidden_states`` indices here; each engine module converts them in one function.
 
@@ -55,19 +58,25 @@ SIDECAR = "draftkit_export.json"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-def serving_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype, layer_prefix: str) -> dict[str, torch.Tensor]:
+def serving_tensors(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, layer_prefix: str, cfg: Eagle3Config
+) -> dict[str, torch.Tensor]:
     """Rename and cast draftkit head tensors for an engine.
 
     Args:
         state: tensors under draftkit names (``midlayer.*``, ...).
         dtype: weight dtype; ``d2t`` becomes int64 and ``t2d`` bool whatever it is.
         layer_prefix: ``"midlayer."`` (kept) or ``"layers.0."`` (speculators rename).
+        cfg: the head shape; with V_d == V the identity map ``d2t``/``t2d`` is left out (the engines refuse it).
 
     Returns:
         A new dict of contiguous tensors.
     """
     out = {}
+    identity = cfg.draft_vocab_size == cfg.vocab_size
     for name, value in state.items():
+        if identity and name in ("d2t", "t2d"):
+            continue
         if name.startswith("midlayer."):
             name = layer_prefix + name[len("midlayer."):]
         if name == "d2t":
@@ -93,11 +102,11 @@ def validate_tensors(
         where: file or directory named in errors.
 
     Raises:
-        ValueError: on a missing or unexpected name, a wrong shape or dtype, non-finite weights, a d2t that
-            breaks the §5 invariants (ids strictly increasing in [0, V), t2d marks exactly those ids), or a
-            non-zero d2t when V_d == V.
+        ValueError: on a missing or unexpected name (``d2t``/``t2d`` are unexpected when V_d == V), a wrong
+            shape or dtype, non-finite weights, or a d2t that breaks the §5 invariants (ids strictly increasing
+            in [0, V), t2d marks exactly those ids).
     """
-    specs = expected_tensor_specs(cfg, layer_prefix)
+    specs = expected_tensor_specs(cfg, layer_prefix, serving=True)
     missing = sorted(set(specs) - set(tensors))
     unexpected = sorted(set(tensors) - set(specs))
     if missing or unexpected:
@@ -110,17 +119,17 @@ def validate_tensors(
         if t.dtype != kinds[kind]:
             raise ValueError(f"{where}: {name} has dtype {t.dtype}, expected {kinds[kind]}")
     check_finite(tensors, where)
-    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    if "d2t" not in tensors:  # V_d == V: the identity, left out
+        return
     try:
-        VocabMap(d2t=d2t, t2d=t2d).validate()
+        VocabMap(d2t=tensors["d2t"], t2d=tensors["t2d"]).validate()
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
-    if cfg.draft_vocab_size == cfg.vocab_size and bool(d2t.any()):
-        raise ValueError(f"{where}: V_d == V but d2t is not all zeros (the identity map must be zeros, never arange)")
 
 
 def vocab_fingerprint(d2t: torch.Tensor, vocab_size: int) -> str:
-    """sha256 over V and the int64 bytes of d2t: equal fingerprints mean the same draft vocab."""
+    """sha256 over V and the int64 bytes of d2t (zeros for V_d == V): equal fingerprints mean the same draft
+    vocab."""
     h = hashlib.sha256()
     h.update(f"V={vocab_size};V_d={d2t.numel()};".encode())
     h.update(d2t.to(torch.long).contiguous().numpy().tobytes())

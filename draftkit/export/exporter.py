@@ -182,7 +182,7 @@ def export_head_source(
     if dtype == "float16":
         log.warning("exporting fp16 weights: fp16 drafts have overflowed to NaN logits in engines; prefer bfloat16")
 
-    tensors = serving_tensors(source.state, torch_dtype, module.LAYER_PREFIX)
+    tensors = serving_tensors(source.state, torch_dtype, module.LAYER_PREFIX, cfg)
     validate_tensors(tensors, cfg, torch_dtype, module.LAYER_PREFIX, where=f"{source.path} -> {engine}")
 
     files = module.build_files(source, str(out_dir), dtype, k, engine_options)
@@ -215,7 +215,7 @@ def export_head_source(
         "vocab": {
             "vocab_size": cfg.vocab_size,
             "draft_vocab_size": cfg.draft_vocab_size,
-            "fingerprint": vocab_fingerprint(tensors["d2t"], cfg.vocab_size),
+            "fingerprint": vocab_fingerprint(source.state["d2t"], cfg.vocab_size),
         },
         "head_config": head_config_dict(cfg),
         "chat_template": meta.get("chat_template"),

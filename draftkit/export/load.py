@@ -148,7 +148,8 @@ def load_exported_head(
             name = "midlayer." + name[len(prefix):]
         state[name] = value
     result = head.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.startswith("embed_tokens.")]
+    absent = ("embed_tokens.",) + (("d2t", "t2d") if cfg.draft_vocab_size == cfg.vocab_size else ())
+    missing = [k for k in result.missing_keys if not k.startswith(absent)]  # V_d == V: the identity it starts with
     if missing or result.unexpected_keys:
         raise ValueError(f"{directory}: head keys missing {missing}, unexpected {result.unexpected_keys}")
     head = head.to(dtype)

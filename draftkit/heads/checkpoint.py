@@ -217,7 +217,8 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
     Raises:
         FileNotFoundError: if a local target does not exist.
         ValueError: if the metadata records no aux layer ids (never guessed), the draft-vocab map ``d2t`` is
-            missing while V_d < V, head tensors are missing or unexpected, have other shapes than the stored
+            missing while V_d < V or not the identity (zeros) while V_d == V, head tensors are missing or
+            unexpected, have other shapes than the stored
             ``head_config`` gives (:func:`expected_tensor_specs`) or hold non-finite weights
             (:func:`check_finite`), the target has another hidden size, vocabulary or tokenizer
             (:func:`check_tokenizer`; names both), or lacks the aux layers.
@@ -235,7 +236,7 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
                 f"target's (V_d={cfg.draft_vocab_size} < V={cfg.vocab_size}); without d2t every engine would map "
                 "draft id i to target id i. Re-save the checkpoint from a run that built its VocabMap"
             )
-        log.info("%s: no d2t and V_d == V: writing the identity map (zeros)", path)
+        log.info("%s: no d2t and V_d == V: the identity map (d2t zeros)", path)
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     if "t2d" not in state:
         vm = state["d2t"].to(torch.long)
@@ -263,6 +264,9 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
                 "re-save it from the run that trained it"
             )
 
+    if cfg.draft_vocab_size == cfg.vocab_size and bool(state["d2t"].any()):
+        raise ValueError(f"checkpoint {path}: V_d == V but head.d2t is not all zeros (the identity map must be "
+                         "zeros, never arange: verl-SpeCo PR #67); re-save it from the run that trained it")
     check_finite(state, f"checkpoint {path}")
     target_ref = str(target if target is not None else meta.get("target") or "")
     if not target_ref:
@@ -288,16 +292,22 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
     )
 
 
-def expected_tensor_specs(cfg: Eagle3Config, layer_prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The exact serving tensor set of a head (§2, §7.1): name -> (shape, kind).
+def expected_tensor_specs(
+    cfg: Eagle3Config, layer_prefix: str, serving: bool = False
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The exact tensor set of a head (§2, §7.1): name -> (shape, kind).
 
     Args:
         cfg: the head shape.
         layer_prefix: ``"midlayer."`` or ``"layers.0."``.
+        serving: the set an export directory holds: without ``d2t``/``t2d`` when V_d == V (vLLM 0.33 then
+            creates no ``draft_id_to_target_id`` and refuses a file that carries ``d2t``; TensorRT-LLM creates
+            its ``d2t`` only when V_d != V). False: the checkpoint set, which always has the map.
 
     Returns:
         ``kind`` is ``"float"`` for weights, ``"int64"`` for ``d2t`` and ``"bool"`` for ``t2d``.
-        ``embed_tokens.weight`` (V, H) is included only when H != H_t.
+        ``embed_tokens.weight`` (V, H) is included only when H != H_t; ``input_norm.weight`` (n*H_t,) only with
+        ``norm_before_fc``; ``fc_norm.{i}.weight`` (H_t,) for each aux state only with ``fc_norm``.
     """
     h, ht, n = cfg.hidden_size, cfg.target_hidden_size, cfg.num_aux_layers
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -321,6 +331,12 @@ def expected_tensor_specs(cfg: Eagle3Config, layer_prefix: str) -> dict[str, tup
     }
     if h != ht:
         specs["embed_tokens.weight"] = ((cfg.vocab_size, h), "float")
+    if cfg.norm_before_fc:
+        specs["input_norm.weight"] = ((n * ht,), "float")
+    if cfg.fc_norm:
+        specs.update({f"fc_norm.{i}.weight": ((ht,), "float") for i in range(n)})
+    if serving and cfg.draft_vocab_size == cfg.vocab_size:
+        del specs["d2t"], specs["t2d"]
     return specs
 
 
