@@ -137,12 +137,13 @@ def _draft_tokens(num_speculative_tokens: int | None, speculation: Speculation |
 
 def serving_target_name(source: HeadSource, target_name: str | None = None) -> str:
     """The name an export gives its target, for ``vllm serve``, speculators' ``verifier.name_or_path`` and the
-    other launch lines: ``target_name`` when given; else the reference the user gave (a hub id, or a local
-    path as written); else, for a reference only this machine can resolve (``tiny:``, ``pypi:``, a path
-    inside the draftkit cache), the local cache path, with a warning: the serving host will not find it.
+    other launch lines: ``target_name`` when given; else ``source.target_name`` (an export directory being
+    re-exported keeps its sidecar's name, ``read_export_source``); else the reference the user gave (a hub id,
+    or a local path as written); else, for a reference only this machine can resolve (``tiny:``, ``pypi:``, a
+    path inside the draftkit cache), the local cache path, with a warning: the serving host will not find it.
     """
-    if target_name:
-        return target_name
+    if target_name or source.target_name:
+        return target_name or source.target_name
     ref = source.target
     local = Path(ref).expanduser()
     in_cache = local.exists() and local.resolve().is_relative_to(cache_dir().resolve())

@@ -12,6 +12,7 @@ A heads, A_kv kv heads, d head dim, V target vocab, V_d draft vocab, N target la
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -181,7 +182,9 @@ def read_export_source(directory: str | Path, target: str | None = None) -> Head
         target: a target reference overriding the sidecar's ``target``.
 
     Returns:
-        The :class:`HeadSource`; ``meta`` is the sidecar (its ``head_config`` as the source checkpoint had it).
+        The :class:`HeadSource`; ``meta`` is the sidecar (its ``head_config`` as the source checkpoint had it);
+        ``target_name`` is the sidecar's (the name the serving host loads the target by) unless ``target``
+        overrides the target or that name was only this machine's cache path (``target_path``).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load_exported_head` and ``head_source``.
@@ -190,7 +193,11 @@ def read_export_source(directory: str | Path, target: str | None = None) -> Head
     head, meta = load_exported_head(directory)  # float32: exact for bf16/fp16 weights, cast back below
     stored = getattr(torch, meta["dtype"])
     state = {k: v.to(stored) if v.is_floating_point() else v for k, v in head.state_dict().items()}
-    return head_source(directory, state, {**meta, **meta["export"]}, target)  # the sidecar as written wins
+    source = head_source(directory, state, {**meta, **meta["export"]}, target)  # the sidecar as written wins
+    name = meta["export"].get("target_name")
+    if target is None and name and name != meta["export"].get("target_path"):
+        source = dataclasses.replace(source, target_name=name)
+    return source
 
 
 def load_head(checkpoint: str | Path, target: str | None = None):

@@ -2,7 +2,10 @@
 
 ``tensorrt_llm/_torch/models/modeling_speculative.py`` (``Eagle3DraftModel``) reads the SGLang layout:
 ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` (used only when V_d != V) and ``embed_tokens`` only
-when H != H_t. Norm flags are not known to be read, so only standard heads are exported. Aux ids are given
+when H != H_t. The architecture is written ``LlamaForCausalLM`` (with ``draft_vocab_size``): TensorRT-LLM resolves a
+draft by prefixing ``EAGLE3`` to it (``EAGLE3LlamaForCausalLM`` is the registered ``Eagle3ForCausalLM``), and
+older releases do not strip an ``...Eagle3`` suffix first, so ``LlamaForCausalLMEagle3`` is unknown there.
+Norm flags are not known to be read, so only standard heads are exported. Aux ids are given
 in the LLM-API config in output-of-layer form; whether the loader also reads the draft config is unverified,
 so the exporter writes them (when non-default) into ``trtllm_spec.yaml`` beside the weights and keeps them
 out of ``config.json``.
@@ -75,13 +78,15 @@ def check_supported(cfg: Eagle3Config) -> None:
 
 
 def build_config(cfg: Eagle3Config, dtype_name: str) -> dict:
-    """``config.json`` for TensorRT-LLM: the SGLang/§7.2 fields without any aux-id key.
+    """``config.json`` for TensorRT-LLM: the SGLang/§7.2 fields without any aux-id key, architecture
+    ``LlamaForCausalLM`` (module docstring).
 
     Raises:
         ValueError: see :func:`check_supported`.
     """
     check_supported(cfg)
     config = llama_config_fields(cfg, dtype_name)
+    config["architectures"] = ["LlamaForCausalLM"]
     config.update(norm_flags(cfg))
     if cfg.hidden_size != cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
