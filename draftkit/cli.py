@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
+from draftkit.strategy import check_strategy
 
 __all__ = ["DraftkitCLI", "load_recipe"]
 
@@ -298,6 +299,7 @@ class DraftkitCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy(config)  # an FSDP/DeepSpeed/... recipe stops here, before any model is loaded
         if self.subcommand == "fit":
             _continue_run_dir(config)
         device = _device_type(config.trainer.accelerator)
