@@ -166,13 +166,10 @@ def rope_legacy_fields(rope: dict) -> tuple[float, dict | None]:
 
 
 def norm_flags(cfg: Eagle3Config) -> dict[str, bool]:
-    """All four norm flags, always explicit (§3, §7). Only ``norm_before_residual`` is ever true in draftkit."""
-    return {
-        "norm_before_residual": bool(cfg.norm_before_residual),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-    }
+    """All four norm flags, always explicit and top level (§3, §7): vLLM 0.33, SGLang 0.5.23 and speculators read
+    each there (TensorRT-LLM reads ``fc_norm``/``norm_output`` there and ``norm_before_fc`` only nested, see
+    ``draftkit.export.trtllm``)."""
+    return {name: bool(getattr(cfg, name)) for name in NORM_FLAGS}
 
 
 def llama_config_fields(cfg: Eagle3Config, dtype_name: str) -> dict:

@@ -27,6 +27,7 @@ from torch import nn
 from draftkit.artifacts import cache_dir
 from draftkit.export.common import (
     EXPORT_DTYPES,
+    NORM_FLAGS,
     SIDECAR,
     head_config_dict,
     serving_tensors,
@@ -301,7 +302,7 @@ def verify_export(directory: str | Path, source: HeadSource, seed: int = 0) -> f
     ids = torch.randint(0, rows.shape[0], (1, t + 4), generator=g)  # (1, T+4)
     aux = torch.randn(1, t, cfg.num_aux_layers * cfg.target_hidden_size, generator=g)  # (1, T, n*H_t)
     ref_config = dict(config.get("transformer_layer_config", config))
-    ref_config["norm_before_residual"] = bool(cfg.norm_before_residual)
+    ref_config.update({flag: bool(getattr(cfg, flag)) for flag in NORM_FLAGS})
     run_reference = not ref_config.get("rope_scaling")
 
     worst = 0.0

@@ -29,7 +29,7 @@ __all__ = ["load_exported_head", "load_head", "read_export", "reference_forward"
 _STRUCTURAL = (
     "hidden_size", "target_hidden_size", "num_aux_layers", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "rms_norm_eps",
-    "max_position_embeddings", "norm_before_residual", "aux_layer_ids",
+    "max_position_embeddings", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "aux_layer_ids",
 )
 
 
@@ -100,9 +100,6 @@ def load_exported_head(
     missing_flags = [f for f in NORM_FLAGS if f not in eagle]
     if missing_flags:
         raise ValueError(f"{directory}/config.json: norm flags {missing_flags} are missing; all four must be explicit")
-    unsupported = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if eagle[f]]
-    if unsupported:
-        raise ValueError(f"{directory}/config.json: {unsupported} set, which draftkit's Eagle3LlamaHead does not implement")
     if ("input_norm.weight" in tensors) != bool(eagle["norm_before_fc"]):
         raise ValueError(f"{directory}: input_norm.weight present iff norm_before_fc, and they disagree")
 
@@ -124,7 +121,7 @@ def load_exported_head(
         rms_norm_eps=float(layer["rms_norm_eps"]),
         max_position_embeddings=int(layer["max_position_embeddings"]),
         rope=rope,
-        norm_before_residual=bool(eagle["norm_before_residual"]),
+        **{flag: bool(eagle[flag]) for flag in NORM_FLAGS},
         aux_layer_ids=aux,
     )
     stored_dtype = tensors["fc.weight"].dtype
@@ -137,7 +134,7 @@ def load_exported_head(
     recorded = sidecar.get("head_config", {})
     rebuilt = head_config_dict(cfg)
     rebuilt["aux_layer_ids"] = aux
-    recorded = dict(recorded, aux_layer_ids=sidecar.get("aux_layer_ids"))
+    recorded = {**dict.fromkeys(NORM_FLAGS, False), **recorded, "aux_layer_ids": sidecar.get("aux_layer_ids")}  # older sidecars
     diff = {k: (rebuilt[k], recorded.get(k)) for k in _STRUCTURAL if rebuilt[k] != recorded.get(k)}
     if diff:
         raise ValueError(f"{directory}: config.json and {SIDECAR} disagree on {diff} (config value, sidecar value)")
@@ -258,12 +255,14 @@ def reference_forward(
     hidden_norm(g) with ``norm_before_residual``; (5) causal GQA attention of q, k, v = proj(u) with plain RoPE
     (rotate-half, theta from the config) over ``past`` plus the new keys, h1 = o_proj(attn) + r;
     (6) h = h1 + mlp(post_attention_layernorm(h1)); (7) logits = lm_head(norm(h)) over the draft vocab.
+    EAGLE-3.1: before ``fc``, ``norm_before_fc`` applies ``input_norm`` to F and ``fc_norm`` one ``fc_norm.{i}``
+    per H_t-wide aux chunk; ``norm_output`` returns norm(h) as the next feature.
 
     Args:
         weights: exported tensors (``midlayer.*`` or ``layers.0.*`` names).
         config: the engine ``config.json`` (for speculators its ``transformer_layer_config`` merged with the
             top-level flags); reads hidden_size, num_attention_heads, num_key_value_heads, head_dim,
-            rms_norm_eps, rope_theta, rope_scaling (must be null) and norm_before_residual.
+            rms_norm_eps, rope_theta, rope_scaling (must be null) and the norm flags.
         input_ids: (B, T) int64 token ids (row t carries x_{t+1}).
         feature: (B, T, n*H_t) aux states for step 0, or (B, T, H) the previous step's h.
         position_ids: (B, T) int64 RoPE positions.
@@ -272,7 +271,8 @@ def reference_forward(
         project: apply ``fc`` to ``feature`` (step 1); None decides by width (fc input width != H).
 
     Returns:
-        logits (B, T, V_d) fp32, h (B, T, H) fp32 pre-norm, and the new (keys, values) (B, A_kv, S+T, d).
+        logits (B, T, V_d) fp32, the next step's feature (B, T, H) fp32 (pre-norm h, or norm(h) with
+        ``norm_output``), and the new (keys, values) (B, A_kv, S+T, d).
 
     Raises:
         NotImplementedError: for scaled RoPE (``rope_scaling`` not null).
@@ -293,6 +293,11 @@ def reference_forward(
 
     g = feature.float()
     if (g.shape[-1] != hidden) if project is None else project:
+        if config.get("norm_before_fc"):
+            g = _rms_norm(g, w["input_norm.weight"], eps)
+        if config.get("fc_norm"):
+            width = w["fc_norm.0.weight"].numel()
+            g = torch.cat([_rms_norm(c, w[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(g.split(width, -1))], -1)
         g = lin(g, "fc.weight")  # (B, T, n*H_t) -> (B, T, H)
     e = embedding.float()[input_ids]  # (B, T, H)
     g_normed = _rms_norm(g, w[f"{prefix}hidden_norm.weight"], eps)
@@ -325,6 +330,7 @@ def reference_forward(
     x = _rms_norm(h1, w[f"{prefix}post_attention_layernorm.weight"], eps)
     mlp = lin(F.silu(lin(x, f"{prefix}mlp.gate_proj.weight")) * lin(x, f"{prefix}mlp.up_proj.weight"),
               f"{prefix}mlp.down_proj.weight")
-    h = h1 + mlp  # (B, T, H), pre-norm: what the next step receives
-    logits = lin(_rms_norm(h, w["norm.weight"], eps), "lm_head.weight")  # (B, T, V_d)
-    return logits, h, (k, v)
+    h = h1 + mlp  # (B, T, H), pre-norm
+    normed = _rms_norm(h, w["norm.weight"], eps)
+    logits = lin(normed, "lm_head.weight")  # (B, T, V_d)
+    return logits, (normed if config.get("norm_output") else h), (k, v)

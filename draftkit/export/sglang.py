@@ -1,8 +1,9 @@
 """SGLang export directory (eagle3-format.md §7.4).
 
-The SGLang loader (``python/sglang/srt/models/llama_eagle3.py``) has no norm flags: it always computes the
-standard placement (``norm_before_residual = false``, no ``fc_norm``/``norm_before_fc``/``norm_output``), so
-only standard heads are exported. It reads the aux ids only from the nested
+The SGLang loader (``python/sglang/srt/models/llama_eagle3.py``, 0.5.23) reads the EAGLE-3.1 flags
+``norm_before_fc`` (nested ``eagle_config`` first, then top level), ``fc_norm`` and ``norm_output`` (top level);
+it does not read ``norm_before_residual`` (its residual is always the pre-norm feature), so heads trained with
+that flag are refused. It reads the aux ids only from the nested
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` (``model_runner_components/spec_aux_hidden_state.py``) and
 hands them to ``LlamaForCausalLM.set_eagle3_layers_to_capture``, whose capture loop fires *before* decoder
 layer i.

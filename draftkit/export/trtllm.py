@@ -88,6 +88,8 @@ def build_config(cfg: Eagle3Config, dtype_name: str) -> dict:
     config = llama_config_fields(cfg, dtype_name)
     config["architectures"] = ["LlamaForCausalLM"]
     config.update(norm_flags(cfg))
+    if cfg.norm_before_fc:  # Eagle3DraftModel reads it only from eagle_config (modeling_speculative.py)
+        config["eagle_config"] = {"norm_before_fc": True}
     if cfg.hidden_size != cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
     return config
