@@ -8,9 +8,12 @@ Shapes: none (a command).
 
 from __future__ import annotations
 
+import logging
 from typing import Literal, Optional, Union
 
 __all__ = ["evaluate"]
+
+log = logging.getLogger(__name__)
 
 
 def evaluate(
@@ -121,8 +124,11 @@ def evaluate(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
         prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
-        calibration_tokens=calibration_tokens, sweep=sweep_list,
+        calibration_tokens=calibration_tokens, sweep=sweep_list, trained_length=meta.get("trained_length"),
     )
+    if not meta.get("trained_length"):
+        log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
+                 checkpoint)
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
                            draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict())
     packed.release()

@@ -246,6 +246,7 @@ def evaluate_drafter(
     calibration_prompts: int = 4,
     calibration_tokens: int = 48,
     sweep: list[Topology] | None = None,
+    trained_length: int | None = None,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
@@ -275,6 +276,9 @@ def evaluate_drafter(
         sweep: more topologies to measure in the same run: on every prompt, after the one plain run, each
             topology decodes in turn (the chosen or given one first), so their ratios share the machine's
             load; the report's ``sweep`` lists each one's keys (as the top level's) with its own ``per_prompt``.
+        trained_length: the head's trained sequence length (tokens), when recorded: a prompt whose tokens plus
+            ``max_new_tokens`` exceed it is warned about (index, id, both lengths) and listed in the report's
+            ``setup.prompts_over_trained_length``.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
@@ -302,10 +306,18 @@ def evaluate_drafter(
     device = next(target.parameters()).device
     depth, depth_name = _draft_depth(k, tree, auto, sweep or [])
     encoded = []
+    over_trained: list[str] = []  # prompts whose prompt + new tokens exceed the head's trained length
     for i, p in enumerate(prompts):
         ids = encode_prompt(p, tokenizer, "chat", chat_template)
         if not ids:
             raise ValueError(f"prompt {p.id} is empty after templating; remove it from the prompt file")
+        if trained_length and len(ids) + max_new_tokens > trained_length:
+            over_trained.append(p.id)
+            log.warning(
+                "prompt %d (%s): %d tokens + max_new_tokens %d = %d exceed the head's trained length of %d tokens; "
+                "its acceptance past that is untrained (heads trained on shorter sequences degrade there)",
+                i, p.id, len(ids), max_new_tokens, len(ids) + max_new_tokens, trained_length,
+            )
         need = len(ids) + max_new_tokens + depth
         if need > session.max_length:
             raise ValueError(
@@ -405,6 +417,8 @@ def evaluate_drafter(
             "max_new_tokens": max_new_tokens,
             "seed": seed,
             "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+            "trained_length": trained_length,
+            "prompts_over_trained_length": over_trained,
             "device": str(device),
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
         },

@@ -222,6 +222,8 @@ def export_head_source(
         "head_config": head_config_dict(cfg),
         "chat_template": meta.get("chat_template"),
         "ttt": meta.get("ttt"),
+        # the longest sequence (tokens) the head was trained on; None for heads trained before it was recorded
+        "trained_length": meta.get("trained_length"),
         "num_speculative_tokens": k,
         **({} if speculation is None else {"speculation": speculation.record(files.get("speculation"))}),
         "launch": launch,

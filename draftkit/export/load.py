@@ -160,6 +160,7 @@ def load_exported_head(
         "aux_layer_ids": aux,
         "chat_template": sidecar.get("chat_template"),
         "ttt": sidecar.get("ttt"),
+        "trained_length": sidecar.get("trained_length"),
         "engine": engine,
         "engine_version": sidecar.get("engine_version"),
         "dtype": str(stored_dtype).removeprefix("torch."),

@@ -379,3 +379,40 @@ def test_load_head_and_target_pairs_them(ckpt, tiny_dir):
     assert meta2 == {} and fresh.config.draft_vocab_size == 32 and list(fresh.config.aux_layer_ids) == t2.aux_layer_ids
     with pytest.raises(ValueError, match="no target given"):
         load_head_and_target(None, None)
+
+
+def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_dir, prompts_file, caplog):
+    """A head trained on 20-token sequences: each prompt whose tokens + max_new_tokens exceed 20 is warned about
+    (index, id, both lengths) and listed; the length survives export and re-export (the sidecar); a head without
+    it is evaluated with a note and no list."""
+    import logging
+
+    from draftkit.export import export_checkpoint
+    from draftkit.target.tokens import encode_chat
+
+    head = make_head(tiny[0])
+    ckpt = write_ckpt(tmp_path / "head.ckpt", head, tiny_dir)
+    blob = torch.load(ckpt, weights_only=False)
+    blob["draftkit"]["trained_length"] = 20
+    torch.save(blob, ckpt)
+    lengths = [len(encode_chat(tiny[1], [{"role": "user", "content": c}]))
+               for c in ("Tell me a story.", "abc abc abc abc")]
+    common = ["--prompts", str(prompts_file), "--max_new_tokens", "6", "--prompt_lookup", "false", "--dtype", "float32"]
+    first = export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
+    again = export_checkpoint(first, "speculators", tmp_path / "reexport", dtype="float32")
+    for source in (ckpt, first, again):
+        out = tmp_path / "report.json"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="draftkit.decoding.harness"):
+            assert main(["--checkpoint", str(source), "--output", str(out), *common]) == 0
+        setup = json.loads(out.read_text())["setup"]
+        over = [pid for pid, n in zip(["7", "2"], lengths) if n + 6 > 20]
+        assert setup["trained_length"] == 20 and setup["prompts_over_trained_length"][:len(over)] == over
+        assert over and f"prompt 0 (7): {lengths[0]} tokens + max_new_tokens 6 = {lengths[0] + 6} exceed the head's " \
+                         "trained length of 20 tokens" in caplog.text
+    assert json.loads((again / "draftkit_export.json").read_text())["trained_length"] == 20
+
+    old = write_ckpt(tmp_path / "old.ckpt", head, tiny_dir)
+    assert main(["--checkpoint", str(old), "--output", str(tmp_path / "old.json"), *common]) == 0
+    setup = json.loads((tmp_path / "old.json").read_text())["setup"]
+    assert setup["trained_length"] is None and setup["prompts_over_trained_length"] == []
