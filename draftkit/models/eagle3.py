@@ -1,14 +1,11 @@
 """``Eagle3Module``: online EAGLE3 training of a draft head on a frozen target (arXiv 2503.01840).
 
 Each training step runs the frozen target once (no grad) to get the aux hidden states and logits, then
-unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4):
-
-- step k, row p: input token x_{p+1+k}, teacher z_{p+1+k}, RoPE position p+k; supervised iff
-  p+2+k < L and m_{p+2+k} = 1 and t2d[argmax z_{p+1+k}] (the mask is keyed on the *predicted* token);
-- ids and teacher are shifted left by one more position after every step, in :func:`ttt_targets`, padding
-  with 0/False, so the mask travels with the labels;
-- loss: soft cross-entropy against softmax(z[..., t2d]) in fp32, per step normalised by the supervised
-  count (the global count under DDP), total Σ_k decay^k L_k.
+unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4). The objective (which rows step k
+supervises, the teacher, the soft cross-entropy, tau_sim) is ``draftkit.models.ttt``; the learning-rate schedule
+and its re-planner are ``draftkit.models.schedule``. Read top to bottom: the config groups, then
+``Eagle3Module``: set-up, checkpoints, the TTT loss, the non-finite guard, the training and validation hooks,
+the schedule's hooks and the optimizers.
 
 Offline mode (the datamodule's ``hidden_states_cache``): batches carry the cached aux and last hidden states,
 the target forward is skipped and only the target's LM head is loaded (``draftkit.target.lm_head``) to turn
@@ -26,19 +23,17 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.heads.checkpoint import HEAD_PREFIX
+from draftkit.models import schedule
+from draftkit.models.ttt import later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
-__all__ = [
-    "Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError", "ttt_targets",
-    "soft_ce", "tau_sim",
-]
+__all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError"]
 
 log = logging.getLogger(__name__)
 
@@ -110,62 +105,6 @@ class NonFiniteTrainingError(ValueError):
     """A training or validation batch gave a NaN/inf loss or gradient: ``fit`` stops before the optimizer
     step (the weights stay finite) and before any metric or checkpoint is written from it. The message names
     the batch's source (the offline cache shard and sequence, or the records) and what to change."""
-
-
-def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Shift (B, T) left by n along T, padding the tail with zeros/False."""
-    if n == 0:
-        return x
-    return torch.cat([x[:, n:], torch.zeros_like(x[:, :n])], dim=1)  # (B, T)
-
-
-def ttt_targets(
-    input_ids: torch.Tensor, weights: torch.Tensor, in_draft: torch.Tensor, step: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Row-aligned inputs and supervision of TTT step k (eagle3-format.md §4.1), all in one place.
-
-    Args:
-        input_ids: (B, T) int64 x.
-        weights: (B, T) float loss weight of each *token* m_t (assistant mask × optional entropy filter,
-            0 on padding).
-        in_draft: (B, T) bool, t2d[argmax z_t]: the target's top token after position t is in the draft vocab.
-        step: k >= 0.
-
-    Returns:
-        ids (B, T) = x_{p+1+k}; weight (B, T) = m_{p+2+k} · t2d[argmax z_{p+1+k}] (0 where p+2+k >= T);
-        teacher_offset = 1+k: row p's teacher is z at position p+1+k.
-    """
-    ids = _shift(input_ids, 1 + step)  # (B, T)
-    weight = _shift(weights, 2 + step) * _shift(in_draft, 1 + step)  # (B, T)
-    return ids, weight, 1 + step
-
-
-def soft_ce(logits: torch.Tensor, teacher_probs: torch.Tensor, teacher_argmax: torch.Tensor, weight: torch.Tensor):
-    """Weighted soft cross-entropy and accuracy of draft logits against teacher probabilities, fp32.
-
-    Args:
-        logits: (n, V_d) draft logits of supervised rows.
-        teacher_probs: (n, V_d) P = softmax(z[..., t2d]) of the same rows.
-        teacher_argmax: (n,) int64 argmax of P.
-        weight: (n,) float row weights.
-
-    Returns:
-        (loss_sum, correct_sum, weight_sum) scalars: Σ w·ℓ with ℓ = -Σ_i P_i log Q_i = logsumexp(l) - Σ_i P_i l_i,
-        Σ w·1[argmax Q = argmax P], and Σ w.
-    """
-    logits = logits.float()
-    ce = torch.logsumexp(logits, dim=-1) - (teacher_probs * logits).sum(-1)  # (n,)
-    correct = (logits.argmax(-1) == teacher_argmax).float()  # (n,)
-    return (ce * weight).sum(), (correct * weight).sum(), weight.sum()
-
-
-def tau_sim(accs: list[float]) -> float:
-    """Simulated acceptance length 1 + Σ_i Π_{j<=i} acc_j (eagle3-format.md §8.3; counts the bonus token)."""
-    total, prod = 1.0, 1.0
-    for a in accs:
-        prod *= a
-        total += prod
-    return total
 
 
 class Eagle3Module(pl.LightningModule):
@@ -495,30 +434,20 @@ class Eagle3Module(pl.LightningModule):
         flat = b * t
         if self.entropy_filter.mode == "off":
             weights = (batch["loss_mask"] * attn).bool().float()  # (B, T)
-            need = _shift(weights, 1).reshape(-1).nonzero().squeeze(-1)  # (n,) positions t with m_{t+1} = 1
+            need = shift(weights, 1).reshape(-1).nonzero().squeeze(-1)  # (n,) positions t with m_{t+1} = 1
             logits = lm_head(last.reshape(flat, -1)[need])  # (n, V)
         else:
             logits = lm_head(last)  # (B, T, V): the filter reads every position's entropy
             weights = self._loss_weights(batch["loss_mask"] * attn, logits)  # (B, T) float
             need = torch.arange(flat, device=input_ids.device)  # (B*T,)
             logits = logits.reshape(flat, -1)  # (B*T, V)
-        in_draft = torch.zeros(flat, dtype=torch.bool, device=input_ids.device)
-        in_draft[need] = t2d[logits.argmax(-1)]
-        in_draft = in_draft.view(b, t)  # (B, T) bool
-        probs = F.softmax(logits[:, t2d].float(), dim=-1)  # (n, V_d), draft order
-        teacher_argmax = probs.argmax(-1)  # (n,)
-        teacher_slot = torch.full((flat,), -1, dtype=torch.long, device=input_ids.device)
-        teacher_slot[need] = torch.arange(need.numel(), device=input_ids.device)  # position -> row of probs
+        in_draft, probs, teacher_argmax, teacher_slot = teacher_distribution(logits, need, t2d, (b, t))
         del logits
         key_padding = attn.bool()
         positions = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
         targets = [ttt_targets(input_ids, weights, in_draft, k) for k in range(self.ttt.steps)]
         supervised = [w.reshape(-1).nonzero().squeeze(-1) for _, w, _ in targets]  # per step (n_k,) flat rows
-        active: list[torch.Tensor | None] = [None] * self.ttt.steps  # rows computed at step k >= 1 (nested)
-        later = torch.zeros(flat, dtype=torch.bool, device=input_ids.device)
-        for k in reversed(range(1, self.ttt.steps)):
-            later[supervised[k]] = True
-            active[k] = later.nonzero().squeeze(-1)
+        active = later_rows(supervised, flat)  # rows computed at step k >= 1 (nested)
         feature = self.head.project(aux.to(self.head.fc.weight.dtype))  # (B, T, H)
         ttt_cache: list = []
         total = feature.new_zeros((), dtype=torch.float32)
@@ -762,29 +691,9 @@ class Eagle3Module(pl.LightningModule):
         )
 
     # -- schedule ---------------------------------------------------------------------------------------
-    def _lr_progress(self, step: int, total: int | None) -> tuple[int, float | None]:
-        """(W, p): the warmup length and the cosine progress after ``step`` optimizer steps for horizon
-        ``total`` (p None in the warmup or without a horizon); see :meth:`lr_factor`."""
-        if self.lr_anchor is not None:
-            warm, start, start_progress = self.lr_anchor
-        else:
-            # warmup takes at most half the horizon, so that a short run still ends at the cosine floor
-            warm = min(self.optim.warmup_steps, total // 2) if total else self.optim.warmup_steps
-            start, start_progress = warm, 0.0
-        if step < warm or total is None:
-            return warm, None
-        done = min(1.0, (step - start) / max(1, total - start))  # share of the plan's steps after a: 0 at a
-        return warm, start_progress + (1 - start_progress) * done  # p_a at a, exactly 1 from H on
-
     def lr_factor(self, step: int, default_total: int | None = None) -> float:
-        """The learning rate after ``step`` optimizer steps, as a fraction of ``optim.lr``.
-
-        1. warmup: (step + 1) / W for step < W, W = min(warmup_steps, H // 2) (kept by a re-plan);
-        2. cosine: r + (1 - r) (1 + cos(pi p)) / 2, r = ``min_lr_ratio``, with the progress
-           p = p_a + (1 - p_a) min(1, (step - a) / max(1, H - a)): linear from (a, p_a) to (H, 1), then 1
-           (the floor, exactly lr * r). The first plan has (a, p_a) = (W, 0), i.e. p = (step - W) / (H - W); a
-           re-plan (:meth:`set_lr_horizon`) moves (a, p_a) to the step where it took over, so that the LR
-           there is unchanged and the floor comes exactly at the new H.
+        """The learning rate after ``step`` optimizer steps, as a fraction of ``optim.lr``
+        (``draftkit.models.schedule.lr_factor``: warmup, then cosine to ``min_lr_ratio`` at H).
 
         H is ``lr_horizon``, else ``default_total``; with neither (a time budget still measuring) the peak is
         held after the warmup.
@@ -792,26 +701,13 @@ class Eagle3Module(pl.LightningModule):
         Args:
             step: optimizer steps done (not micro-batches).
             default_total: horizon in optimizer steps when ``lr_horizon`` is None, or None.
-
-        Returns:
-            the multiplier of ``optim.lr``: (step + 1) / W in the warmup, then in [``min_lr_ratio``, 1].
         """
-        warm, progress = self._lr_progress(step, self.lr_horizon or default_total)
-        if step < warm:
-            return (step + 1) / max(1, warm)
-        if progress is None:
-            return 1.0
-        r = self.optim.min_lr_ratio
-        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * progress))
+        return schedule.lr_factor(step, self.lr_horizon or default_total, self.optim.warmup_steps,
+                                  self.optim.min_lr_ratio, self.lr_anchor)
 
     def set_lr_horizon(self, horizon: int, step: int) -> None:
-        """Fix, or move, the optimizer step H at which the cosine schedule reaches its floor.
-
-        The first plan (``lr_horizon`` None) only sets H. A re-plan to another H stores the current plan's
-        progress at a = max(step, W) in ``lr_anchor`` = (W, a, p_a), so that :meth:`lr_factor` keeps the
-        warmup and the LR at a (for a = ``step``, the LR already in use) bit for bit, and reaches the floor
-        exactly at the new H. Steps between W and a lie behind the scheduler and are not described any more.
-        Re-planning to the same H changes nothing.
+        """Fix, or move, the optimizer step H at which the cosine schedule reaches its floor; a re-plan keeps
+        the warmup and the LR at max(step, W) bit for bit (``lr_anchor``, ``draftkit.models.schedule.replan_anchor``).
 
         Args:
             horizon: H, optimizer steps in all.
@@ -820,12 +716,8 @@ class Eagle3Module(pl.LightningModule):
         Raises:
             ValueError: if horizon < 1 or step < 0.
         """
-        if horizon < 1 or step < 0:
-            raise ValueError(f"set_lr_horizon needs horizon >= 1 and step >= 0, got {horizon}, {step}")
-        if self.lr_horizon is not None and horizon != self.lr_horizon:
-            warm, _ = self._lr_progress(step, self.lr_horizon)
-            at = max(step, warm)
-            self.lr_anchor = (warm, at, self._lr_progress(at, self.lr_horizon)[1])
+        self.lr_anchor = schedule.replan_anchor(horizon, step, self.lr_horizon, self.optim.warmup_steps,
+                                                self.lr_anchor)
         self.lr_horizon = horizon
 
     def configure_optimizers(self):

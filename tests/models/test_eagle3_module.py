@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from draftkit.data.datamodule import ChatDataModule
-from draftkit.models.eagle3 import Eagle3Module, OptimConfig, soft_ce, tau_sim, ttt_targets
+from draftkit.models.eagle3 import Eagle3Module, OptimConfig
+from draftkit.models.ttt import soft_ce, tau_sim, ttt_targets
 
 
 def test_ttt_alignment_worked_example():
