@@ -122,6 +122,10 @@ class Eagle3Module(pl.LightningModule):
         optim: optimizer and schedule.
         entropy_filter: token prediction-entropy filter on the loss.
         norm_before_residual: head variant flag (speculators/vLLM); False is the EAGLE3 default.
+        norm_before_fc, fc_norm, norm_output: the EAGLE-3.1 head options, spelled as the engines read them
+            (``Eagle3Config``: an RMSNorm over the aux concatenation before ``fc``, or one per aux state; the
+            next TTT step reads norm(h)); all False (EAGLE-3) by default; ``norm_before_fc`` and ``fc_norm``
+            exclude each other.
         init_from_target: start ``lm_head`` from the target's LM head rows of the draft vocab and ``norm`` from
             its final norm (``Eagle3LlamaHead.init_from_target``); False (default) = random ``lm_head``, unit
             ``norm``. Measured on the default recipe: worse for the first 30 steps (loss 30.0 vs 26.4 at step 29,
@@ -149,6 +153,9 @@ class Eagle3Module(pl.LightningModule):
         optim: OptimConfig = OptimConfig(),
         entropy_filter: EntropyFilterConfig = EntropyFilterConfig(),
         norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        norm_output: bool = False,
         init_from_target: bool = False,
         freeze_lm_head: bool = False,
         serving_k: int = 5,
@@ -179,6 +186,7 @@ class Eagle3Module(pl.LightningModule):
         self._batch_empty = False
         self._epoch_batches = [0, 0]  # (updates, batches without a trainable token) in this epoch
         self.tokens_trained = 0
+        self.trained_length = 0  # the widest batch trained (tokens): right-padded to its longest row, no host sync
         """Real (non-padding) tokens of the training batches this rank stepped on, checkpointed."""
         self._last_batch: tuple[int, list[str] | None] = (0, None)  # (batch_idx, sources) of the last training batch
         self.lr_horizon: int | None = None
@@ -283,7 +291,8 @@ class Eagle3Module(pl.LightningModule):
         self._check_filter_keeps_tokens(vocab_size)
         cfg = Eagle3Config.from_target_config(
             self.target.config, self.target.aux_layer_ids, self.hparams.draft_vocab_size,
-            norm_before_residual=self.hparams.norm_before_residual,
+            norm_before_residual=self.hparams.norm_before_residual, norm_before_fc=self.hparams.norm_before_fc,
+            fc_norm=self.hparams.fc_norm, norm_output=self.hparams.norm_output,
         )
         self.head = Eagle3LlamaHead(cfg)
         self.head.set_vocab(vocab.d2t, vocab.t2d)
@@ -358,6 +367,8 @@ class Eagle3Module(pl.LightningModule):
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
             "ttt": dataclasses.asdict(self.ttt),
             "tokens_trained": self.tokens_trained,
+            # the longest sequence trained (tokens; this rank's batches): evaluate warns past it, exports carry it
+            "trained_length": self.trained_length or None,
             "lr_horizon": self.lr_horizon,
             "lr_anchor": None if self.lr_anchor is None else list(self.lr_anchor),
         }
@@ -366,6 +377,7 @@ class Eagle3Module(pl.LightningModule):
         meta = checkpoint.get("draftkit")
         if meta:
             self.tokens_trained = int(meta.get("tokens_trained", 0))
+            self.trained_length = int(meta.get("trained_length") or 0)
             self.lr_horizon = meta.get("lr_horizon")
             anchor = meta.get("lr_anchor")  # absent in checkpoints written before re-planning: the first plan
             self.lr_anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), float(anchor[2]))
@@ -570,6 +582,7 @@ class Eagle3Module(pl.LightningModule):
             return None
         bs = batch["input_ids"].shape[0]
         self.tokens_trained += int(batch["attention_mask"].sum())
+        self.trained_length = max(self.trained_length, int(batch["input_ids"].shape[1]))
         for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
             if float(w_sum) > 0:
                 self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)

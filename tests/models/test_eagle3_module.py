@@ -465,3 +465,29 @@ def test_lr_replan_is_continuous_and_ends_at_the_new_horizon():
     assert [fresh.lr_factor(s) for s in range(149, 155)] == [model.lr_factor(s) for s in range(149, 155)]
     fresh.on_load_checkpoint({"draftkit": {"head_config": {}, "lr_horizon": 110}})
     assert fresh.lr_anchor is None and [fresh.lr_factor(s) for s in range(121)] == plain
+
+
+def test_checkpoint_records_the_trained_length_and_eagle3_1_options(tmp_path, monkeypatch):
+    """fit 3 steps of the tiny recipe with an EAGLE-3.1 option: the checkpoint's head config carries it, and
+    trained_length is the widest batch trained (its padded width = its longest row); resume restores it."""
+    from pathlib import Path
+
+    from draftkit.cli import DraftkitCLI
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    widths = []
+    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--model.fc_norm", "true", "--model.norm_output",
+                            "true", "--trainer.max_steps", "3", "--trainer.max_time", "null",
+                            "--trainer.default_root_dir", str(tmp_path), "--data.hidden_states_cache", "null"], run=False)
+    step = cli.model.training_step
+    monkeypatch.setattr(cli.model, "training_step",
+                        lambda batch, *a: widths.append(batch["input_ids"].shape[1]) or step(batch, *a))
+    cli.trainer.fit(cli.model, cli.datamodule)
+    ckpt = torch.load(next(tmp_path.rglob("last*.ckpt")), weights_only=False)
+    meta = ckpt["draftkit"]
+    assert meta["head_config"]["fc_norm"] and meta["head_config"]["norm_output"]
+    assert not meta["head_config"]["norm_before_fc"]
+    assert len(widths) == 3 and meta["trained_length"] == max(widths)
+    fresh = type(cli.model)(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")})
+    fresh.on_load_checkpoint(ckpt)
+    assert fresh.trained_length == max(widths)
