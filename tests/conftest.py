@@ -123,3 +123,16 @@ def prompts_file(tmp_path):
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+@pytest.fixture()
+def tiny_module_and_batch(monkeypatch):
+    """(built Eagle3Module of recipes/tiny-debug.yaml, float32 target, online; its first training batch)."""
+    from draftkit.cli import DraftkitCLI
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--model.target_dtype", "float32",
+                            "--data.hidden_states_cache", "null"], run=False)
+    cli.datamodule.setup("fit")
+    cli.model.build(cli.datamodule)
+    return cli.model, next(iter(cli.datamodule.train_dataloader()))

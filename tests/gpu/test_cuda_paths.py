@@ -42,19 +42,8 @@ def test_ttt_attention_on_cuda_equals_the_dense_reference(dtype, tol, t):
             torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def _tiny_module(monkeypatch):
-    from draftkit.cli import DraftkitCLI
-
-    monkeypatch.chdir(REPO)
-    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--model.target_dtype", "float32",
-                            "--data.hidden_states_cache", "null"], run=False)
-    cli.datamodule.setup("fit")
-    cli.model.build(cli.datamodule)
-    return cli.model, next(iter(cli.datamodule.train_dataloader()))
-
-
-def test_training_step_on_cuda_equals_cpu(monkeypatch):
-    model, batch = _tiny_module(monkeypatch)
+def test_training_step_on_cuda_equals_cpu(tiny_module_and_batch):
+    model, batch = tiny_module_and_batch
     params = [p for p in model.head.parameters() if p.requires_grad]
     loss_cpu, _ = model.ttt_loss(batch)
     grads_cpu = torch.autograd.grad(loss_cpu, params)

@@ -3,23 +3,12 @@
 See ``tests/decoding/test_device_factories.py`` for the check itself.
 """
 
-from pathlib import Path
-
 from draftkit.testing import DeviceFactoryCheck
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def test_training_step_makes_every_tensor_on_the_batch_device(monkeypatch):
-    from draftkit.cli import DraftkitCLI
-
-    monkeypatch.chdir(REPO)
-    cli = DraftkitCLI(args=["--recipe", "recipes/tiny-debug.yaml", "--model.target_dtype", "float32",
-                            "--data.hidden_states_cache", "null"], run=False)
-    cli.datamodule.setup("fit")
-    cli.model.build(cli.datamodule)
-    batch = next(iter(cli.datamodule.train_dataloader()))
+def test_training_step_makes_every_tensor_on_the_batch_device(tiny_module_and_batch):
+    model, batch = tiny_module_and_batch
     with DeviceFactoryCheck() as check:
-        loss, _ = cli.model.ttt_loss(batch)
+        loss, _ = model.ttt_loss(batch)
         loss.backward()
     assert check.violations == []
