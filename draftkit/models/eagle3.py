@@ -573,7 +573,9 @@ class Eagle3Module(pl.LightningModule):
         total, stats = self.ttt_loss(batch)
         self._last_batch = (batch_idx, batch.get("source"))
         self._check_finite_loss(total, batch, batch_idx, "train")
-        supervised = sum(float(s[2]) for s in stats)
+        # one host copy for every step's (correct, supervised) count: the loop below reads host floats only
+        counts = torch.stack([torch.stack([c.float(), w.float()]) for _, c, w in stats]).tolist()  # [[c_k, w_k], ...]
+        supervised = sum(w for _, w in counts)
         self._batch_empty = supervised == 0 and self.trainer.world_size == 1
         self._epoch_batches[self._batch_empty] += 1
         if self._batch_empty:
@@ -583,15 +585,14 @@ class Eagle3Module(pl.LightningModule):
         bs = batch["input_ids"].shape[0]
         self.tokens_trained += int(batch["attention_mask"].sum())
         self.trained_length = max(self.trained_length, int(batch["input_ids"].shape[1]))
-        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
-            if float(w_sum) > 0:
+        for k, ((loss_sum, correct_sum, w_sum), (_, w)) in enumerate(zip(stats, counts)):
+            if w > 0:
                 self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)
                 self.log(f"train/loss_{k}", loss_sum / w_sum, on_step=True, batch_size=bs)
         self.log("train/loss", total, on_step=True, prog_bar=True, batch_size=bs)
-        if all(float(w) > 0 for _, _, w in stats):
-            self.log("train/tau_sim", tau_sim([float(c / w) for _, c, w in stats]), on_step=True, prog_bar=True,
-                     batch_size=bs)
-        self.log("train/supervised_tokens", float(stats[0][2]), on_step=True, reduce_fx="sum", batch_size=bs)
+        if all(w > 0 for _, w in counts):
+            self.log("train/tau_sim", tau_sim([c / w for c, w in counts]), on_step=True, prog_bar=True, batch_size=bs)
+        self.log("train/supervised_tokens", counts[0][1], on_step=True, reduce_fx="sum", batch_size=bs)
         # x axis of learning curves (benchmarks/learning_curve.py): real tokens trained so far, all ranks
         self.log("train/tokens_trained", float(self.tokens_trained), on_step=True, reduce_fx="sum", sync_dist=True,
                  batch_size=bs)

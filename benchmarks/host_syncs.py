@@ -1,0 +1,71 @@
+"""Host syncs in one training step (issue 32 item 4): ops that make a GPU wait for the host, counted on the CPU.
+
+A ``TorchDispatchMode`` counts the aten ops that copy a device value to the host or size a tensor by its data:
+``_local_scalar_dense`` (``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``), ``nonzero`` (boolean indexing,
+``.nonzero()``), ``masked_select`` and ``unique``; on CUDA each one is a sync. It runs ``training_step`` (with
+Lightning's logging) and the backward of the tiny recipe's first batches in a real ``fit``.
+
+Run:  python benchmarks/host_syncs.py [--recipe recipes/tiny-debug.yaml] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts :data:`SYNC_OPS` by name while active (``counts``: op name -> calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", default="recipes/tiny-debug.yaml")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import lightning.pytorch as pl
+
+    from draftkit.cli import DraftkitCLI
+
+    per_step: list[collections.Counter] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.mode = SyncCounter()
+            self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.mode.__exit__(None, None, None)
+            per_step.append(self.mode.counts)
+
+    root = Path("/tmp/draftkit-host-syncs")
+    cli = DraftkitCLI(args=["--recipe", args.recipe, "--trainer.max_steps", str(args.steps), "--trainer.max_time", "null",
+                            "--trainer.default_root_dir", str(root), "--trainer.limit_val_batches", "0",
+                            "--data.hidden_states_cache", "null"], run=False)
+    cli.trainer.callbacks.append(Count())
+    cli.trainer.fit(cli.model, cli.datamodule)
+    steady = per_step[-1]
+    print(f"host syncs per training step (step {len(per_step)}, forward + backward + optimizer + logging): "
+          f"{sum(steady.values())} = " + ", ".join(f"{n} {k}" for k, n in sorted(steady.items())))
+    return {"per_step": [dict(c) for c in per_step]}
+
+
+if __name__ == "__main__":
+    main()
