@@ -133,7 +133,7 @@ def evaluate(
                            draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict())
     packed.release()
     if lossless_check and baseline and temperature == 0:
-        report["lossless"] = _lossless(report, head, target_ref, dtype, draft_dtype, tokenizer, prompt_list,
+        report["lossless"] = _lossless(report, checkpoint, target_ref, device, dtype, draft_dtype, prompt_list,
                                        max_new_tokens, seed, meta.get("chat_template"), kernels)
     write_json_atomic(output, report)
     if tensorboard:
@@ -147,13 +147,14 @@ def evaluate(
     return report
 
 
-def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str, tokenizer, prompts,
+def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype: str, draft_dtype: str, prompts,
               max_new_tokens: int, seed: int, chat_template, kernels: str) -> dict:
     """The report's ``lossless`` block: float32 greedy equality of speculative and plain decoding.
 
-    When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the
-    target is loaded again in float32 (its linear kernels chosen by ``kernels`` for float32) and every topology of the report (the main one and any ``--sweep`` entry,
-    as they ran, ``--k auto``'s choice included) decodes every prompt, untimed, beside plain decoding.
+    When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the head
+    and target are loaded again in float32 on ``device`` (the kernels chosen by ``kernels`` for float32) and every
+    topology of the report (the main one and any ``--sweep`` entry, as they ran, ``--k auto``'s choice included)
+    decodes every prompt, untimed, beside plain decoding.
 
     Returns:
         ``{"dtype": "float32", "source": "timed run" | "float32 pass", "greedy_equal": int,
@@ -161,7 +162,7 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
     """
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
-    from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.export.head_target import load_head_and_target
     from draftkit.target.kernels import pack_linears
 
     def block(rep: dict, source: str) -> dict:
@@ -180,12 +181,8 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
         return Topology(entry["k"], None if tree is None else TreeConfig(tree["depth"], tree["topk"], tree["num_nodes"]))
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
-    model, _ = load_target(target_ref, "float32")
-    model.to(next(head.parameters()).device)
-    frozen = FrozenTarget(model, list(head.config.aux_layer_ids))
-    original = next(head.parameters()).dtype
-    head.float()
-    packed = pack_linears(model, kernels)
+    head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
+    packed = pack_linears(frozen.model, kernels)
     try:
         exact = evaluate_head(
             head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
@@ -194,5 +191,4 @@ def _lossless(report: dict, head, target_ref: str, dtype: str, draft_dtype: str,
         )
     finally:
         packed.release()
-        head.to(original)
     return block(exact, "float32 pass")

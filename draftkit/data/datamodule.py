@@ -14,6 +14,7 @@ Shapes: B sequences, T tokens, V target vocab.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -62,10 +63,7 @@ def _fingerprint(*parts) -> str:
 
 def _reason_counts(rows: list[dict]) -> dict[str, int]:
     """``{reason: rows}`` for rows with a ``reason``, most common first (ties by name)."""
-    counts: dict[str, int] = {}
-    for r in sorted(rows, key=lambda r: r["reason"]):
-        counts[r["reason"]] = counts.get(r["reason"], 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(collections.Counter(sorted(r["reason"] for r in rows)).most_common())
 
 
 def _count_reasons(rows: list[dict]) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["CONTINUATION_STARTS", "FILLER_WORDS", "PromptFilter", "first_prompt", "grouped_split", "normalize_prompt"]
 
@@ -76,7 +76,6 @@ class PromptFilter:
     min_prompt_chars: int = 8
     drop_fillers: bool = True
     dedup: bool = True
-    dropped: dict[str, list[int]] = field(default_factory=dict, init=False)
 
     def why_dropped(self, key: str, seen: set[str]) -> str | None:
         """The reason a row with normalised prompt ``key`` is dropped ("empty prompt", "context-free prompt",
