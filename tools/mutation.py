@@ -420,7 +420,6 @@ TESTS: dict[str, tuple[str, ...]] = {
     "draftkit/data/datamodule.py": ("tests/data/test_chat.py", "tests/data/test_splits.py",
                                     "tests/data/test_data_order.py", "tests/data/test_skips.py"),
     "draftkit/decoding/report.py": ("tests/decoding/test_evaluate.py",),
-    "draftkit/dual_precision/lm.py": ("tests/dual_precision/",),
     "draftkit/export/sglang.py": ROUNDTRIP_TESTS,
     "draftkit/export/trtllm.py": ROUNDTRIP_TESTS,
     "draftkit/export/vllm.py": ROUNDTRIP_TESTS,
