@@ -44,6 +44,20 @@ def make_head(target_dir, aux_layer_ids=None, draft_vocab_size=96, norm_before_r
     return head.eval(), ids
 
 
+def make_flagged_head(target_dir, flags, **make_head_args):
+    """:func:`make_head` with Eagle3Config fields ``flags`` set (e.g. the EAGLE-3.1 ``norm_before_fc``,
+    ``fc_norm``, ``norm_output``); the new input/fc norm weights are random around 1 too."""
+    base, ids = make_head(target_dir, **make_head_args)
+    head = Eagle3LlamaHead(Eagle3Config(**{**base.config.__dict__, **flags}))
+    head.load_state_dict(base.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith(("input_norm.", "fc_norm.")):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    return head.eval(), ids
+
+
 def write_checkpoint(path, head, target, aux_layer_ids, drop=(), state_extra=None):
     """Save {"state_dict": {"head."+k: ...}, "draftkit": meta} like a draftkit training checkpoint (the aux ids
     stored once, in ``head_config``)."""

@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from export_helpers import make_head, write_checkpoint
+from export_helpers import make_flagged_head, write_checkpoint
 from safetensors.torch import load_file
 
 from draftkit.export import export_checkpoint, load_exported_head
-from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 ENGINES = ["vllm", "speculators", "sglang", "trtllm"]
 FLAGS = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
@@ -30,18 +29,6 @@ def _reader(engine, config):
             "fc_norm": bool(config.get("fc_norm", False)), "norm_output": bool(config.get("norm_output", False))}
 
 
-def _flagged(target_dir, flags):
-    base, ids = make_head(target_dir)
-    head = Eagle3LlamaHead(Eagle3Config(**{**base.config.__dict__, **flags}))
-    head.load_state_dict(base.state_dict(), strict=False)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith(("input_norm.", "fc_norm.")):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-    return head.eval(), ids
-
-
 def _serve(head, aux, ids):
     from draftkit.heads.eagle3_llama import KVCache
 
@@ -57,7 +44,7 @@ def _serve(head, aux, ids):
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "+".join(f))
 @pytest.mark.parametrize("engine", ENGINES)
 def test_flagged_head_round_trips_and_the_engine_reads_its_flags(engine, flags, tiny_target_dir, tmp_path):
-    head, ids = _flagged(tiny_target_dir, flags)
+    head, ids = make_flagged_head(tiny_target_dir, flags)
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids)
     out = export_checkpoint(ckpt, engine, tmp_path / engine, dtype="float32")  # self-check incl. reference forward
     config = json.loads((out / "config.json").read_text())
@@ -79,7 +66,7 @@ def test_flagged_head_round_trips_and_the_engine_reads_its_flags(engine, flags, 
 
 
 def test_norm_before_residual_is_still_refused_by_sglang_and_trtllm(tiny_target_dir, tmp_path):
-    head, ids = _flagged(tiny_target_dir, {"norm_before_residual": True, "fc_norm": True})
+    head, ids = make_flagged_head(tiny_target_dir, {"norm_before_residual": True, "fc_norm": True})
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids)
     for engine in ("sglang", "trtllm"):
         with pytest.raises(ValueError, match="norm_before_residual=true"):
