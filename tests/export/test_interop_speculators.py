@@ -16,8 +16,8 @@ serving path), step 1 through ``ttt_step`` (speculators' step 1 is a TTT step: t
 positions + 1, the previous output, or its norm with ``norm_output``, as feature). Cases: the shipped head on the
 real SmolLM2 (aux states of a seeded random 129-token input), EAGLE-3.1 heads (``fc_norm`` + ``norm_output`` +
 ``norm_before_residual``; ``norm_before_fc`` + ``norm_output``) and a V_d == V head (no d2t/t2d in the file) on
-the tiny target. T = 128 rows: speculators' flex-attention block mask is built for 128-multiples. The shipped case is also
-``slow`` (the real SmolLM2, from the user's cache).
+the tiny target. T = 128 rows: speculators' flex-attention block mask is built for 128-multiples. The shipped
+case is also ``slow`` (the real SmolLM2, from the user's cache).
 
 speculators 0.9.0 under transformers 5.19 leaves ``embed_tokens`` randomly initialised after ``from_pretrained``
 (its NaN "not loaded" marker is overwritten), so the script reloads it with speculators' own verifier loader
