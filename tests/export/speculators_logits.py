@@ -5,8 +5,9 @@ Used by ``test_interop_speculators.py``; it imports nothing from draftkit. specu
 (``src/speculators/models/eagle3/core.py``): ``from_pretrained`` reads config.json and model.safetensors, then
 ``load_verifier_weights`` takes ``embed_tokens`` from the verifier named in ``speculators_config.verifier``
 (the target directory here; under transformers 5.19 only with ``overwrite_embed_tokens``, see below).
-``forward`` returns only the argmax draft tokens per TTT step, so the logits are read off ``lm_head`` with a forward hook (one call per step; step 0 reads fc(aux), step 1 the previous step's
-output, or its norm with ``norm_output``, with the teacher-forced ids shifted by one).
+``forward`` returns only the argmax draft tokens per TTT step, so the logits are read off ``lm_head`` with a
+forward hook (one call per step; step 0 reads fc(aux), step 1 the previous step's output, or its norm with
+``norm_output``, with the teacher-forced ids shifted by one).
 
 Usage: ``python speculators_logits.py EXPORT_DIR INPUTS.pt OUT.pt [TTT_STEPS]``. INPUTS.pt holds ``aux``
 (1, T, n*H_t) float32 (the n aux hidden states concatenated in layer order), ``input_ids`` (1, T) int64 and
