@@ -40,7 +40,6 @@ import torch
 
 from draftkit.artifacts import GEMMA3_270M_REF, resolve_artifact
 from draftkit.dual_precision import (
-    DualPrecisionLM,
     ReplaySteps,
     gate_scores,
     greedy_decode,
@@ -60,6 +59,7 @@ from draftkit.quant import (
     nested_linears,
     set_precision,
 )
+from draftkit.target.session import TargetSession
 
 TARGETS = {"smollm2": (SMOLLM2_REF, True), "gemma3": (GEMMA3_270M_REF, False)}  # (reference, chat template)
 log = logging.getLogger("dp_granularity")
@@ -94,11 +94,11 @@ def source_types(gguf_path: str) -> dict[str, str]:
     return out
 
 
-def by_source(lm: DualPrecisionLM, float_model, prompts, trajs, high_argmax, types) -> dict:
+def by_source(lm: TargetSession, float_model, prompts, trajs, high_argmax, types) -> dict:
     """Weight statistics and flips per GGML source type (see the module docstring).
 
     Args:
-        lm: the quantized target.
+        lm: the session of the quantized target (``TargetSession.with_precision_switch``).
         float_model: the unquantized target (same module names), for the 8-bit error against the source.
         prompts: P prompts as token ids; trajs: their all-high trajectories.
         high_argmax: P tensors (n,), the teacher-forced 8-bit argmax of each trajectory.
@@ -109,8 +109,8 @@ def by_source(lm: DualPrecisionLM, float_model, prompts, trajs, high_argmax, typ
         "rel_err_low_vs_high", "rel_err_high_vs_source", "flips", "flip_rate", "flip_margin_median",
         "flip_margin_below_0.1", "step_margin_median"}}.
     """
-    nested = set(nested_linears(lm.model))
-    named = {n: m for n, m in lm.model.named_modules() if m in nested}
+    nested = set(nested_linears(lm.target.model))
+    named = {n: m for n, m in lm.target.model.named_modules() if m in nested}
     groups: dict[str, list[str]] = {}
     for name in named:  # the LM head is its own group (its GGML type may also be a decoder linear's)
         kind = types.get(name, "?")
@@ -135,9 +135,9 @@ def by_source(lm: DualPrecisionLM, float_model, prompts, trajs, high_argmax, typ
             stats["hi_src"] += float(((w_hi - source) ** 2).sum())
             stats["src"] += float((source**2).sum())
         subset = [named[n] for n in names]
-        all_layers = lm.layers
+        all_layers = lm.precision_layers
         set_precision(all_layers, "high")
-        lm.layers = subset  # forward(precision="low") now switches only this type's linears
+        lm.precision_layers = subset  # forward(precision="low") now switches only this type's linears
         flips, margins_at_flips, margins = 0, [], []
         try:
             for prompt, tokens, hi in zip(prompts, trajs, high_argmax):
@@ -148,7 +148,7 @@ def by_source(lm: DualPrecisionLM, float_model, prompts, trajs, high_argmax, typ
                 margins_at_flips.append(margin[flip])
                 margins.append(margin)
         finally:
-            lm.layers = all_layers
+            lm.precision_layers = all_layers
             set_precision(all_layers, "high")
         at_flips, steps = torch.cat(margins_at_flips), torch.cat(margins)
         out[kind] = {
@@ -207,7 +207,8 @@ def main() -> None:
         if all(k in report["entries"] for k in keys.values()):
             continue
         quant = {"scheme": args.scheme, "code_range": args.code_range, "quantize_lm_head": args.quantize_lm_head}
-        lms = {s: DualPrecisionLM(copy.deepcopy(model), QuantConfig(slicing=s, group_size=group_size, **quant))
+        lms = {s: TargetSession.with_precision_switch(copy.deepcopy(model),
+                                                  QuantConfig(slicing=s, group_size=group_size, **quant))
                for s in keys}
         first = next(iter(lms.values()))
         t0 = time.perf_counter()
@@ -228,7 +229,7 @@ def main() -> None:
                 steps.append(st)
                 high_argmax.append(high.argmax(dim=-1))  # (n,)
             m = replay_metrics(steps, bootstrap_samples=args.bootstrap_samples)
-            wb = lm.bytes
+            wb = lm.precision_bytes
             alpha = 1.0 - m["flip_rate"]
             entry = {
                 "group_size": group_size, "slicing": slicing, **quant,

@@ -109,12 +109,13 @@ def evaluate_dual_precision(
     """
     import torch
 
-    from draftkit.dual_precision import METHODS, DualPrecisionConfig, DualPrecisionLM
+    from draftkit.dual_precision import METHODS, DualPrecisionConfig
     from draftkit.dual_precision import evaluate_dual_precision as run
     from draftkit.dual_precision import report as dp_report
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target
+    from draftkit.target.session import TargetSession
     from draftkit.target.tokens import stop_token_ids
 
     if dtype not in DTYPES:
@@ -151,7 +152,7 @@ def evaluate_dual_precision(
     t_load = time.perf_counter()
     model, tokenizer = load_target(target, precision["dtype"])
     try:
-        lm = DualPrecisionLM(model, quant)
+        lm = TargetSession.with_precision_switch(model, quant)
     except ValueError as err:
         raise ValueError(f"--target {target}: {err}") from err
     t_load = time.perf_counter() - t_load

@@ -238,7 +238,7 @@ def calibrate_rounds(
         with _named(naming, index):
             full = torch.cat([prompt, cont])
             target.reset()
-            _, aux = target.forward(full, last_only=True)  # aux (n+T, A*H_t)
+            _, aux = target.forward(full, logits_to_keep=1)  # aux (n+T, A*H_t)
             drafter.reset(prompt, aux[:n])
             per_root: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
             for L in range(n, n + T - 1):  # root x_L, continuation full[L+1:]
@@ -360,7 +360,7 @@ def measure_costs(
         raise ValueError(f"measure_costs needs a prompt of >= 3 tokens and repeats >= 1, got {n}, {repeats}")
     target.reset()
     target.pad_rows = {}  # time each row count as itself
-    _, aux = target.forward(prompt_ids, last_only=True)
+    _, aux = target.forward(prompt_ids, logits_to_keep=1)
 
     def verify_run(r: int):
         ids = prompt_ids.repeat(r // n + 1)[:r]

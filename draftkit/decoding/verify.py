@@ -184,7 +184,7 @@ def generate_plain(
     _check_prompt(prompt_ids, cfg, 0, target.max_length)
     t0 = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(prompt_ids, last_only=True)
+    logits, _ = target.forward(prompt_ids, logits_to_keep=1)
     t_prefill = time.perf_counter() - t0
     tokens, gaps, forwards, stop, t_metrics = [], [], 0, "length", 0.0
     while True:
@@ -272,7 +272,7 @@ def speculative_loop(
     seq = prompt_ids.new_zeros(n + cfg.max_new_tokens + max_accept + 1)  # prompt + output (+ one round of slack)
     seq[:n] = prompt_ids
     target.reset()
-    logits, aux = target.forward(prompt_ids, last_only=True)
+    logits, aux = target.forward(prompt_ids, logits_to_keep=1)
     x = _pick(logits[-1], cfg, generator)
     drafter.reset(prompt_ids, aux)
     t_prefill = time.perf_counter() - t0

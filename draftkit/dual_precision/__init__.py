@@ -2,8 +2,8 @@
 
 - ``gates``: entropy / margin scores of the 4-bit softmax, :class:`Gate`.
 - ``stats``: threshold for a budget, catch rate, AUROC / PR-AUC, prompt bootstrap, exact McNemar.
-- ``lm``: the :class:`DualLM` protocol and :class:`DualPrecisionLM` (a HF causal LM with nested int8/int4 linears).
-- ``decode``: :class:`Trajectory`, single-precision / gated / verified decoding, teacher-forced logits.
+- ``decode``: :class:`Trajectory`, single-precision / gated / verified decoding, teacher-forced logits, over the
+  target's ``draftkit.target.session.TargetSession`` with a precision switch (``with_precision_switch``).
 - ``replay``: flip labels and gate scores on all-8-bit trajectories, gate quality, threshold calibration.
 - ``evaluate``: :class:`DualPrecisionConfig` and :func:`evaluate_dual_precision`, the orchestrator behind
   ``draftkit evaluate-dual-precision``.
@@ -13,7 +13,6 @@
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.evaluate import METHODS, DualPrecisionConfig, evaluate_dual_precision
 from draftkit.dual_precision.gates import GATES, Gate, gate_scores, top2_margin
-from draftkit.dual_precision.lm import DualLM, DualPrecisionLM
 from draftkit.dual_precision.replay import (
     DEFAULT_BUDGETS,
     ReplaySteps,
@@ -34,9 +33,7 @@ __all__ = [
     "DEFAULT_BUDGETS",
     "GATES",
     "METHODS",
-    "DualLM",
     "DualPrecisionConfig",
-    "DualPrecisionLM",
     "Gate",
     "ReplaySteps",
     "Trajectory",

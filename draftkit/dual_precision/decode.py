@@ -3,7 +3,9 @@
 Definitions: shared/reference/dual-precision.md §3-4 (gated steps, KV drift) and §7 (verified speculation:
 self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424; greedy or by
 rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
-read; the token limit, the stop ids and the sampling options come in one
+read; every loop runs on one ``draftkit.target.session.TargetSession`` with a precision switch (its cache
+restarts with each call, and a step's precision is the forward's ``precision``); the token limit, the stop
+ids and the sampling options come in one
 ``draftkit.sampling.DecodeConfig``; sampling (T > 0) draws from the warped distribution of the
 logits a step ends with (``draftkit.sampling``), and the accept rules are those of
 ``draftkit.decoding.verify``.
@@ -22,8 +24,8 @@ from draftkit.sampling import probs_from_logits, sample, sample_from_probs
 from draftkit.decoding.verify import greedy_verify, rejection_verify
 from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision.gates import Gate
-from draftkit.dual_precision.lm import DualLM
 from draftkit.quant import WeightBytes
+from draftkit.target.session import TargetSession
 
 __all__ = ["Trajectory", "greedy_decode", "teacher_forced_logits", "verified_decode"]
 
@@ -58,7 +60,7 @@ class Trajectory:
 
 @torch.inference_mode()
 def greedy_decode(
-    lm: DualLM,
+    lm: TargetSession,
     prompt_ids: Sequence[int],
     cfg: DecodeConfig,
     precision: str = "high",
@@ -78,7 +80,7 @@ def greedy_decode(
        ``cfg.max_new_tokens``.
 
     Args:
-        lm: the two-precision target.
+        lm: the session of the two-precision target (``TargetSession.with_precision_switch``).
         prompt_ids: prompt token ids (chat template applied).
         cfg: n_max (``max_new_tokens``), the ids that end generation (``eos_token_ids``, kept in the output)
             and the sampling: ``temperature`` 0 = greedy, > 0 one draw per step from ``generator``; ``top_p``
@@ -97,10 +99,10 @@ def greedy_decode(
     """
     eos = set(cfg.eos_token_ids)
     first = "low" if gate is not None else precision
-    cache = lm.new_cache()
+    lm.reset()
     traj, kept, x = Trajectory(), [], list(prompt_ids)
     for _ in range(cfg.max_new_tokens):
-        logits = lm.forward(x, cache, first)[-1]  # (V,)
+        logits = lm.forward(x, 1, precision=first)[0][-1]  # (V,)
         if first == "low":
             traj.low_forwards += 1
         else:
@@ -109,8 +111,8 @@ def greedy_decode(
             score = float(gate.score(logits))
             escalate = score > gate.threshold
             if escalate:
-                cache = lm.rollback(cache, len(x))
-                logits = lm.forward(x, cache, "high")[-1]  # (V,), K/V of this step now 8-bit
+                lm.crop(lm.length - len(x))
+                logits = lm.forward(x, 1, precision="high")[0][-1]  # (V,), K/V of this step now 8-bit
                 traj.high_forwards += 1
             traj.scores.append(score)
             traj.escalated.append(escalate)
@@ -128,7 +130,7 @@ def greedy_decode(
 
 @torch.inference_mode()
 def verified_decode(
-    lm: DualLM,
+    lm: TargetSession,
     prompt_ids: Sequence[int],
     k: int,
     cfg: DecodeConfig,
@@ -150,7 +152,7 @@ def verified_decode(
        8-bit, so greedy output is the all-high output and sampled output is distributed as all-high sampling.
 
     Args:
-        lm: the two-precision target.
+        lm: the session of the two-precision target (``TargetSession.with_precision_switch``).
         prompt_ids: prompt token ids.
         k: draft tokens per round, >= 1 (fewer near ``cfg.max_new_tokens``).
         cfg: n_max (``max_new_tokens``), the ids that end generation (``eos_token_ids``, kept in the output)
@@ -169,15 +171,15 @@ def verified_decode(
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     eos, warp, max_new_tokens = set(cfg.eos_token_ids), (cfg.temperature, cfg.top_k, cfg.top_p), cfg.max_new_tokens
-    cache = lm.new_cache()
-    logits = lm.forward(list(prompt_ids), cache, "high")[-1]  # (V,)
+    lm.reset()
+    logits = lm.forward(list(prompt_ids), 1, precision="high")[0][-1]  # (V,)
     traj = Trajectory(tokens=[int(sample(logits, *warp, generator))], high_forwards=1)
     kept = [logits]
     while len(traj.tokens) < max_new_tokens and traj.tokens[-1] not in eos:
         k_round = min(k, max_new_tokens - len(traj.tokens) - 1)  # drafts + 1 correction/bonus fit the limit
         drafts, q_rows, x = [], [], traj.tokens[-1]
         for _ in range(k_round):
-            z = lm.forward([x], cache, "low")[-1]  # (V,)
+            z = lm.forward([x], 1, precision="low")[0][-1]  # (V,)
             if cfg.greedy:
                 x = int(z.argmax())
             else:
@@ -187,8 +189,8 @@ def verified_decode(
             traj.low_forwards += 1
             if x in eos:
                 break
-        cache = lm.rollback(cache, len(drafts))
-        verify = lm.forward([traj.tokens[-1], *drafts], cache, "high", logits_to_keep=len(drafts) + 1)  # (m+1, V)
+        lm.crop(lm.length - len(drafts))
+        verify, _ = lm.forward([traj.tokens[-1], *drafts], len(drafts) + 1, precision="high")  # (m+1, V)
         traj.high_forwards += 1
         draft_ids = torch.tensor(drafts, dtype=torch.long, device=verify.device)  # (m,)
         if cfg.greedy:
@@ -196,7 +198,7 @@ def verified_decode(
         else:
             q = torch.stack(q_rows) if q_rows else verify.new_zeros(0, verify.shape[-1])  # (m, V)
             accepted, last = rejection_verify(draft_ids, q, probs_from_logits(verify, *warp), generator)
-        cache = lm.rollback(cache, len(drafts) - accepted)
+        lm.crop(lm.length - (len(drafts) - accepted))
         traj.rounds.append((len(drafts), accepted))
         for j, token in enumerate([*drafts[:accepted], last]):
             traj.tokens.append(token)
@@ -209,10 +211,14 @@ def verified_decode(
 
 
 @torch.inference_mode()
-def teacher_forced_logits(lm: DualLM, prompt_ids: Sequence[int], tokens: Sequence[int], precision: str) -> torch.Tensor:
-    """Logits of every generated position of a fixed trajectory, one cache-free forward at one precision.
+def teacher_forced_logits(
+    lm: TargetSession, prompt_ids: Sequence[int], tokens: Sequence[int], precision: str
+) -> torch.Tensor:
+    """Logits of every generated position of a fixed trajectory, one forward at one precision from an empty
+    cache (the session is reset before and after).
 
     Args:
+        lm: the session of the two-precision target.
         prompt_ids: prompt ids.
         tokens: n >= 1 generated ids.
         precision: ``high`` or ``low``.
@@ -221,4 +227,7 @@ def teacher_forced_logits(lm: DualLM, prompt_ids: Sequence[int], tokens: Sequenc
         (n, V) float32: row t is the distribution that chose ``tokens[t]``, on the exact same prefix.
     """
     seq = [*prompt_ids, *tokens[:-1]]
-    return lm.forward(seq, None, precision, logits_to_keep=len(tokens))  # (n, V)
+    lm.reset()
+    logits, _ = lm.forward(seq, len(tokens), precision=precision)  # (n, V)
+    lm.reset()
+    return logits

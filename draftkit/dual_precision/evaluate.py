@@ -26,8 +26,8 @@ Notable:
   by index and prompt digest, so a rerun on a prefix of the prompts (a smaller ``--num_prompts``) reports on
   the prompts an interrupted run finished, and a larger one extends it
 
-Modules: ``gates`` (scores, Gate), ``stats`` (thresholds, catch, AUROC / PR-AUC, bootstrap, McNemar), ``lm``
-(the two-precision target), ``decode`` (the loops), ``replay`` (flip labels, gate quality, calibration) and
+Modules: ``gates`` (scores, Gate), ``stats`` (thresholds, catch, AUROC / PR-AUC, bootstrap, McNemar), ``decode``
+(the loops, over the target's ``draftkit.target.session.TargetSession`` with its precision switch), ``replay`` (flip labels, gate quality, calibration) and
 this one (the orchestrator and its report). Acceptance, tau, chain acceptance and KL are
 ``draftkit.decoding.metrics``'s; entropy is ``draftkit.analysis.token_entropy``'s.
 
@@ -46,13 +46,13 @@ import torch
 from draftkit.decoding.metrics import AcceptanceStats, kl_from_logits
 from draftkit.dual_precision.decode import Trajectory, greedy_decode, teacher_forced_logits, verified_decode
 from draftkit.dual_precision.gates import GATES, Gate
-from draftkit.dual_precision.lm import DualLM
 from draftkit.dual_precision.replay import DEFAULT_BUDGETS, ReplaySteps, calibrate_thresholds
 from draftkit.dual_precision.replay import replay_metrics, replay_steps
 from draftkit.dual_precision.stats import bootstrap_ci, cat_groups, mcnemar_exact
 from draftkit.jsonio import short_hash
 from draftkit.quant import COST_MODELS, WeightBytes, expected_verified_ratio, gated_bytes_per_token
 from draftkit.sampling import DecodeConfig, check_sampling
+from draftkit.target.session import TargetSession
 
 __all__ = ["METHODS", "DualPrecisionConfig", "evaluate_dual_precision"]
 
@@ -182,7 +182,7 @@ def _method_entry(trajs: list[Trajectory], kls: list[torch.Tensor], agree: list[
 
 
 def evaluate_dual_precision(
-    lm: DualLM,
+    lm: TargetSession,
     eval_prompts: Sequence[Sequence[int]],
     calib_prompts: Sequence[Sequence[int]],
     config: DualPrecisionConfig | None = None,
@@ -211,7 +211,7 @@ def evaluate_dual_precision(
     more prompts extends the record.
 
     Args:
-        lm: the two-precision target.
+        lm: the session of the two-precision target (``TargetSession.with_precision_switch``).
         eval_prompts: P prompts as token ids (template applied).
         calib_prompts: calibration prompts as token ids, disjoint from ``eval_prompts``; unused when the
             thresholds are given.
@@ -227,7 +227,7 @@ def evaluate_dual_precision(
         ``mcnemar``, ``timing_s``, ``sizes``.
 
     Raises:
-        ValueError: on no evaluation prompts, too few calibration steps for a budget, or a ``record`` of a
+        ValueError: on a session without a precision switch, no evaluation prompts, too few calibration steps for a budget, or a ``record`` of a
             different run.
     """
     from draftkit.jsonio import ResumableRecord
@@ -235,7 +235,9 @@ def evaluate_dual_precision(
     config = config or DualPrecisionConfig()
     if not eval_prompts:
         raise ValueError("no evaluation prompts")
-    wb, n_max = lm.bytes, config.max_new_tokens
+    if lm.precision_bytes is None:
+        raise ValueError("dual precision needs a session with a precision switch (TargetSession.with_precision_switch)")
+    wb, n_max = lm.precision_bytes, config.max_new_tokens
     decoding = config.decoding(eos_ids)
     run = {k: v for k, v in asdict(config).items() if k not in ("budgets", "bootstrap_samples")}
     header = {"config": run, "weight_bytes": wb.to_dict(), "eos_ids": sorted(eos_ids), **(record_header or {}),

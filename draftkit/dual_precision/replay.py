@@ -16,8 +16,8 @@ import torch
 
 from draftkit.dual_precision.decode import teacher_forced_logits
 from draftkit.dual_precision.gates import GATES, Gate, gate_scores
-from draftkit.dual_precision.lm import DualLM
 from draftkit.dual_precision.stats import bootstrap_ci, cat_groups, catch_rate, pr_auc, roc_auc, threshold_for_budget
+from draftkit.target.session import TargetSession
 
 __all__ = ["DEFAULT_BUDGETS", "ReplaySteps", "calibrate_thresholds", "replay_metrics", "replay_steps"]
 
@@ -38,11 +38,12 @@ class ReplaySteps:
 
 
 def replay_steps(
-    lm: DualLM, prompt_ids: Sequence[int], tokens: Sequence[int], logits_high: torch.Tensor | None = None
+    lm: TargetSession, prompt_ids: Sequence[int], tokens: Sequence[int], logits_high: torch.Tensor | None = None
 ) -> tuple[ReplaySteps, torch.Tensor]:
     """Teacher-forced 4-bit and 8-bit forwards over an all-8-bit trajectory; flip labels and gate scores.
 
     Args:
+        lm: the session of the two-precision target (reset before and after each forward).
         prompt_ids: prompt ids.
         tokens: the all-high greedy trajectory (n ids).
         logits_high: (n, V) teacher-forced 8-bit logits if already computed.

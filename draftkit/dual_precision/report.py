@@ -36,11 +36,12 @@ def answer_checker(tokenizer, prompts) -> Callable[[int, list[int]], bool] | Non
 
 
 def quant_record(quant, lm) -> dict:
-    """The report's ``quant`` block of a ``QuantConfig`` and the ``DualPrecisionLM`` it built."""
+    """The report's ``quant`` block of a ``QuantConfig`` and the target session it quantized (its
+    ``precision_layers``)."""
     return {"include": list(quant.include), "quantize_lm_head": quant.quantize_lm_head,
             "slicing": quant.slicing, "scheme": quant.scheme, "group_size": quant.group_size,
             "code_range": quant.code_range if quant.scheme == "asymmetric" else None,
-            "num_quantized_linears": len(lm.layers)}
+            "num_quantized_linears": len(lm.precision_layers)}
 
 
 def json_safe(obj):

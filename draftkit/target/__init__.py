@@ -1,5 +1,6 @@
-"""The frozen target: loading (``frozen``), the one layer hook, the offline LM head (``lm_head``) and the
-tokenizer facts every verb shares (``tokens``). Layer ids are HF ``hidden_states`` indices."""
+"""The frozen target: loading (``frozen``), the one layer hook, the one KV-cache session every decoding loop runs
+on, with dual precision's optional precision switch (``session.TargetSession``), the offline LM head
+(``lm_head``) and the tokenizer facts every verb shares (``tokens``). Layer ids are HF ``hidden_states`` indices."""
 
 from draftkit.target.frozen import FrozenTarget, TargetOutput, capture_hidden_states, load_target
 from draftkit.target.lm_head import TargetLMHead, load_target_lm_head

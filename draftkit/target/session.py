@@ -1,14 +1,22 @@
-"""One decoding stream of the frozen target over a Hugging Face KV cache: prefill, extend, roll back, compact.
+"""One decoding stream of the frozen target over a Hugging Face KV cache: prefill, extend, roll back, compact,
+and optionally a precision switch per forward.
 
-Used by every loop that decodes with the target (``draftkit.decoding``: plain, chain and tree speculative
-decoding, the cost model). Shapes: T new tokens, V target vocab, H_t target hidden, A number of aux layers.
-Batch size is 1 (single-stream latency).
+Used by every loop that decodes with the target: ``draftkit.decoding`` (plain, chain and tree speculative
+decoding, the cost model) and ``draftkit.dual_precision`` (single-precision, gated and verified decoding,
+teacher forcing), whose target holds nested int8 linears (``draftkit.quant``) and runs each forward on the
+int8 codes (``high``) or their 4-bit slice (``low``), nothing reloaded (dual-precision.md §1-2).
+
+Shapes: T new tokens, V target vocab, H_t target hidden, A number of aux layers. Batch size is 1
+(single-stream latency).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from draftkit.quant import QuantConfig, WeightBytes, nested_linears, quantize_model, set_precision, weight_bytes
 from draftkit.quant.bytes import param_bytes
 
 __all__ = ["TargetSession"]
@@ -19,9 +27,24 @@ class TargetSession:
 
     Args:
         target: a ``draftkit.target.frozen.FrozenTarget``.
+        quant_config: give one for a precision switch: the target's linears it selects become
+            ``NestedInt8Linear`` IN PLACE (unless the model already holds some; pass a ``copy.deepcopy`` of the
+            model when the float one is still needed) and :meth:`forward` takes ``precision``. None = a plain
+            session.
+
+    Attributes:
+        cache: the transformers ``DynamicCache`` (None before the first forward); ``length`` its positions.
+        weight_bytes: bytes of the weights one forward reads as stored (``quant.bytes.param_bytes``, an untied
+            input embedding left out: it is a row gather), decoding's bytes-read figures.
+        precision_layers: the ``NestedInt8Linear`` the precision switch flips (empty without one).
+        precision_bytes: ``quant.weight_bytes`` of the quantized target, the bytes of one forward at each
+            precision (``WeightBytes``), or None without a precision switch.
+
+    Raises:
+        ValueError: if ``quant_config`` selects no linear of the target.
     """
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, quant_config: QuantConfig | None = None) -> None:
         self.target = target
         self.cache = None
         self.length = 0
@@ -29,10 +52,32 @@ class TargetSession:
         # set from ``decoding.cost.CostTable.padding`` where a kernel makes m rows cheaper than n
         self.pad_rows: dict[int, int] = {}
         model = target.model
+        self.precision_layers = []
+        self.precision_bytes: WeightBytes | None = None
+        if quant_config is not None:
+            self.precision_layers = nested_linears(model) or list(quantize_model(model, quant_config).values())
+            self.precision_bytes = weight_bytes(model, quant_config)
         tied = model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
         embed = model.get_input_embeddings().weight
+        self.device = embed.device
         # an untied input embedding is a row gather, not a weight read
         self.weight_bytes = param_bytes(model) - (0 if tied else embed.numel() * embed.element_size())
+
+    @classmethod
+    def with_precision_switch(cls, model, quant_config: QuantConfig | None = None) -> TargetSession:
+        """The session of dual precision over a Hugging Face causal LM (Llama-style, ``model.model.layers``).
+
+        Args:
+            model: e.g. ``LlamaForCausalLM``, quantized IN PLACE as in the class (``quant_config`` default:
+                decoder linears, 16-bit LM head, mid-point slice).
+
+        Raises:
+            ValueError: if the target has no quantizable linears, or fewer than 2 layers.
+        """
+        from draftkit.target.frozen import FrozenTarget
+
+        # dual precision reads no aux states: capture the one cheapest layer the hook accepts
+        return cls(FrozenTarget(model, aux_layer_ids=[1]), quant_config or QuantConfig())
 
     @property
     def max_length(self) -> int:
@@ -40,35 +85,51 @@ class TargetSession:
         return int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
 
     def reset(self) -> None:
+        """Start a new stream: an empty cache."""
         self.cache = None
         self.length = 0
 
     @torch.no_grad()
     def forward(
         self,
-        input_ids: torch.Tensor,
-        last_only: bool = False,
+        input_ids: torch.Tensor | Sequence[int],
+        logits_to_keep: int = 0,
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        precision: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend the cache by T tokens.
 
         Args:
-            input_ids: (T,) int64 tokens, by default at positions length..length+T-1.
-            last_only: compute the LM head for the last row only (prefill).
+            input_ids: (T,) int64 tokens (a tensor or a list of ids), by default at positions
+                length..length+T-1.
+            logits_to_keep: 0 = the LM head over every row; n >= 1 = over the last n rows only (1 for a
+                prefill; the rows before are never read), as ``logits_to_keep`` of transformers' causal LMs.
             position_ids: (T,) int64 RoPE positions (tree verification), or None for the default.
             attn_mask: (T, length+T) bool, True where a new row may attend (a tree mask over the cache),
                 or None for causal attention.
+            precision: ``high`` (int8 codes) or ``low`` (4-bit slice) for every layer of the precision switch
+                from this forward on, or None to leave them as they are.
 
         Returns:
-            logits (T, V) float32 (or (1, V) with ``last_only``) and aux (T, A*H_t) in the target dtype.
+            logits (T, V) float32 (or (min(n, T), V) with ``logits_to_keep`` n) and aux (T, A*H_t) in the target
+            dtype.
 
-        With T in ``pad_rows`` (and not ``last_only``) the forward runs ``pad_rows[T] - T`` dummy rows after the
-        real ones (the last token again, attending to the cache and itself; no real row attends to them) and
+        Raises:
+            ValueError: on a ``precision`` for a session without a precision switch, or an unknown one.
+
+        With T in ``pad_rows`` (and ``logits_to_keep`` 0) the forward runs ``pad_rows[T] - T`` dummy rows after
+        the real ones (the last token again, attending to the cache and itself; no real row attends to them) and
         crops them from the cache, so the result and the cache are those of the unpadded forward.
         """
+        if precision is not None:
+            if not self.precision_layers:
+                raise ValueError(f"precision={precision!r}: this session has no precision switch "
+                                 "(build it with a quant_config, TargetSession.with_precision_switch)")
+            set_precision(self.precision_layers, precision)
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
         T = input_ids.shape[0]
-        pad = 0 if last_only else self.pad_rows.get(T, T) - T
+        pad = 0 if logits_to_keep else self.pad_rows.get(T, T) - T
         if pad > 0:
             input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad)])
             if position_ids is not None:
@@ -89,12 +150,13 @@ class TargetSession:
         pos = None if position_ids is None else position_ids[None]
         out = self.target(
             input_ids[None], attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
-            compute_logits=not last_only,
+            compute_logits=not logits_to_keep,
         )
         self.cache = out.cache
         self.length += input_ids.shape[0]
-        if last_only:
-            logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -1:])  # (1, 1, V)
+        if logits_to_keep:
+            # the LM head over the kept rows only, as transformers' ``logits_to_keep`` slices before it
+            logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -logits_to_keep:])
         else:
             logits = out.logits[:, :T]  # (1, T, V)
         if pad > 0:
@@ -102,7 +164,11 @@ class TargetSession:
         return logits[0].float(), out.aux_hidden_states[0, :T]
 
     def crop(self, length: int) -> None:
-        """Roll the cache back to its first ``length`` positions."""
+        """Roll the cache back to its first ``length`` positions (``DynamicCache.crop``).
+
+        Raises:
+            ValueError: if ``length`` exceeds the cache's positions.
+        """
         drop = self.length - length
         if drop < 0:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")

@@ -79,20 +79,21 @@ def test_generation_config_eos_stops_evaluate_and_dual_precision_alike(tiny_targ
     from draftkit.decoding.harness import evaluate_drafter
     from draftkit.decoding.drafters import PromptLookupDrafter
     from draftkit.sampling import DecodeConfig
-    from draftkit.dual_precision import DualPrecisionLM, greedy_decode
+    from draftkit.dual_precision import greedy_decode
     from draftkit.target.frozen import FrozenTarget
+    from draftkit.target.session import TargetSession
     from draftkit.target.tokens import encode_chat, stop_token_ids
 
     model = copy.deepcopy(tiny_target).double()
     prompt = encode_chat(tiny_tokenizer, [{"role": "user", "content": "hello there"}])
-    lm = DualPrecisionLM(copy.deepcopy(model))
+    lm = TargetSession.with_precision_switch(copy.deepcopy(model))
     free = greedy_decode(lm, prompt, DecodeConfig(8), "high").tokens
     end = next(t for t in free[2:] if t != tiny_tokenizer.eos_token_id)  # a token generated a few steps in
     assert end != tiny_tokenizer.eos_token_id
     model.generation_config.eos_token_id = end
-    lm.model.generation_config.eos_token_id = end
+    lm.target.model.generation_config.eos_token_id = end
 
-    eos = stop_token_ids(tiny_tokenizer, lm.model.generation_config)  # the rule evaluate-dual-precision uses
+    eos = stop_token_ids(tiny_tokenizer, lm.target.generation_config)  # the rule evaluate-dual-precision uses
     dual = greedy_decode(lm, prompt, DecodeConfig(8, eos_token_ids=eos), "high").tokens
     report = evaluate_drafter(PromptLookupDrafter(), FrozenTarget(model), tiny_tokenizer, [torch.tensor(prompt)],
                               k=2, max_new_tokens=8, baseline=True, prompt_lookup=False, warmup=False)

@@ -61,14 +61,14 @@ class MarkovTarget:
     def reset(self) -> None:
         self.seq = []
 
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False):
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0):
         ids = input_ids.tolist()
         self.seq += ids
         self.forward_lengths.append(len(ids))
         self.inputs.append(ids)
         logits = self.log_probs[input_ids]  # (T, V)
         aux = input_ids.float()[:, None]  # (T, 1)
-        return (logits[-1:] if last_only else logits), aux
+        return (logits[-logits_to_keep:] if logits_to_keep else logits), aux
 
     def crop(self, length: int) -> None:
         assert length <= len(self.seq)

@@ -88,7 +88,7 @@ def test_cache_rollback_equals_fresh_prefill(tiny, tiny_head):
     greedy = generate_plain(TargetSession(target), prompt, DecodeConfig(max_new_tokens=30)).tokens
     session, drafter = TargetSession(target), Eagle3Drafter(tiny_head)
     cfg = DecodeConfig(max_new_tokens=30)
-    logits, aux = session.forward(prompt, last_only=True)
+    logits, aux = session.forward(prompt, logits_to_keep=1)
     drafter.reset(prompt, aux)
     seq = prompt.tolist() + [int(logits[-1].argmax())]
     for planned in (2, 0, 4, 1):

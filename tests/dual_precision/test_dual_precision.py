@@ -12,7 +12,6 @@ from draftkit.decoding.metrics import kl_from_logits
 from draftkit.sampling import DecodeConfig
 from draftkit.dual_precision import (
     DualPrecisionConfig,
-    DualPrecisionLM,
     Gate,
     calibrate_thresholds,
     evaluate_dual_precision,
@@ -24,6 +23,7 @@ from draftkit.dual_precision import (
     verified_decode,
 )
 from draftkit.quant import QuantConfig, WeightBytes
+from draftkit.target.session import TargetSession
 
 PROMPTS = [[256, 10, 72, 105, 33], [256, 200, 15, 7, 7, 99, 3], [256, 1, 2, 3], [256, 90, 91, 250, 251, 30]]
 
@@ -31,24 +31,40 @@ PROMPTS = [[256, 10, 72, 105, 33], [256, 200, 15, 7, 7, 99, 3], [256, 1, 2, 3], 
 # ---------------------------------------------------------------------------------------------- stubs
 
 
-class StubLM:
+class FakeSession:
+    """What the loops use of a ``TargetSession`` with a precision switch; the cache is the list of tokens seen
+    and a subclass's ``logits(seq, n, precision)`` gives the (n, V) logits of the last n positions of ``seq``."""
+
+    def __init__(self):
+        self.precision_bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
+        self.cache = []
+
+    @property
+    def length(self):
+        return len(self.cache)
+
+    def reset(self):
+        self.cache = []
+
+    def crop(self, length):
+        del self.cache[length:]
+
+    def forward(self, input_ids, logits_to_keep=0, precision=None):
+        self.cache += list(input_ids)
+        return self.logits(self.cache, logits_to_keep or len(input_ids), precision), None
+
+
+class StubLM(FakeSession):
     """Fixed-logit two-precision model over V=16 tokens: high predicts (last + 1) % 16; low agrees with high
     except at the generated positions listed in ``disagree_at`` (absolute sequence positions), where it
-    predicts (last + 2) % 16. The cache is the list of tokens seen."""
+    predicts (last + 2) % 16."""
 
     V = 16
 
     def __init__(self, disagree_at=(), always_disagree=False):
+        super().__init__()
         self.disagree_at, self.always = set(disagree_at), always_disagree
-        self.bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
         self.calls = []
-
-    def new_cache(self):
-        return []
-
-    def rollback(self, cache, n):
-        del cache[len(cache) - n:]
-        return cache
 
     def _logits(self, seq, pos, precision):
         nxt = (seq[pos] + 1) % self.V
@@ -58,12 +74,12 @@ class StubLM:
         out[nxt] = 5.0
         return out
 
-    def forward(self, ids, cache, precision, logits_to_keep=1):
-        self.calls.append((precision, len(ids)))
-        seq = (list(cache) if cache is not None else []) + list(ids)
-        if cache is not None:
-            cache.extend(ids)
-        return torch.stack([self._logits(seq, p, precision) for p in range(len(seq) - logits_to_keep, len(seq))])
+    def forward(self, input_ids, logits_to_keep=0, precision=None):
+        self.calls.append((precision, len(input_ids)))
+        return super().forward(input_ids, logits_to_keep, precision)
+
+    def logits(self, seq, n, precision):
+        return torch.stack([self._logits(seq, p, precision) for p in range(len(seq) - n, len(seq))])
 
 
 def _expected_high(prompt, n):
@@ -82,7 +98,7 @@ def test_verified_stub_always_accept(k):
     assert traj.tokens == _expected_high([0, 3], 1 + rounds * (k + 1))
     assert traj.rounds == [(k, k)] * rounds  # tau = k + 1 (bonus token counted)
     assert traj.low_forwards == rounds * k and traj.high_forwards == 1 + rounds
-    per_token = traj.weight_bytes_read(lm.bytes) / len(traj.tokens)
+    per_token = traj.weight_bytes_read(lm.precision_bytes) / len(traj.tokens)
     assert per_token == (100.0 + rounds * (k * 60.0 + 100.0)) / (1 + rounds * (k + 1))
 
 
@@ -92,7 +108,7 @@ def test_verified_stub_never_accept(k):
     traj = verified_decode(lm, [0, 3], k, DecodeConfig(6))
     assert traj.tokens == _expected_high([0, 3], 6)
     assert [a for _, a in traj.rounds] == [0] * 5  # one corrected token per round
-    assert traj.weight_bytes_read(lm.bytes) == 100.0 + sum(d * 60.0 + 100.0 for d, _ in traj.rounds)
+    assert traj.weight_bytes_read(lm.precision_bytes) == 100.0 + sum(d * 60.0 + 100.0 for d, _ in traj.rounds)
 
 
 def test_verified_stub_sometimes_accept_exact_lengths():
@@ -133,25 +149,15 @@ def test_gated_stub_escalates_by_score():
 # ---------------------------------------------------------------------------------------------- sampled
 
 
-class MarkovDualLM:
+class MarkovDualLM(FakeSession):
     """Two precisions of a first-order Markov chain over V tokens: logits = log table[precision][last token]."""
 
     def __init__(self, high: torch.Tensor, low: torch.Tensor):
+        super().__init__()
         self.tables = {"high": high.log(), "low": low.log()}
-        self.bytes = WeightBytes(high=100.0, low=60.0, high_plane=40.0, quantized_params=80, other=20.0)
 
-    def new_cache(self):
-        return []
-
-    def rollback(self, cache, n):
-        del cache[len(cache) - n:]
-        return cache
-
-    def forward(self, ids, cache, precision, logits_to_keep=1):
-        seq = (list(cache) if cache is not None else []) + list(ids)
-        if cache is not None:
-            cache.extend(ids)
-        return self.tables[precision][torch.tensor(seq[-logits_to_keep:])]  # (logits_to_keep, V)
+    def logits(self, seq, n, precision):
+        return self.tables[precision][torch.tensor(seq[-n:])]  # (n, V)
 
 
 def _markov_tables(vocab=4, seed=0):
@@ -285,11 +291,12 @@ def dp_tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_lm(dp_tiny_dir):
-    """DualPrecisionLM of the tiny Llama in float64 (exact enough that kernel numerics never flip a tie)."""
+    """The tiny Llama's session with a precision switch, in float64 (exact enough that kernel numerics never flip
+    a tie)."""
     from draftkit.target.frozen import load_target
 
     model, _ = load_target(str(dp_tiny_dir), "float64")
-    return DualPrecisionLM(model)
+    return TargetSession.with_precision_switch(model)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -300,7 +307,7 @@ def test_verified_equals_all_high_on_tiny_model(tiny_lm, k):
         traj = verified_decode(tiny_lm, prompt, k, DecodeConfig(16))
         assert traj.tokens == high.tokens
         torch.testing.assert_close(traj.logits, high.logits, rtol=1e-5, atol=1e-5)
-        wb = tiny_lm.bytes
+        wb = tiny_lm.precision_bytes
         assert traj.weight_bytes_read(wb) == pytest.approx(wb.high + sum(d * wb.low + wb.high for d, _ in traj.rounds))
         accepted += sum(a for _, a in traj.rounds)
         rejected += sum(a < d for d, a in traj.rounds)
@@ -329,9 +336,10 @@ def test_gated_overwrites_kv_of_escalated_steps(tiny_lm):
     traj = greedy_decode(tiny_lm, prompt, DecodeConfig(12), gate=gate)
     assert 0 < sum(traj.escalated) < len(traj.tokens)
     # replay the run with a fresh cache, step by step, using the recorded decisions
-    cache, x = tiny_lm.new_cache(), list(prompt)
+    tiny_lm.reset()
+    x = list(prompt)
     for tok, esc, logits in zip(traj.tokens, traj.escalated, traj.logits):
-        out = tiny_lm.forward(x, cache, "high" if esc else "low")[-1]
+        out = tiny_lm.forward(x, 1, precision="high" if esc else "low")[0][-1]
         torch.testing.assert_close(out, logits, rtol=1e-5, atol=1e-5)
         x = [tok]
 
@@ -382,7 +390,7 @@ def test_no_quantizable_linears(dp_tiny_dir):
 
     model, _ = load_target(str(dp_tiny_dir), "float32")
     with pytest.raises(ValueError, match="no quantizable linears"):
-        DualPrecisionLM(model, QuantConfig(include=("*.does_not_exist.*",)))
+        TargetSession.with_precision_switch(model, QuantConfig(include=("*.does_not_exist.*",)))
 
 
 def test_evaluate_report_on_tiny_model(tiny_lm):
@@ -392,7 +400,7 @@ def test_evaluate_report_on_tiny_model(tiny_lm):
     assert list(methods) == ["all_high", "all_low", "entropy_gate", "margin_gate", "verified"]
     for entry in methods.values():
         assert {"bytes_per_token", "bytes_ratio_vs_high", "kl_mean", "escalation_rate", "exact_match"} <= set(entry)
-    wb = tiny_lm.bytes
+    wb = tiny_lm.precision_bytes
     assert methods["all_high"]["bytes_per_token"] == wb.high and methods["all_high"]["kl_mean"] < 1e-6
     assert methods["all_low"]["bytes_ratio_vs_high"] == pytest.approx(wb.rho)
     assert methods["verified"]["exact_match"] == 1.0 and methods["verified"]["kl_mean"] < 1e-6
@@ -519,8 +527,8 @@ def test_smollm2_verified_equals_all_high():
     from draftkit.target.frozen import load_target
 
     model, tok = load_target(SMOLLM2_REF, "float32")
-    lm = DualPrecisionLM(model)
-    assert len(lm.layers) == 30 * 7 and round(lm.bytes.rho, 3) == 0.675
+    lm = TargetSession.with_precision_switch(model)
+    assert len(lm.precision_layers) == 30 * 7 and round(lm.precision_bytes.rho, 3) == 0.675
     text = load_prompts("mt-bench")[0].text
     chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
     prompt = tok(chat, add_special_tokens=False)["input_ids"]
