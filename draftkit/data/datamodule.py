@@ -40,7 +40,7 @@ from draftkit.data.hidden_cache import AUTO, HiddenStateCache, write_recipe_cach
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import short_hash
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
-from draftkit.target.tokens import pad_token_id, tokenizer_fingerprint
+from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
 __all__ = ["ChatDataModule"]
 
@@ -501,7 +501,8 @@ class ChatDataModule(pl.LightningDataModule):
 
     def cache_fingerprint(self) -> dict:
         """The data fields of a hidden-state cache fingerprint: ``tokenizer`` and ``data`` (16 hex digits each)."""
-        return {"tokenizer": tokenizer_fingerprint(self.load_tokenizer()), "data": self.fingerprint()}
+        tokenizer = tokenizer_identity(self.load_tokenizer(), self.hparams.chat_template)
+        return {"tokenizer": tokenizer, "data": self.fingerprint()}
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """(V,) int64 counts of target ids at assistant positions of the training split."""

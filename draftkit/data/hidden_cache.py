@@ -49,7 +49,7 @@ from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 
 __all__ = [
     "AUTO", "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
-    "config_fingerprint", "plan_shards", "tokenizer_fingerprint", "write_hidden_states", "write_recipe_cache",
+    "config_fingerprint", "plan_shards", "write_hidden_states", "write_recipe_cache",
 ]
 
 log = logging.getLogger(__name__)

@@ -358,7 +358,7 @@ def regenerate(
     from draftkit.data.hidden_cache import config_fingerprint
     from draftkit.precision import default_device, resolve_dtype
     from draftkit.target.frozen import load_target
-    from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_fingerprint
+    from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_identity
 
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
@@ -399,7 +399,9 @@ def regenerate(
         "format": FORMAT,
         "target": target,
         "target_fingerprint": {
-            "config": config_fingerprint(model.config), "tokenizer": tokenizer_fingerprint(tokenizer), "dtype": dtype,
+            "config": config_fingerprint(model.config),
+            "tokenizer": tokenizer_identity(tokenizer, template),
+            "dtype": dtype,
         },
         "chat_template_sha16": short_hash(template),
         "decode": {**asdict(cfg), "stop_token_ids": stop_ids, "batch_size": batch_size},

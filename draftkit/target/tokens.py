@@ -10,7 +10,7 @@ Shapes: T tokens.
 from __future__ import annotations
 
 __all__ = [
-    "encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids", "tokenizer_fingerprint", "tokenizer_identity",
+    "encode_chat", "ids_to_skip", "pad_token_id", "stop_token_ids", "tokenizer_identity",
 ]
 
 
@@ -48,36 +48,28 @@ def pad_token_id(tokenizer) -> int:
 
 
 def tokenizer_identity(tokenizer, chat_template: str | None = None) -> str:
-    """Fingerprint (16 hex digits) of what a draft head learns through the tokenizer: the id -> token table,
-    the special tokens with their ids, and the chat template (``chat_template`` when given, else the
-    tokenizer's own). Two tokenizers of equal size whose ids are permuted differ here.
+    """The one fingerprint (16 hex digits) of a tokenizer: everything that decides which ids a text becomes
+    and what an id means. It hashes the tokenizer's whole serialisation (fast tokenizers: vocabulary, merges,
+    normaliser, pre-tokenizer and added tokens with their ids, ``backend_tokenizer.to_str()``; others: the
+    id -> token table), its length, the special tokens with their ids, and the chat template
+    (``chat_template`` when given, else the tokenizer's own). Two tokenizers of equal size whose ids are
+    permuted, or whose merges differ, differ here.
 
-    Stored in training checkpoints and export sidecars (``tokenizer_fingerprint``) and compared with the
-    target's tokenizer on load (``draftkit.heads.checkpoint.check_tokenizer``).
+    Stored in training checkpoints and export sidecars (``tokenizer_fingerprint``, compared with the target's
+    tokenizer on load by ``draftkit.heads.checkpoint.check_tokenizer``), in hidden-state cache keys
+    (``draftkit.data.datamodule.DataModule.cache_fingerprint``) and in ``draftkit generate`` headers
+    (``target_fingerprint.tokenizer``).
     """
     import json
 
     from draftkit.jsonio import short_hash
 
-    table = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    serial = backend.to_str() if backend is not None else tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     special = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in tokenizer.all_special_tokens}
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    blob = json.dumps([table, sorted(special.items()), template], sort_keys=True, default=str)
+    blob = json.dumps([serial, len(tokenizer), sorted(special.items()), template], sort_keys=True, default=str)
     return short_hash(blob.encode("utf-8", "surrogatepass"))
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Fingerprint (16 hex digits) of a fast tokenizer as data is keyed by it: its whole serialisation
-    (vocabulary, merges, normaliser, special tokens; ``backend_tokenizer.to_str()``) and its length.
-
-    Stored in hidden-state caches (``draftkit.data.hidden_cache``, field ``tokenizer``) and in ``draftkit
-    generate`` headers (``target_fingerprint.tokenizer``). Heads are checked with :func:`tokenizer_identity`
-    instead (table, special ids and chat template, what a head learns); both stay because their values are
-    stored in files already written.
-    """
-    from draftkit.jsonio import short_hash
-
-    return short_hash([tokenizer.backend_tokenizer.to_str(), len(tokenizer)])
 
 
 def ids_to_skip(tokenizer) -> list[int]:

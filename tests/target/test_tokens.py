@@ -1,7 +1,8 @@
-"""Tokenizer facts: the one EOS rule, pad id, skipped ids, chat-prompt encoding and the two stored fingerprints."""
+"""Tokenizer facts: the one EOS rule, pad id, skipped ids, chat-prompt encoding and the one stored tokenizer identity."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 from transformers import GenerationConfig
@@ -11,7 +12,6 @@ from draftkit.target.tokens import (
     ids_to_skip,
     pad_token_id,
     stop_token_ids,
-    tokenizer_fingerprint,
     tokenizer_identity,
 )
 
@@ -42,9 +42,17 @@ def test_encode_chat_renders_generation_prompt_without_extra_specials(tiny_token
     assert tiny_tokenizer.decode(ids) == text and text.endswith("assistant\n")
 
 
-def test_stored_tokenizer_fingerprints_keep_their_values(tiny_tokenizer):
-    """Both values are stored in files already written (caches and generate headers; checkpoints and exports):
-    the tiny tokenizer's are pinned, and the identity follows the chat template while the fingerprint does not."""
-    assert tokenizer_fingerprint(tiny_tokenizer) == "684c71787fd1066c"
-    assert tokenizer_identity(tiny_tokenizer) == "88db22ae3bdb024a"
-    assert tokenizer_identity(tiny_tokenizer, "{{x}}") == "6f28e371ea6a2772"
+def test_tokenizer_identity_keeps_its_value_and_sees_what_changes_ids(tiny_tokenizer):
+    """The value is stored in checkpoints, export sidecars, hidden-state cache keys and generate headers: the tiny
+    tokenizer's is pinned. It follows the chat template, and a normaliser that changes which ids a text becomes
+    changes it even though the id -> token table is the same."""
+    from tokenizers import normalizers
+
+    assert tokenizer_identity(tiny_tokenizer) == "93952bfd912bb840"
+    assert tokenizer_identity(tiny_tokenizer, "{{x}}") == "4993a301a0be11ae"
+    lower = copy.deepcopy(tiny_tokenizer)
+    lower.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert lower.convert_ids_to_tokens(list(range(len(lower)))) == tiny_tokenizer.convert_ids_to_tokens(
+        list(range(len(tiny_tokenizer))))
+    assert lower("Hi")["input_ids"] != tiny_tokenizer("Hi")["input_ids"]
+    assert tokenizer_identity(lower) != tokenizer_identity(tiny_tokenizer)
