@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import gzip
-import hashlib
 import json
 import logging
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from draftkit.jsonio import short_hash
 
 __all__ = [
     "ReadSummary",
@@ -331,9 +332,7 @@ def tokenization_fingerprint() -> str:
     re-tokenizes instead of reusing a cache written by the old code."""
     from draftkit import __version__
 
-    h = hashlib.sha256(f"draftkit {__version__};".encode())
-    h.update(Path(__file__).read_bytes())
-    return h.hexdigest()[:16]
+    return short_hash(f"draftkit {__version__};".encode() + Path(__file__).read_bytes())
 
 
 def _render(tokenizer, messages, chat_template, add_generation_prompt=False) -> str:
