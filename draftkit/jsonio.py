@@ -87,9 +87,10 @@ def atomic_path(path: str | Path, directory: bool = False) -> Iterator[Path]:
     written and ``os.replace`` it onto ``path``; on an error remove it, leaving ``path`` as it was.
 
     The temporary is an empty file (``directory=False``; a writer may also replace it, e.g. ``save_file``) or
-    an empty folder (``directory=True``: an existing folder at ``path`` is removed just before the rename). It
-    lies in ``path``'s folder (created), so the rename never crosses filesystems. A file gets the usual
-    permissions (0666 minus the umask, not mkstemp's 0600); a folder keeps mkdtemp's.
+    an empty folder (``directory=True``: an existing folder at ``path`` is moved aside just before the rename,
+    put back if the rename fails, and removed after it). It lies in ``path``'s folder (created), so the rename
+    never crosses filesystems. A file gets the usual permissions (0666 minus the umask, not mkstemp's 0600); a
+    folder keeps mkdtemp's.
 
     Args:
         path: the file or folder to write.
@@ -106,24 +107,34 @@ def atomic_path(path: str | Path, directory: bool = False) -> Iterator[Path]:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
         tmp = Path(name)
+    aside = None
     try:
         yield tmp
         if directory:
             for root, _, files in os.walk(tmp):
                 for f in files:
                     _fsync(Path(root) / f)
-            if path.exists():
-                shutil.rmtree(path)
+            if path.exists():  # move the old folder aside, so a failed rename can put it back
+                aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                os.replace(path, aside / "dir")
         else:
             os.chmod(tmp, 0o666 & ~_umask())
             _fsync(tmp)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if aside is not None:
+                os.replace(aside / "dir", path)
+            raise
         _fsync(path.parent)
     finally:
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        for leftover in (tmp, aside):
+            if leftover is None:
+                continue
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: str | Path, obj, indent: int = 2, allow_nan: bool = True) -> None:

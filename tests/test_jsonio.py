@@ -82,6 +82,26 @@ def test_atomic_path_file_and_folder_replace_or_keep_the_old(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "dir"]
 
 
+def test_atomic_folder_rename_failure_puts_the_old_folder_back(tmp_path, monkeypatch):
+    """When the final rename of a new folder fails, the old folder is back at its path, whole, and neither the
+    new temporary nor the moved-aside copy is left beside it."""
+    out = tmp_path / "export"
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "model.safetensors").write_text("old")
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(src).name.startswith(".export.") and not Path(src).name.startswith(".export.old-"):
+            raise OSError("rename failed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="rename failed"), atomic_path(out, directory=True) as tmp:
+        (tmp / "model.safetensors").write_text("new")
+    assert (out / "model.safetensors").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
 def test_short_hash_is_sha256_of_sorted_json_or_of_bytes():
     """16 hex digits of sha256 over json.dumps(sort_keys=True) (a str as its JSON string), or over raw bytes."""
     assert short_hash({"b": 1, "a": [1, 2]}) == hashlib.sha256(b'{"a": [1, 2], "b": 1}').hexdigest()[:16]

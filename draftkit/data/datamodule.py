@@ -18,9 +18,6 @@ import collections
 import functools
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -38,7 +35,7 @@ from draftkit.data.chat import (
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import AUTO, HiddenStateCache, write_recipe_cache
 from draftkit.data.sampler import ResumableLoader
-from draftkit.jsonio import short_hash
+from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
@@ -288,16 +285,9 @@ class ChatDataModule(pl.LightningDataModule):
             "sequences": len(ds),
             "skips": summary.skip_rows() + template_skips + [{k: r[k] for k in SKIP_KEYS} for r in lost],
         }
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
-        try:
-            ds.save_to_disk(str(tmp / "ds"))
-            (dest.parent / f"{key}.stats.json").write_text(json.dumps(stats, indent=2))
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(tmp / "ds", dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_json_atomic(dest.parent / f"{key}.stats.json", stats)
+        with atomic_path(dest, directory=True) as tmp:
+            ds.save_to_disk(str(tmp))
         return datasets.load_from_disk(str(dest)), stats
 
     def _name_untrainable(self, dropped, conversations: list, records: list[str]) -> list[dict]:

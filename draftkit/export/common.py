@@ -25,16 +25,13 @@ import dataclasses
 import errno
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from draftkit.heads.checkpoint import check_finite, expected_tensor_specs
 from draftkit.heads.eagle3_llama import Eagle3Config
-from draftkit.jsonio import InsufficientSpaceError, check_free_space
+from draftkit.jsonio import InsufficientSpaceError, atomic_path, check_free_space
 from draftkit.selection.vocab import VocabMap
 
 __all__ = [
@@ -247,10 +244,7 @@ def write_directory(
     nbytes = (sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 4096
               + sum(len(t.encode("utf-8")) for t in [*json_text.values(), *text_files.values()]))
     check_free_space(out_dir.parent, nbytes, f"export to {out_dir}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
+    with atomic_path(out_dir, directory=True) as tmp:
         try:
             _write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
             for name, text in json_text.items():
@@ -265,17 +259,4 @@ def write_directory(
                 ) from exc
             raise
         check(tmp)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / "dir")
-        try:
-            os.replace(tmp, out_dir)
-        except BaseException:
-            if old is not None:  # put the previous export back rather than leave nothing
-                os.replace(old / "dir", out_dir)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out_dir
