@@ -107,6 +107,20 @@ def test_the_source_cites_the_design_documents():
     assert sum(len(numbers) for _, _, _, numbers, _ in CITED) > 70
 
 
+def test_no_source_points_outside_the_repository():
+    """A citation names the repository's own file (docs/X.md), never the design team's shared/ folder, which a
+    user does not have."""
+    outside = []
+    for folder in SCANNED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue
+            text = path.read_text(encoding="utf-8")
+            for m in re.finditer(r"shared/(reference|cases|seeds)/", text):
+                outside.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+    assert outside == []
+
+
 @pytest.mark.parametrize("where,line,doc,numbers,title", CITED, ids=[f"{c[0]}:{c[1]}" for c in CITED])
 def test_citation_resolves_to_a_heading(where, line, doc, numbers, title):
     path = DOCS / f"{doc}.md"

@@ -1,6 +1,6 @@
 """Decoding loops of a two-precision target: single precision, gated, verified speculation, teacher forcing.
 
-Definitions: shared/reference/dual-precision.md §3-4 (gated steps, KV drift) and §7 (verified speculation:
+Definitions: docs/dual-precision.md §3-4 (gated steps, KV drift) and §7 (verified speculation:
 self-speculation with shared weights, QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424; greedy or by
 rejection sampling, arXiv 2211.17192). The prompt forward is step 0 of every loop and counts as one weight
 read; every loop runs on one ``draftkit.target.session.TargetSession`` with a precision switch (its cache

@@ -1,6 +1,6 @@
 """Dual-precision evaluation: calibrate the gates, replay, compare the methods live, and report.
 
-Definitions: shared/reference/dual-precision.md. Seed idea "precision on demand" (arXiv 2611.14418, claims
+Definitions: docs/dual-precision.md. Seed idea "precision on demand" (arXiv 2611.14418, claims
 only); gates from CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); verified speculation is
 self-speculation with shared weights (QSpec arXiv 2410.11305, QuantSpec arXiv 2502.10424), greedy or by
 rejection sampling (arXiv 2211.17192).

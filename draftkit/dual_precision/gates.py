@@ -1,6 +1,6 @@
 """Escalation gates: scores of the 4-bit softmax and the :class:`Gate` that compares them to a threshold.
 
-Definitions: shared/reference/dual-precision.md §4. Both scores belong to the softmax-confidence family of
+Definitions: docs/dual-precision.md §4. Both scores belong to the softmax-confidence family of
 CALM (arXiv 2207.07061) and BiLD (arXiv 2302.07863); higher = more uncertain = escalate.
 
 - entropy: H(p_lo) in nats, fp32 over the full vocabulary (``draftkit.analysis.token_entropy``)

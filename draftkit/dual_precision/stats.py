@@ -1,6 +1,6 @@
 """Statistics of a dual-precision evaluation: budget thresholds, catch rate, AUROC / PR-AUC, bootstrap, McNemar.
 
-Definitions: shared/reference/dual-precision.md §4 (tau from a budget) and §6 (metrics). Flip labels are rare,
+Definitions: docs/dual-precision.md §4 (tau from a budget) and §6 (metrics). Flip labels are rare,
 so PR-AUC is reported beside AUROC; intervals resample prompts, not steps (steps of one prompt correlate).
 
 Shapes: N steps, P prompts (groups).

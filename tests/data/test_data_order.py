@@ -83,7 +83,7 @@ def _expected_epoch(size, seed, epoch, batch, lengths=None, window=0):
 
 @pytest.mark.parametrize("bucket_window", [0, 6])
 def test_case_each_epoch_draws_its_own_seeded_permutation(chat20, tiny_target_dir, tmp_path, bucket_window):
-    """shared/cases/n7_epoch_order.py: every epoch replayed epoch 0's order; the loader state stayed at epoch 0."""
+    """User case n7 (epoch order): every epoch replayed epoch 0's order; the loader state stayed at epoch 0."""
     rows, _ = _fit(chat20, tiny_target_dir, tmp_path, bucket_window=bucket_window, max_epochs=3)
     by_epoch = {}
     for step in sorted(rows):
@@ -100,7 +100,7 @@ def test_case_each_epoch_draws_its_own_seeded_permutation(chat20, tiny_target_di
 
 @pytest.mark.parametrize("mode,resume_at", [("steps", 7), ("steps", 10), ("epochs", 7), ("epochs", 14)])
 def test_case_resume_from_any_checkpoint_gives_the_same_batches(chat20, tiny_target_dir, tmp_path, mode, resume_at):
-    """shared/cases/n7_resume_epoch_boundary.py: a resume from the checkpoint at the end of epoch 0 (step 7 of
+    """User case n7 (resume at an epoch boundary): a resume from the checkpoint at the end of epoch 0 (step 7 of
     7 batches per epoch) changed every later batch. Mid-epoch and max_epochs resume points as well."""
     limits = dict(max_steps=17) if mode == "steps" else dict(max_epochs=3)
     full, w_full = _fit(chat20, tiny_target_dir, tmp_path / "a", **limits)
@@ -130,7 +130,7 @@ def _consume(loader, steps):
 
 
 def test_case_resume_on_more_processes_refuses_naming_both_settings():
-    """shared/cases/n8_world_size_resume.py: checkpointed on 1 process x batch 4 after 4 steps (sequences 0-15 of
+    """User case n8 (world-size resume): checkpointed on 1 process x batch 4 after 4 steps (sequences 0-15 of
     the epoch order) and resumed on 2 processes x batch 4, sequences 16-31 were skipped silently. Lightning counts
     the remaining steps of the epoch from the checkpoint, so a changed global batch cannot continue mid-epoch."""
     state = _consume(_loader(40, 1, 0, 4), 4)

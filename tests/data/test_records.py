@@ -1,6 +1,6 @@
 """Every record trains or is named with a reason: encodings real files carry, skip lists, runs without signal.
 
-The ``case_*`` tests are the failing inputs of issue 14 (shared/cases/), verbatim; the others are more inputs
+The ``case_*`` tests are the failing inputs of issue 14 (user cases), verbatim inline; the others are more inputs
 of the same kind.
 """
 

@@ -1,7 +1,7 @@
 """Records the chat template rejects are skipped and named; a source that loses too many records stops set-up.
 
-The ``case_*`` tests are the failing inputs of issue 30 (shared/cases/turn3/), verbatim; the others are more
-inputs of the same kind.
+The ``case_*`` tests are the failing inputs of issue 30, kept verbatim in ``tests/data/cases/``; the others are
+more inputs of the same kind.
 """
 
 import json
@@ -14,11 +14,10 @@ import yaml
 from draftkit.data.chat import TemplateError, tokenize_conversation
 from draftkit.data.datamodule import ChatDataModule
 
-CASES = Path("/work/shared/cases/turn3")
 REPO = Path(__file__).resolve().parents[2]
+CASES = REPO / "tests" / "data" / "cases"
 # the assistant span this reasoning template renders for the last turn differs from the one for earlier turns
-QWEN3_TEMPLATE = yaml.safe_load((CASES / "x04-qwen3-recipe.yaml").read_text())["data"]["chat_template"] if (
-    CASES / "x04-qwen3-recipe.yaml").exists() else None
+QWEN3_TEMPLATE = yaml.safe_load((CASES / "x04-qwen3-recipe.yaml").read_text())["data"]["chat_template"]
 ALTERNATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -37,8 +36,6 @@ def _write_jsonl(path: Path, rows) -> Path:
 
 
 def _case(tmp_path: Path, name: str) -> Path:
-    if not (CASES / name).exists():
-        pytest.skip(f"case file {CASES / name} not present")
     return Path(shutil.copy(CASES / name, tmp_path / name))
 
 

@@ -41,7 +41,7 @@ def _ckpt(path, target_dir, head=None, chat_template=None):
 
 
 def _permuted_copy(src, dest):
-    """shared/cases/b15_permuted_tokenizer.py: the same tokenizer size, the 256 byte tokens' ids reversed."""
+    """User case b15 (permuted tokenizer): the same tokenizer size, the 256 byte tokens' ids reversed."""
     shutil.copytree(src, dest)
     p = dest / "tokenizer.json"
     t = json.loads(p.read_text())
@@ -53,7 +53,7 @@ def _permuted_copy(src, dest):
 
 
 def test_case_nan_head_is_refused_by_evaluate_and_export(tmp_path, tiny_target_dir):
-    """shared/cases/b14_nan_head.py: one NaN weight evaluated as tau 1.000, KL nan, exit 0."""
+    """User case b14 (NaN head): one NaN weight evaluated as tau 1.000, KL nan, exit 0."""
     from draftkit.commands.evaluate import evaluate
 
     head = _head(tiny_target_dir)
@@ -89,7 +89,7 @@ def test_non_finite_draft_logits_are_refused(tiny_target_dir):
 
 
 def test_case_permuted_tokenizer_is_refused_by_export_and_evaluate(tmp_path, tiny_target_dir):
-    """shared/cases/b15_permuted_tokenizer.py: a target whose tokenizer has the same size but permuted ids was
+    """User case b15 (permuted tokenizer): a target whose tokenizer has the same size but permuted ids was
     accepted by both. A training checkpoint and an export directory both record the fingerprint."""
     from transformers import AutoTokenizer
 

@@ -338,7 +338,7 @@ def _empty_on(model, batches: set[int]):
 
 
 def test_case_entropy_filter_removing_every_position_stops_before_anything_is_written(tmp_path, monkeypatch):
-    """shared/cases/b07: tiny-debug with entropy_filter {mode: drop, threshold: 1000} used to run 4 "steps" with
+    """User case b07: tiny-debug with entropy_filter {mode: drop, threshold: 1000} used to run 4 "steps" with
     no update, write best-step=4.ckpt and log NaN and 0.0 validation metrics."""
     import yaml
 
