@@ -60,6 +60,7 @@ def evaluate_dual_precision(
     output: Optional[str] = None,
     record: Optional[str] = None,
     tensorboard: Optional[str] = None,
+    kernels: str = "auto",
 ) -> dict:
     """Dual-precision decoding on a target: int8 weights, 4-bit slices, escalation gates, verified speculation.
 
@@ -99,6 +100,12 @@ def evaluate_dual_precision(
         record: per-prompt JSONL record; a rerun with the same options resumes from it (default: OUTPUT with
             .prompts.jsonl for .json when --output is given, else none).
         tensorboard: TensorBoard log directory.
+        kernels: linear kernels of the target's float layers (``draftkit.target.kernels``): auto (prepacked oneDNN
+            weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Only
+            the ``nn.Linear`` left after quantization is packed (the 16-bit LM head, or nothing with
+            ``--quantize_lm_head``); the ``NestedInt8Linear`` layers keep their own forward. Both precisions'
+            logits agree with stock to 1e-5 in float32; the report's ``kernels`` says which ran, why, and the
+            packed copy's bytes (not part of the record header: a resumed run may use other kernels).
 
     Returns:
         The report dict.
@@ -115,6 +122,7 @@ def evaluate_dual_precision(
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target
+    from draftkit.target.kernels import KERNELS, pack_linears
     from draftkit.target.session import TargetSession
     from draftkit.target.tokens import stop_token_ids
 
@@ -122,6 +130,8 @@ def evaluate_dual_precision(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if template not in TEMPLATES:
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    if kernels not in KERNELS:
+        raise ValueError(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
@@ -155,6 +165,7 @@ def evaluate_dual_precision(
         lm = TargetSession.with_precision_switch(model, quant)
     except ValueError as err:
         raise ValueError(f"--target {target}: {err}") from err
+    packed = pack_linears(model, kernels)  # after quantizing: only the float linears left are packed
     t_load = time.perf_counter() - t_load
     eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     chosen = resolve_template(template, tokenizer, target)
@@ -167,10 +178,12 @@ def evaluate_dual_precision(
         record = str(Path(output).with_suffix(".prompts.jsonl"))
     eval_ids = [encode_prompt(p, tokenizer, template) for p in evaluation]
     calib_ids = [encode_prompt(p, tokenizer, template) for p in calib]
-    report = run(
-        lm, eval_ids, calib_ids, config, eos, dp_report.answer_checker(tokenizer, evaluation), record=record,
-        record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
-    )
+    with packed:
+        report = run(
+            lm, eval_ids, calib_ids, config, eos, dp_report.answer_checker(tokenizer, evaluation), record=record,
+            record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
+        )
+        report["kernels"] = packed.as_dict()
     report["target"] = target
     report["dtype"] = precision["dtype"]
     report["precision"] = precision

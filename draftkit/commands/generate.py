@@ -40,6 +40,7 @@ def generate(
     shard_size: int = 64,
     split: str = "train",
     overwrite: bool = False,
+    kernels: str = "auto",
 ) -> dict:
     """Replace each assistant turn of a chat source with the target's own answer (chat JSONL with a header).
 
@@ -64,9 +65,13 @@ def generate(
         shard_size: conversations per shard (the unit of resume).
         split: datasets split of the source.
         overwrite: replace an existing output, or restart when <output>.parts was made with other settings.
+        kernels: the target's linear kernels (``draftkit.target.kernels``): auto (prepacked oneDNN weights where
+            a probe measures them faster on this CPU and dtype, else stock), onednn or stock; the tokens, the
+            header and its settings hash are the same either way.
 
     Returns:
-        The header written (target fingerprint, decode settings, source ids, counts), plus seconds and tokens_per_s.
+        The header written (target fingerprint, decode settings, source ids, counts), plus seconds, tokens_per_s
+        and kernels (which ran, why, the packed copy's bytes).
 
     Raises:
         ValueError: without a source or a target, or on bad settings.
@@ -87,4 +92,5 @@ def generate(
     return regenerate(
         source, output, target, cfg, dtype=dtype, chat_template=chat_template, split=split,
         max_records=max_records, batch_size=batch_size, shard_size=shard_size, overwrite=overwrite,
+        kernels=kernels,
     )

@@ -325,6 +325,7 @@ def regenerate(
     batch_size: int = 8,
     shard_size: int = 64,
     overwrite: bool = False,
+    kernels: str = "auto",
     _after_batch=None,
 ) -> dict:
     """Regenerate the assistant turns of a chat source with the target (see the module docstring).
@@ -342,11 +343,15 @@ def regenerate(
         batch_size: prompts decoded together (sequences).
         shard_size: conversations per shard (the unit of resume).
         overwrite: replace an existing output, or restart when ``<output>.parts`` was made with other settings.
+        kernels: the target's linear kernels (``draftkit.target.kernels.pack_linears``): auto (prepacked oneDNN
+            weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Not a
+            decode setting: the tokens are the same either way (float32 outputs agree to 1e-5), so it stays out
+            of the header and its ``settings`` hash, and a run resumes shards made with the other kernels.
         _after_batch: test hook called after every decoded batch.
 
     Returns:
         The header written (``counts`` includes ``new_tokens``), plus ``seconds`` and ``tokens_per_s`` of
-        this run's decoding.
+        this run's decoding and ``kernels`` (``PackedLinears.as_dict``: which ran, why, the packed copy's bytes).
 
     Raises:
         FileExistsError: if ``output`` exists (without ``overwrite``) and is not a generate output made with the
@@ -358,6 +363,7 @@ def regenerate(
     from draftkit.data.hidden_cache import config_fingerprint
     from draftkit.precision import default_device, resolve_dtype
     from draftkit.target.frozen import load_target
+    from draftkit.target.kernels import pack_linears
     from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_identity
 
     if batch_size < 1 or shard_size < 1:
@@ -389,6 +395,10 @@ def regenerate(
     dtype = resolve_dtype(dtype, device, "--dtype")
     model, tokenizer = load_target(target, dtype)
     model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
+    # packed once, before anything is written; released after the last shard (on an error the model and its packed
+    # copy go together when regenerate leaves)
+    packed = pack_linears(model, kernels)
+    kernels_record = packed.as_dict()
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
@@ -510,6 +520,7 @@ def regenerate(
             "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
             i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
         )
+    packed.release()
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]
@@ -544,4 +555,4 @@ def regenerate(
         "(%.1f tokens/s)", out, len(ids), dict(failed) or "none", dict(summary.skipped) or "none", new_tokens,
         seconds, new_tokens / max(seconds, 1e-9),
     )
-    return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9)}
+    return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9), "kernels": kernels_record}

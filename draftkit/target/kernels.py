@@ -282,7 +282,7 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor):
     return forward
 
 
-def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int = PACK_MIN_ELEMENTS) -> PackedLinears:
+def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | None = None) -> PackedLinears:
     """Pack every ``nn.Linear`` weight of an inference model for oneDNN once, when the kernel choice says so.
 
     Packing is once per model: a second call returns the first handle while it is active. Module names,
@@ -293,7 +293,7 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int = PAC
             target.
         kernel: ``auto`` (:func:`auto_kernels` on the weights' device and dtype), ``onednn`` (pack on any CPU
             oneDNN supports for that dtype; a no-op off the CPU) or ``stock`` (pack nothing).
-        min_elements: weights with fewer elements stay stock (``PACK_MIN_ELEMENTS``).
+        min_elements: weights with fewer elements stay stock (None: ``PACK_MIN_ELEMENTS``, read at the call).
 
     Returns:
         :class:`PackedLinears` (inactive when nothing was packed).
@@ -331,6 +331,7 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int = PAC
         choice = KernelChoice(device, dtype, "onednn", f"cpu {torch.backends.cpu.get_cpu_capability()} {dtype}: "
                               "kernels=onednn requested -> onednn")
     handle = PackedLinears(choice)
+    min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     if choice.kernel != "onednn":
         return handle
     with torch.no_grad():
