@@ -465,6 +465,10 @@ class Eagle3Module(pl.LightningModule):
         total = feature.new_zeros((), dtype=torch.float32)
         stats = []
         world = self.trainer.world_size if self._trainer is not None else 1
+        global_w = None
+        if world > 1:  # normalise by the global supervised count (DDP averages gradients over ranks): one gather
+            local_w = torch.stack([w.reshape(-1)[rows].sum() for (_, w, _), rows in zip(targets, supervised)])  # (K,)
+            global_w = self.all_gather(local_w).sum(0) / world  # (K,): the mean over ranks of each step's Σ w
         slot = None  # step k-1's row of each flat position (None at step 0: all rows, in order)
         for k, (ids, w, offset) in enumerate(targets):
             rows_sup = supervised[k]
@@ -483,9 +487,7 @@ class Eagle3Module(pl.LightningModule):
             loss_sum, correct_sum, w_sum = soft_ce(
                 logits, probs[teacher], teacher_argmax[teacher], w.reshape(-1)[rows_sup]
             )
-            denom = w_sum.detach()
-            if world > 1:  # normalise by the global supervised count (DDP averages gradients over ranks)
-                denom = self.all_gather(denom).sum() / world
+            denom = w_sum.detach() if global_w is None else global_w[k]
             total = total + (self.ttt.decay ** k) * loss_sum / denom.clamp_min(1.0)
             stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
         return total, stats
