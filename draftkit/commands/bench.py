@@ -242,7 +242,10 @@ def decode(
         threads: torch CPU threads (default: torch's).
         output: also write the results (a JSON list, one entry per dtype) here.
         kernels: the target's linear kernels (``draftkit.target.kernels``): auto, onednn or stock; HF
-            ``generate()`` runs on the same model, so both sides use them.
+            ``generate()`` runs on the same model, so both sides use them (``plain_vs_hf_generate``); when they
+            packed the target, HF ``generate()`` is timed again on stock kernels afterwards
+            (``hf_generate_stock_tokens_per_s``, ``plain_vs_hf_generate_stock``: draftkit against HF as its users
+            run it).
 
     Returns:
         One result dict per dtype (printed as one JSON line each), with ``kernels`` (which ran and why).
@@ -250,7 +253,7 @@ def decode(
     Raises:
         ValueError: if k < 1 or a pattern entry is outside [0, k].
     """
-    from draftkit.decoding.bench import bench_decode
+    from draftkit.decoding.bench import bench_decode, time_hf_generate
     from draftkit.export.head_target import load_head_and_target
     from draftkit.precision import precision_record, resolve_dtype
     from draftkit.target.kernels import pack_linears
@@ -270,8 +273,12 @@ def decode(
         t0 = time.perf_counter()
         with pack_linears(frozen.model, kernels) as packed:
             result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
+            result["kernels"] = packed.as_dict()  # before the release empties it
         result["wall_s"] = time.perf_counter() - t0
-        result["kernels"] = packed.as_dict()
+        if result["kernels"]["packed_linears"]:  # HF generate() as its users run it: the same model, stock kernels
+            hf, seconds = time_hf_generate(frozen.model, prompts, max_new_tokens)
+            result["hf_generate_stock_tokens_per_s"] = sum(map(len, hf)) / seconds
+            result["plain_vs_hf_generate_stock"] = result["plain_tokens_per_s"] / result["hf_generate_stock_tokens_per_s"]
         result["precision"] = precision_record(name, "cpu")
         results.append(result)
         print(json.dumps(result))

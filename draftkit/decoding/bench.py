@@ -8,7 +8,8 @@ For each prompt, in this order (so that machine load hits all alike):
 1. plain greedy decoding with the target's KV cache (the reference output and the baseline time), and
    Hugging Face ``generate()`` on the same model, ids and dtype (greedy, KV cache, exactly ``max_new_tokens``):
    ``plain_vs_hf_generate`` is draftkit's plain tokens/s over HF's, ``hf_outputs_equal_plain`` the prompts
-   whose two outputs are identical;
+   whose two outputs are identical (the command adds HF ``generate()`` on stock kernels, as a Hugging Face user
+   runs it, when draftkit's kernels packed the target: :func:`time_hf_generate`);
 2. speculative decoding with the head: its real tau, draft ms per round (k head passes) and verify ms per
    round (one target forward over k+1 tokens, cache crop included);
 3. speculative decoding with the same head computation but a scripted acceptance pattern: the proposed
@@ -38,7 +39,7 @@ from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 
-__all__ = ["ScriptedAcceptanceDrafter", "bench_decode"]
+__all__ = ["ScriptedAcceptanceDrafter", "bench_decode", "time_hf_generate"]
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
     generate_plain(session, prompts[0], DecodeConfig(max_new_tokens=4))
     generate_speculative(session, Eagle3Drafter(head), prompts[0], k, DecodeConfig(max_new_tokens=8))
     hf_tokens, hf_s, hf_equal = 0, 0.0, 0
-    _hf_generate(target.model, prompts[0], 4)
+    _hf_generate(target.model, prompts[0], 4)  # warm-up
     plain_s = plain_decode_s = head_s = scripted_s = draft_s = verify_s = 0.0
     plain_tokens = plain_decode = head_tokens = scripted_tokens = rounds = scripted_rounds = 0
     head_accepted = scripted_accepted = 0
@@ -154,6 +155,18 @@ def bench_decode(target, tokenizer, head, prompts: list[torch.Tensor], k: int = 
                                * (1000 * plain_decode_s / plain_decode) / (1000 * (draft_s + verify_s) / rounds)),
         "outputs_equal_plain": equal,
     }
+
+
+def time_hf_generate(model, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[list[list[int]], float]:
+    """Hugging Face greedy ``generate()`` over the prompts after a 4-token warm-up: (each prompt's new ids,
+    seconds in all). Its tokens/s is ``max_new_tokens * len(prompts) / seconds``."""
+    _hf_generate(model, prompts[0], 4)
+    outputs, seconds = [], 0.0
+    for ids in prompts:
+        out, s = _hf_generate(model, ids, max_new_tokens)
+        outputs.append(out)
+        seconds += s
+    return outputs, seconds
 
 
 def _hf_generate(model, ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float]:

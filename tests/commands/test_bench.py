@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from draftkit.commands import main as draftkit_main
 from draftkit.commands.bench import dtype_overrides
@@ -49,3 +50,30 @@ def test_bench_decode_reports_hf_generate_and_the_kernels(tmp_path):
     assert result["plain_vs_hf_generate"] == pytest.approx(
         result["plain_tokens_per_s"] / result["hf_generate_tokens_per_s"])
     assert result["kernels"]["kernel"] == "stock" and result["kernels"]["packed_linears"] == 0
+
+
+def test_bench_decode_packed_reports_what_it_packed_and_hf_generate_on_stock_kernels(tmp_path, monkeypatch):
+    """With the target packed (--kernels onednn, the size floor lifted for the tiny target) the report counts
+    every linear layer of the target and its packed bytes (read before the release), and HF generate() is timed
+    again on stock kernels: plain_vs_hf_generate_stock is plain tokens/s over that figure."""
+    import json
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.target import kernels
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir("tiny:llama"))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--target", "tiny:llama", "--dtype", "[float32]", "--k", "2", "--max_new_tokens", "6",
+                 "--num_prompts", "2", "--pattern", "1,2", "--kernels", "onednn", "--draft_vocab_size", "256",
+                 "--output", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["kernels"]["kernel"] == "onednn"
+    assert result["kernels"]["packed_linears"] == len(linears)
+    assert result["kernels"]["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
+    assert result["kernels"]["packed_bytes"] > 0
+    assert result["hf_outputs_equal_plain"] == 2 and result["outputs_equal_plain"] == 2
+    assert result["plain_vs_hf_generate_stock"] == pytest.approx(
+        result["plain_tokens_per_s"] / result["hf_generate_stock_tokens_per_s"])
