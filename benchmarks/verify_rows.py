@@ -11,7 +11,8 @@ row by row, 4 take one GEMM). ``decoding.cost`` pads a verify up to the cheapest
 
 ``--kernels stock onednn`` times each row count with the stock linear and with every linear weight packed
 for oneDNN (``draftkit.target.kernels``, issue 35; one model copy per kernel, alternating repeat by repeat),
-and prints each row count's time as a ratio to the same kernel's one row and the packed / stock ratio.
+and prints each row count's time as a ratio to the same kernel's one row and the packed / stock ratio, then a
+markdown table per attention and logits setting (ms min per verify, ratio to one row, packed / stock).
 
 Run:  python benchmarks/verify_rows.py [--rows 1 2 3 4 8] [--context 200] [--threads 2] [--dtype float32]
           [--kernels stock onednn] [--attn sdpa] [--logits all] [--clock process]
@@ -90,7 +91,25 @@ def main(argv: list[str] | None = None) -> int:
             if {"stock", "onednn"} <= set(args.kernels):
                 print(f"{impl:5s} logits {keep:4s} onednn / stock min: "
                       f"{ {t: round(best['onednn'][t] / best['stock'][t], 2) for t in args.rows} }", flush=True)
+            print(_table(best, args.rows, f"{args.dtype}, {impl}, logits {keep}"), flush=True)
     return 0
+
+
+def _table(best: dict[str, dict[int, float]], rows: list[int], title: str) -> str:
+    """Markdown table of ``best[kernel][rows]`` seconds: ms per verify and ratio to the first row count, per
+    kernel, and packed / stock when both ran."""
+    kernels = list(best)
+    both = {"stock", "onednn"} <= set(kernels)
+    head = ["rows"] + [f"{k} {c}" for k in kernels for c in ("ms", f"/ {rows[0]} row")] + (["onednn / stock"] * both)
+    lines = [f"{title}:", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in rows:
+        cells = [str(t)]
+        for k in kernels:
+            cells += [f"{1000 * best[k][t]:.1f}", f"{best[k][t] / best[k][rows[0]]:.2f}x"]
+        if both:
+            cells.append(f"{best['onednn'][t] / best['stock'][t]:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
