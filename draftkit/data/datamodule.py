@@ -450,8 +450,9 @@ class ChatDataModule(pl.LightningDataModule):
         )
 
     def _write_auto_cache(self) -> None:
-        """``hidden_states_cache: auto``: global rank 0 writes (or finishes, or finds complete) the cache of this
-        run's target and data with the trainer's module and precision; every rank then trains from it.
+        """``hidden_states_cache: auto``: every rank writes its share of (or finishes, or finds complete) the cache
+        of this run's target and data with the trainer's module, precision and its own device; rank 0 merges the
+        index; every rank then trains from it.
 
         Raises:
             ValueError: outside a trainer (the cache needs the module's target).
@@ -462,11 +463,12 @@ class ChatDataModule(pl.LightningDataModule):
                 "data.hidden_states_cache: auto is resolved by `fit` (it needs the module's target); elsewhere "
                 "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
             )
-        path = None
-        if trainer.is_global_zero:
-            log.info("data.hidden_states_cache: auto: one target pass over the data first (complete shards are reused)")
-            path = write_recipe_cache(trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan)["output"]
-        self.open_hidden_states(trainer.strategy.broadcast(path, src=0))
+        s = trainer.strategy
+        log.info("data.hidden_states_cache: auto: one target pass over the data first (complete shards are reused)")
+        self.open_hidden_states(write_recipe_cache(
+            trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
+            rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
+        )["output"])
 
     def open_hidden_states(self, path: str) -> None:
         """Train and validate from the hidden-state cache at ``path`` (after :meth:`setup`).

@@ -5,10 +5,11 @@ teacher distribution comes from the stored last hidden state through the target'
 
 Layout of a cache directory (``FORMAT``)::
 
-    index.json                  fingerprint, bytes per token, and per split the planned shards
+    index.json                  fingerprint, bytes per token, per split the planned shards, ``complete``
     train-00000.safetensors     one shard: a contiguous run of the split's sequences, tokens concatenated
     ...
     val-00000.safetensors
+    index.part-00001-of-00008.json   while writing only: the shards rank 1 of 8 wrote (merged, then removed)
 
 A shard holds, for its n sequences with S tokens in all (no padding is stored):
 
@@ -17,10 +18,17 @@ A shard holds, for its n sequences with S tokens in all (no padding is stored):
 - ``last_hidden_state`` (S, H_t) bf16, ``hidden_states[N]`` after the final norm;
 - ``offsets`` (n+1,) int64: sequence j of the shard is tokens [offsets[j], offsets[j+1]).
 
-The index is written before the first shard (with ``complete: false``) and rewritten at the end; every shard
-is written to a temporary file and moved into place with ``os.replace``, so a shard that exists is complete,
-and an interrupted run resumes by writing only the missing shards. Readers check every shard's header against
-the index before training starts: a missing or truncated shard is an error naming the file, never skipped.
+A shard's safetensors metadata is one key, ``draftkit``: JSON ``{"format", "split", "rows"}``.
+
+Who writes what (:func:`write_hidden_states`): rank 0 checks the free disk for every shard still missing,
+of all ranks, and writes the index with ``complete: false`` before any shard is written; rank r then writes
+the k-th missing shard for every k ≡ r (mod world size) and its part index, without waiting for the others;
+after a barrier rank 0 checks every part and shard and rewrites the index atomically with ``complete: true``.
+The files are the same bytes whatever the number of ranks. Every shard is written to a temporary file and
+moved into place with ``os.replace``, so a shard that exists is complete, and an interrupted run resumes by
+writing only the missing shards (a shard whose header disagrees with the index counts as missing). Readers
+check every shard's header against the index before training starts: a missing or truncated shard is an
+error naming the file, never skipped.
 
 The fingerprint names what the states depend on (target reference, target config hash, target dtype, aux
 layer ids, tokenizer, tokenized data and split), so a cache built for other layers, another target or
@@ -248,6 +256,33 @@ def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
+def _part_path(output: Path, rank: int, world_size: int) -> Path:
+    """Rank ``rank``'s part index: the shards it wrote in this run (merged into ``index.json`` by rank 0)."""
+    return output / f"index.part-{rank:05d}-of-{world_size:05d}.json"
+
+
+def _relay(broadcast: Callable[[object], object], rank: int, step: Callable[[], object]):
+    """Run ``step`` on rank 0 and broadcast its result, or its error, so every rank returns or raises the same.
+
+    Rank 0 re-raises its own exception; the other ranks raise a ``ValueError`` or ``OSError`` (same errno) with
+    its message, instead of waiting forever for a rank that has stopped.
+    """
+    result = error = None
+    if rank == 0:
+        try:
+            result = step()
+        except (ValueError, OSError) as e:
+            error = e
+    sent = broadcast({"result": result, "error": None if error is None else (
+        "OSError" if isinstance(error, OSError) else "ValueError", getattr(error, "errno", None), str(error))})
+    if error is not None:
+        raise error
+    if sent["error"] is not None:
+        kind, code, message = sent["error"]
+        raise OSError(code, message) if kind == "OSError" else ValueError(message)
+    return sent["result"]
+
+
 def write_hidden_states(
     output: str | Path,
     splits: dict[str, Sequence[dict]],
@@ -260,41 +295,70 @@ def write_hidden_states(
     pad_token_id: int = 0,
     dry_run: bool = False,
     on_plan: Callable[[dict], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    broadcast: Callable[[object], object] | None = None,
 ) -> dict:
-    """Write (or finish writing) a hidden-state cache.
+    """Write (or finish writing) a hidden-state cache, one share per rank.
 
-    1. Plan the shards of every split (:func:`plan_shards`); if ``output`` already holds an index, it must
-       have the same fingerprint and plan, and its complete shards are kept.
-    2. Compute the bytes still to write (bytes per token × tokens of the missing shards) and stop with an
-       error before writing anything when the disk has less free space.
-    3. Write the index with ``complete: false``, then each missing shard (sequences sorted by length into
-       batches of ``batch_size`` for the target forward, states cast to bf16, padding dropped) to a temporary
-       file moved into place with ``os.replace``, then the index with ``complete: true``.
+    1. Every rank plans the shards of every split (:func:`plan_shards`, deterministic); if ``output`` already
+       holds an index, it must have the same fingerprint and plan, and its complete shards are kept.
+    2. Rank 0 lists the shards still missing (all ranks' shares), computes the bytes of that whole remainder
+       (bytes per token × its tokens, plus headers) and stops every rank with an error before anything is
+       written when the disk has less free space; else it writes the index with ``complete: false`` and
+       broadcasts the list.
+    3. Rank r writes the k-th missing shard for every k ≡ r (mod ``world_size``) (sequences sorted by length
+       into batches of ``batch_size`` for the target forward, states cast to bf16, padding dropped), each to a
+       temporary file moved into place (``jsonio.atomic_path``), then its part index
+       ``index.part-<r>-of-<world_size>.json``. No rank waits for another while writing.
+    4. After ``barrier()``, rank 0 checks every part index and every shard header against the index, writes
+       the index with ``complete: true`` (atomically) and removes the part indexes; the totals are broadcast,
+       so every rank returns once the cache is complete.
+
+    The cache directory must be one filesystem seen by every rank (rank 0 checks its free space and merges).
+    The files do not depend on ``world_size``: any number of ranks writes the same bytes as one process.
 
     Args:
         output: cache directory (created).
         splits: split name -> tokenized rows in split order (a ``datasets.Dataset`` or a list of dicts with
-            ``input_ids`` and ``loss_mask`` lists).
+            ``input_ids`` and ``loss_mask`` lists); the same on every rank.
         fingerprint: the :data:`FINGERPRINT_FIELDS` of this configuration.
         forward: ``(input_ids (B, T) int64, attention_mask (B, T) int64) -> (aux (B, T, n_aux*H_t),
-            last (B, T, H_t))``, the frozen target.
+            last (B, T, H_t))``, the frozen target (on this rank's device).
         hidden_size: H_t.
         num_aux_layers: n_aux.
         batch_size: sequences per target forward.
         shard_tokens: token budget per shard.
         pad_token_id: id written into padding for the forward.
         dry_run: plan and check the disk only.
-        on_plan: called with the plan (dict with ``bytes_per_token``, ``tokens``, ``bytes_needed``,
-            ``bytes_free``, ``shards_done``, ``shards_todo``) before anything is written.
+        on_plan: called on rank 0 with the plan (dict with ``bytes_per_token``, ``tokens``, ``bytes_needed``,
+            ``bytes_free``, ``shards_done``, ``shards_todo``, ``world_size``) before anything is written.
+        rank: this process's global rank, in ``[0, world_size)``.
+        world_size: number of writing processes.
+        barrier: blocks until every rank calls it (e.g. a Lightning strategy's ``barrier``); needed when
+            ``world_size > 1``.
+        broadcast: ``obj -> rank 0's obj`` on every rank (e.g. a Lightning strategy's ``broadcast``); needed
+            when ``world_size > 1``.
 
     Returns:
-        The plan plus ``tokens_written``, ``bytes_written``, ``seconds``, ``tokens_per_s``, ``mb_per_s``.
+        The plan plus the totals over all ranks ``tokens_written``, ``bytes_written``, ``seconds`` (rank 0's
+        wall time, writing and merging), ``tokens_per_s``, ``mb_per_s``, and ``ranks``: per rank
+        ``{"shards" (file names), "tokens_written", "bytes_written", "seconds"}``. The same dict on every rank.
 
     Raises:
-        ValueError: when ``output`` holds a cache for another fingerprint or shard plan, or the target's states
-            of a row are non-finite (naming the split row; that shard is not written, so no cache holds NaN).
-        OSError: (ENOSPC) when the disk has less free space than the cache needs.
+        ValueError: when ``output`` holds a cache for another fingerprint or shard plan, the target's states
+            of a row are non-finite (naming the split row; that shard is not written, so no cache holds NaN),
+            a rank did not leave its part index or shard (naming the file), or ``rank``/``world_size``/
+            ``barrier``/``broadcast`` are inconsistent.
+        OSError: (ENOSPC) when the disk has less free space than the rest of the cache needs, on every rank.
     """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"hidden-state cache: rank {rank} is outside [0, world_size={world_size})")
+    if world_size > 1 and (barrier is None or broadcast is None):
+        raise ValueError(f"hidden-state cache: world_size={world_size} needs a barrier and a broadcast (the trainer's strategy)")
+    barrier = barrier or (lambda: None)
+    broadcast = broadcast or (lambda obj: obj)
     output = Path(output).expanduser()
     bpt = bytes_per_token(hidden_size, num_aux_layers)
     lengths = {name: [len(r["input_ids"]) for r in rows] for name, rows in splits.items()}
@@ -309,60 +373,113 @@ def write_hidden_states(
             for name in splits
         },
     }
-    old_path = output / INDEX
-    if old_path.exists():
-        old = json.loads(old_path.read_text())
-        if old.get("fingerprint") != fingerprint:
-            diffs = [k for k in FINGERPRINT_FIELDS if old.get("fingerprint", {}).get(k) != fingerprint.get(k)]
-            raise ValueError(
-                f"{output} already holds a hidden-state cache for another configuration (differs in {diffs}); "
-                "choose another --output or delete that directory"
-            )
-        if old.get("splits") != index["splits"]:
-            raise ValueError(
-                f"{output} already holds a cache of this configuration with another shard plan; rerun with the "
-                "same --shard_mb, or delete the directory"
-            )
     width = (index["aux_width"], hidden_size)
-    todo = [
-        (name, shard) for name, spec in index["splits"].items() for shard in spec["shards"]
-        if _shard_problem(output / shard["file"], shard, width) is not None
-    ]
-    all_shards = sum(len(s["shards"]) for s in index["splits"].values())
-    tokens = sum(shard["num_tokens"] for _, shard in todo)
-    plan = {
-        "output": str(output), "bytes_per_token": bpt, "tokens": tokens,
-        "tokens_total": sum(s["num_tokens"] for s in index["splits"].values()),
-        "bytes_needed": tokens * bpt + sum(8 * (s["rows"][1] - s["rows"][0] + 1) + 4096 for _, s in todo),
-        "bytes_free": _free_bytes(output), "shards_done": all_shards - len(todo), "shards_todo": len(todo),
-    }
-    if on_plan is not None:
-        on_plan(plan)
-    if plan["bytes_needed"] > plan["bytes_free"]:
-        raise OSError(
-            errno.ENOSPC,
-            f"not enough disk for the hidden-state cache in {output}: needs {plan['bytes_needed'] / 1e9:.2f} GB "
-            f"({bpt} bytes/token x {tokens} tokens), {plan['bytes_free'] / 1e9:.2f} GB free; free space, choose "
-            "another --output, or lower data.max_conversations / data.max_length",
-        )
+    shards = {shard["file"]: (name, shard) for name, spec in index["splits"].items() for shard in spec["shards"]}
+
+    def plan_and_check() -> dict:
+        """Rank 0: the plan of the whole remaining cache, checked against the free disk; the index started."""
+        _check_existing(output, index)
+        todo = [f for f, (_, shard) in shards.items() if _shard_problem(output / f, shard, width) is not None]
+        tokens = sum(shards[f][1]["num_tokens"] for f in todo)
+        plan = {
+            "output": str(output), "bytes_per_token": bpt, "tokens": tokens,
+            "tokens_total": sum(s["num_tokens"] for s in index["splits"].values()),
+            "bytes_needed": tokens * bpt + sum(8 * (shards[f][1]["rows"][1] - shards[f][1]["rows"][0] + 1) + 4096 for f in todo),
+            "bytes_free": _free_bytes(output), "shards_done": len(shards) - len(todo), "shards_todo": len(todo),
+            "world_size": world_size,
+        }
+        if on_plan is not None:
+            on_plan(plan)
+        if plan["bytes_needed"] > plan["bytes_free"]:
+            raise OSError(
+                errno.ENOSPC,
+                f"not enough disk for the hidden-state cache in {output}: the {len(todo)} shards still to write "
+                f"(all {world_size} ranks') need {plan['bytes_needed']} bytes ({plan['bytes_needed'] / 1e9:.2f} GB: "
+                f"{bpt} bytes/token x {tokens} tokens plus headers), {plan['bytes_free']} bytes free; free space, "
+                "choose another --output, or lower data.max_conversations / data.max_length",
+            )
+        if not dry_run:
+            output.mkdir(parents=True, exist_ok=True)
+            for stale in [*output.glob(".*.safetensors.*"), *output.glob(".index*"), *output.glob("index.part-*.json")]:
+                stale.unlink(missing_ok=True)  # temporaries and part indexes of a killed run (no rank writes yet)
+            write_json_atomic(output / INDEX, index, indent=1)
+        return {"plan": plan, "todo": todo}
+
+    started = _relay(broadcast, rank, plan_and_check)
+    plan, todo = started["plan"], started["todo"]
     if dry_run:
         return plan
-    output.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(output / INDEX, index, indent=1)
-    t0, written, nbytes = time.perf_counter(), 0, 0
-    for name, shard in todo:
-        rows = [splits[name][i] for i in range(*shard["rows"])]
-        nbytes += _write_shard(output / shard["file"], rows, forward, batch_size, pad_token_id, name, shard)
-        written += shard["num_tokens"]
-        dt = time.perf_counter() - t0
-        log.info("wrote %s (%d tokens; %.0f tokens/s so far)", shard["file"], shard["num_tokens"], written / max(dt, 1e-9))
-    index["complete"] = True
-    write_json_atomic(output / INDEX, index, indent=1)
-    seconds = time.perf_counter() - t0
-    return {
-        **plan, "tokens_written": written, "bytes_written": nbytes, "seconds": seconds,
-        "tokens_per_s": written / max(seconds, 1e-9), "mb_per_s": nbytes / 1e6 / max(seconds, 1e-9),
-    }
+    t0, written, nbytes, failure = time.perf_counter(), 0, 0, None
+    mine = todo[rank::world_size]
+    try:
+        for file in mine:
+            name, shard = shards[file]
+            rows = [splits[name][i] for i in range(*shard["rows"])]
+            nbytes += _write_shard(output / file, rows, forward, batch_size, pad_token_id, name, shard)
+            written += shard["num_tokens"]
+            dt = time.perf_counter() - t0
+            log.info("rank %d wrote %s (%d tokens; %.0f tokens/s so far)", rank, file, shard["num_tokens"], written / max(dt, 1e-9))
+    except (ValueError, OSError) as e:  # reported through the part index, so no rank waits for a stopped one
+        failure = e
+    part = {"format": FORMAT, "rank": rank, "world_size": world_size, "shards": mine, "tokens_written": written,
+            "bytes_written": nbytes, "seconds": time.perf_counter() - t0, "error": None if failure is None else str(failure)}
+    write_json_atomic(_part_path(output, rank, world_size), part, indent=1)
+    barrier()
+
+    def merge() -> dict:
+        """Rank 0: every rank's part and every shard checked, then the index marked complete."""
+        parts = []
+        for r in range(world_size):
+            path = _part_path(output, r, world_size)
+            if not path.exists():
+                raise ValueError(f"hidden-state cache: rank {r} left no part index {path}; rerun the same command to finish the cache")
+            parts.append(json.loads(path.read_text()))
+            if parts[-1]["error"] is not None:
+                raise ValueError(f"hidden-state cache: rank {r} stopped: {parts[-1]['error']}")
+        for file, (_, shard) in shards.items():
+            problem = _shard_problem(output / file, shard, width)
+            if problem is not None:
+                raise ValueError(
+                    f"hidden-state cache shard {output / file} is {problem} after every rank finished; is {output} "
+                    "one filesystem shared by all ranks? Rerun the same command to finish the cache"
+                )
+        write_json_atomic(output / INDEX, {**index, "complete": True}, indent=1)
+        for r in range(world_size):
+            _part_path(output, r, world_size).unlink()
+        seconds = time.perf_counter() - t0
+        total, total_bytes = sum(p["tokens_written"] for p in parts), sum(p["bytes_written"] for p in parts)
+        return {
+            "tokens_written": total, "bytes_written": total_bytes, "seconds": seconds,
+            "tokens_per_s": total / max(seconds, 1e-9), "mb_per_s": total_bytes / 1e6 / max(seconds, 1e-9),
+            "ranks": [{k: p[k] for k in ("shards", "tokens_written", "bytes_written", "seconds")} for p in parts],
+        }
+
+    try:
+        merged = _relay(broadcast, rank, merge)
+    except (ValueError, OSError):
+        if failure is not None:
+            raise failure from None  # this rank's own error, with its type
+        raise
+    return {**plan, **merged}
+
+
+def _check_existing(output: Path, index: dict) -> None:
+    """Refuse an ``output`` whose index has another fingerprint or shard plan than ``index``."""
+    old_path = output / INDEX
+    if not old_path.exists():
+        return
+    old = json.loads(old_path.read_text())
+    if old.get("fingerprint") != index["fingerprint"]:
+        diffs = [k for k in FINGERPRINT_FIELDS if old.get("fingerprint", {}).get(k) != index["fingerprint"].get(k)]
+        raise ValueError(
+            f"{output} already holds a hidden-state cache for another configuration (differs in {diffs}); "
+            "choose another --output or delete that directory"
+        )
+    if old.get("splits") != index["splits"]:
+        raise ValueError(
+            f"{output} already holds a cache of this configuration with another shard plan; rerun with the "
+            "same --shard_mb, or delete the directory"
+        )
 
 
 def write_recipe_cache(
@@ -375,11 +492,16 @@ def write_recipe_cache(
     dry_run: bool = False,
     device: str = "auto",
     on_plan: Callable[[dict], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    broadcast: Callable[[object], object] | None = None,
 ) -> dict:
     """Write (or finish) the hidden-state cache of a built recipe: its frozen target over its tokenized train
     and val splits, under its precision (bf16 autocast for ``bf16-mixed``), so that the cached states equal
     the ones online training computes. Used by ``draftkit cache-hidden-states`` and by ``fit`` with
-    ``data.hidden_states_cache: auto``.
+    ``data.hidden_states_cache: auto``. Under several processes every rank loads the target on its own
+    device and writes its share of the shards (:func:`write_hidden_states`).
 
     Args:
         model: an ``Eagle3Module`` (reads ``load_target_model()`` and ``hparams.target``/``target_dtype``/
@@ -390,8 +512,11 @@ def write_recipe_cache(
         batch_size: sequences per target forward (default: ``data.batch_size``).
         shard_mb: shard size in MB (1e6 bytes).
         dry_run: only plan and check the disk.
-        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
-        on_plan: called with the plan before anything is written (see :func:`write_hidden_states`).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:<index>`` (this rank's device).
+        on_plan: called on rank 0 with the plan before anything is written (see :func:`write_hidden_states`).
+        rank, world_size, barrier, broadcast: this process's share and the collectives (see
+            :func:`write_hidden_states`); e.g. a Lightning strategy's ``global_rank``, ``world_size``,
+            ``barrier`` and ``broadcast``.
 
     Returns:
         :func:`write_hidden_states`' result plus ``output`` (str), ``precision`` and ``device``.
@@ -415,7 +540,7 @@ def write_recipe_cache(
         **dm.cache_fingerprint(),
     }
     out_dir = Path(output or cache_dir() / "hidden-states" / cache_key(fingerprint))
-    autocast = torch.autocast(device, dtype=torch.bfloat16) if "bf16" in str(precision) else nullcontext()
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if "bf16" in str(precision) else nullcontext()
 
     def forward(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast:
@@ -427,7 +552,7 @@ def write_recipe_cache(
         out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
         len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
         shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
-        on_plan=on_plan,
+        on_plan=on_plan, rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
     )
     return {**result, "output": str(out_dir), "precision": str(precision), "device": device}
 
@@ -466,5 +591,7 @@ def _write_shard(path: Path, rows, forward, batch_size: int, pad_token_id: int, 
         "offsets": offsets,  # (n+1,)
     }
     with atomic_path(path) as tmp:  # safetensors would create a 0600 file; shards are shared like any output
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "split": split, "rows": json.dumps(shard["rows"])})
+        # one metadata key: safetensors stores the metadata as a hash map whose key order differs per process,
+        # so several keys would make equal shards differ in their header bytes
+        save_file(tensors, str(tmp), metadata={"draftkit": json.dumps({"format": FORMAT, "split": split, "rows": shard["rows"]})})
     return path.stat().st_size
