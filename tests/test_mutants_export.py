@@ -1,0 +1,32 @@
+"""The speculators exporter names the verifier's own architecture (issue 36: a mutant of ``build_files``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from draftkit.export import speculators
+from draftkit.heads.eagle3_llama import Eagle3Config
+
+
+def _source(architectures):
+    cfg = Eagle3Config(hidden_size=64, target_hidden_size=64, num_aux_layers=3, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=320,
+                       draft_vocab_size=96, rms_norm_eps=1e-05, max_position_embeddings=512,
+                       rope={"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}})
+    target_config = SimpleNamespace() if architectures is None else SimpleNamespace(architectures=architectures)
+    return SimpleNamespace(config=cfg, aux_layer_ids=[1, 3, 6], num_layers=8, target_config=target_config,
+                           serving_name="/models/tiny")
+
+
+@pytest.mark.parametrize(("architectures", "expected"), [
+    (["Qwen2ForCausalLM"], ["Qwen2ForCausalLM"]),  # the target's own, not the Llama fallback
+    (None, ["LlamaForCausalLM"]),  # a config without the field
+    ([], ["LlamaForCausalLM"]),
+])
+def test_verifier_architectures_are_the_targets(architectures, expected):
+    files = speculators.build_files(_source(architectures), "/out", "float32", 3, {})
+    verifier = files["config"]["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": "/models/tiny", "architectures": expected}
+    assert files["speculation"] == {"speculative_tokens": 3}
