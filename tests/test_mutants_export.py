@@ -1,4 +1,5 @@
-"""The speculators exporter names the verifier's own architecture (issue 36: a mutant of ``build_files``)."""
+"""The speculators exporter (``draftkit.export.speculators.build_files``) names the verifier's own architecture
+(issue 36: a surviving mutant)."""
 
 from __future__ import annotations
 
