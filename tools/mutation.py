@@ -411,7 +411,8 @@ def package_of(path: str) -> str:
 
 ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_roundtrip.py")
 TESTS: dict[str, tuple[str, ...]] = {
-    "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py", "tests/models/test_eagle3_exact.py"),
+    "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py", "tests/models/test_eagle3_exact.py",
+                                  "tests/test_mutants_models.py"),
     "draftkit/models/ttt.py": ("tests/models/test_eagle3_module.py", "tests/models/test_eagle3_exact.py",
                                "tests/models/test_ttt_schedule.py"),
     "draftkit/models/schedule.py": ("tests/models/test_eagle3_module.py", "tests/models/test_ttt_schedule.py",
@@ -423,7 +424,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "draftkit/export/sglang.py": ROUNDTRIP_TESTS,
     "draftkit/export/trtllm.py": ROUNDTRIP_TESTS,
     "draftkit/export/vllm.py": ROUNDTRIP_TESTS,
-    "draftkit/export/speculators.py": ROUNDTRIP_TESTS,
+    "draftkit/export/speculators.py": ROUNDTRIP_TESTS + ("tests/test_mutants_export.py",),
 }
 """Declared selections, where the rule of :func:`covering_tests` would run too much or too little."""
 NOT_COVERING = ("tests/test_layering.py", "tests/test_docs.py")
