@@ -16,23 +16,8 @@ from draftkit.callbacks.layer_selection import LayerSelection
 from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import evaluate_head
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
-from tests.callbacks.test_acceptance import TinyModule
-from tests.callbacks.test_layer_selection import RandomChat, StubModule
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from draftkit.testing import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("mutants_callbacks") / "tiny-llama", seed=0)
+from tests.callbacks.test_acceptance import TinyModule, tiny_parts  # noqa: F401 (fixture)
+from tests.callbacks.test_layer_selection import RandomChat, StubModule, _one_thread, tiny_dir  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("logger", ["tensorboard", "csv", "none"])
@@ -59,12 +44,8 @@ def test_layer_selection_writer_only_from_a_logger_with_figures(logger, tiny_dir
         assert seen[0] is None
 
 
-def test_acceptance_monitor_logs_distribution_metrics_per_position(tmp_path, tmp_path_factory):
-    from draftkit.target.frozen import FrozenTarget, load_target
-    from draftkit.testing import build_tiny_target
-
-    model, tokenizer = load_target(str(build_tiny_target(tmp_path_factory.mktemp("acc") / "tiny")), "float32")
-    module = TinyModule(FrozenTarget(model, None), tokenizer)
+def test_acceptance_monitor_logs_distribution_metrics_per_position(tmp_path, tiny_parts):
+    module = TinyModule(*tiny_parts)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abc abc abc"}) + "\n")
     monitor = AcceptanceLengthMonitor(every_n_train_steps=1, num_prompts=1, k=2, max_new_tokens=4, prompts=str(prompts))
