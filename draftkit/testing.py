@@ -11,7 +11,8 @@ from pathlib import Path
 
 from draftkit.jsonio import atomic_path
 
-__all__ = ["TINY_LLAMA", "DeviceFactoryCheck", "build_tiny_target", "tiny_llama_config"]
+__all__ = ["TINY_FAMILIES", "TINY_LLAMA", "DeviceFactoryCheck", "build_tiny_target", "tiny_family_config",
+           "tiny_llama_config"]
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -31,6 +32,43 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**TINY_LLAMA, **overrides})
 
 
+_COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=8, max_position_embeddings=512,
+               bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False)
+# family -> (transformers config class, fields over _COMMON): 8 layers (default aux ids [2, 4, 5]), hidden 64,
+# MoE with 4 experts top-2, MLA with small ranks, sliding-window layers with a window shorter than the tests'
+# sequences (so the sliding path runs)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", {k: v for k, v in TINY_LLAMA.items() if k not in _COMMON}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)),
+    "gpt_oss": ("GptOssConfig", dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8)),
+}
+
+
+def tiny_family_config(family: str, **overrides):
+    """The transformers config of the tiny random target of ``family`` (a key of :data:`TINY_FAMILIES`).
+
+    Raises:
+        ValueError: on an unknown family (names the known ones).
+    """
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny target family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    name, fields = TINY_FAMILIES[family]
+    return getattr(transformers, name)(**{**_COMMON, **fields, **overrides})
+
+
 def _byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -46,10 +84,11 @@ def _byte_tokenizer():
     return fast
 
 
-def build_tiny_target(dest: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write a seeded tiny ``LlamaForCausalLM`` and its tokenizer to ``dest`` (atomic); return the path."""
+def build_tiny_target(dest: str | Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """Write a seeded tiny random causal LM of ``family`` (``tiny_family_config``) and the byte-level ChatML
+    tokenizer to ``dest`` (atomic); return the path. An existing ``dest`` is returned as it is."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dest = Path(dest)
     if (dest / "config.json").exists():
@@ -57,7 +96,7 @@ def build_tiny_target(dest: str | Path, seed: int = 0, **overrides) -> Path:
     with atomic_path(dest, directory=True) as tmp:
         with torch.random.fork_rng():  # leave the caller's random state alone
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(tiny_llama_config(**overrides))
+            model = AutoModelForCausalLM.from_config(tiny_family_config(family, **overrides))
         model.save_pretrained(tmp)
         _byte_tokenizer().save_pretrained(tmp)
     return dest

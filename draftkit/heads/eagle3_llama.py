@@ -33,7 +33,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 __all__ = ["Eagle3Config", "Eagle3LlamaHead", "KVCache", "RMSNorm"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# target families (``model_type`` of the text config) the head is sized from, each tested end to end on a tiny
+# random target in tests/families (fit, greedy-equal evaluate, every exporter). Per family: the head is Llama-style
+# whatever the target's attention; it reads the target's full-attention RoPE (Gemma 3's ``rope_parameters`` per
+# layer type), its ``num_attention_heads`` and ``head_dim`` (DeepSeek-V3's MLA ranks stay in the target), its
+# dense ``intermediate_size`` (the MoE experts stay in the target), and the unscaled input embedding rows (as the
+# engines' draft models embed; Gemma's sqrt(H) scale is the target's own, and the head's input norm removes it)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma3_text")
 
 
 @dataclass
@@ -129,6 +135,10 @@ class Eagle3Config:
             value = getattr(cfg, key, None)
             if value is not None:
                 rope[key] = copy.deepcopy(dict(value) if isinstance(value, dict) else value)
+        if "rope_parameters" in rope:  # transformers 5: the whole RoPE (its ``rope_scaling`` is an alias of it)
+            rope = {"rope_parameters": rope["rope_parameters"]}
+            if "full_attention" in rope["rope_parameters"]:  # per layer type (Gemma 3): the draft attends in full
+                rope["rope_parameters"] = rope["rope_parameters"]["full_attention"]
         fields = dict(
             hidden_size=cfg.hidden_size,
             target_hidden_size=cfg.hidden_size,

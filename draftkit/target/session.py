@@ -148,6 +148,13 @@ class TargetSession:
             mask = torch.zeros(attn_mask.shape, dtype=dtype, device=input_ids.device)
             mask = mask.masked_fill(~attn_mask, torch.finfo(dtype).min)[None, None]  # (1, 1, T, length+T)
         pos = None if position_ids is None else position_ids[None]
+        if self.cache is None:
+            # every layer keeps all its positions, sliding-window ones too (Gemma 3, GPT-OSS: the model still
+            # applies the window through its mask), so :meth:`crop` and :meth:`keep` can roll any layer back;
+            # the cache the model builds itself drops a sliding layer's old positions, and cannot be cropped
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache()
         out = self.target(
             input_ids[None], attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
             compute_logits=not logits_to_keep,
