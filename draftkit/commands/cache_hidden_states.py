@@ -7,7 +7,10 @@ plus ``index.json`` (format: ``draftkit.data.hidden_cache``). Before writing it 
 interrupted cache: complete shards are kept. Then train with ``--data.hidden_states_cache DIR``.
 
 Extra ``--model.*``, ``--data.*`` and ``--trainer.*`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
-One process writes the whole cache; the forward runs under the recipe's precision (bf16 autocast for
+Launched by ``torchrun --nproc_per_node N -m draftkit cache-hidden-states ...`` (``WORLD_SIZE`` > 1), every
+process runs the target on its own GPU (``cuda:LOCAL_RANK``; gloo on CPU) and writes its share of the shards;
+rank 0 checks the disk for the whole cache first and merges the index (``draftkit.data.hidden_cache``). The
+files equal those of one process. The forward runs under the recipe's precision (bf16 autocast for
 ``bf16-mixed``; unset = the precision policy, ``draftkit.precision``), so the cached states equal the ones
 online training computes.
 """
@@ -33,6 +36,34 @@ def _print_plan(plan: dict) -> None:
     )
 
 
+def _process_group(device: str) -> tuple[int, int, object, object, str, bool]:
+    """``(rank, world_size, barrier, broadcast, device, created)`` of a ``torchrun`` launch (``WORLD_SIZE`` > 1):
+    the process group is initialised from the environment (nccl on CUDA, gloo on CPU) and ``device`` becomes
+    ``cuda:LOCAL_RANK``; one process (``0, 1, None, None, device, False``) otherwise."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, None, None, device, False
+    import torch
+    import torch.distributed as dist
+
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl" if cuda else "gloo")
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    return dist.get_rank(), dist.get_world_size(), dist.barrier, broadcast, device, created
+
+
 def cache_hidden_states(
     recipe: list[str],
     output: Optional[str] = None,
@@ -52,7 +83,7 @@ def cache_hidden_states(
         batch_size: sequences per target forward (default: data.batch_size).
         shard_mb: target shard size in MB (1e6 bytes).
         dry_run: only print the plan and check the disk.
-        device: auto (CUDA when available), cpu or cuda.
+        device: auto (CUDA when available), cpu or cuda (under torchrun: this process's cuda:LOCAL_RANK).
 
     Returns:
         The plan and write statistics of ``write_hidden_states``, plus ``output``.
@@ -70,12 +101,20 @@ def cache_hidden_states(
     configured = dm.hparams.hidden_states_cache
     dm.hparams.hidden_states_cache = None  # the cache is what we are writing
     dm.setup("fit")
-    result = write_recipe_cache(
-        model, dm, str(trainer.precision), output or (configured if configured != AUTO else None),
-        batch_size=batch_size, shard_mb=shard_mb, dry_run=dry_run, device=device, on_plan=_print_plan,
-    )
+    rank, world_size, barrier, broadcast, device, created = _process_group(device)
+    try:
+        result = write_recipe_cache(
+            model, dm, str(trainer.precision), output or (configured if configured != AUTO else None),
+            batch_size=batch_size, shard_mb=shard_mb, dry_run=dry_run, device=device, on_plan=_print_plan,
+            rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
+        )
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     result["precision_policy"] = cli.precision
-    if not dry_run:
+    if not dry_run and rank == 0:
         print(
             f"  wrote {result['tokens_written']} tokens, {result['bytes_written'] / 1e6:.1f} MB in "
             f"{result['seconds']:.1f} s ({result['tokens_per_s']:.0f} tokens/s, {result['mb_per_s']:.1f} MB/s; "

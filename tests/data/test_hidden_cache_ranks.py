@@ -209,3 +209,28 @@ def test_inconsistent_ranks_are_refused(tmp_path):
     with pytest.raises(ValueError, match="world_size=2 needs a barrier and a broadcast"):
         _write(tmp_path / "c", _TinyTarget(), rank=0, world_size=2)
     assert not (tmp_path / "c").exists()
+
+
+def test_cache_hidden_states_under_torchrun_equals_one_process(tmp_path, monkeypatch):
+    """`torchrun --nproc_per_node 2 -m draftkit cache-hidden-states` (gloo, the tiny recipe's random target): each
+    process writes its share of the 5 shards, and the files are the bytes one process writes."""
+    import subprocess
+    import sys
+
+    from draftkit.commands.cache_hidden_states import cache_hidden_states
+
+    repo = Path(__file__).resolve().parents[2]
+    args = ["--recipe", "recipes/tiny-debug.yaml", "--shard_mb", "1", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "draftkit",
+         "cache-hidden-states", *args, "--output", str(tmp_path / "two")],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0 wrote" in proc.stderr and "rank 1 wrote" in proc.stderr
+    assert proc.stdout.count("wrote ") == 1  # rank 0 alone prints the summary
+    monkeypatch.chdir(repo)
+    one = cache_hidden_states(["recipes/tiny-debug.yaml"], str(tmp_path / "one"), shard_mb=1, device="cpu")
+    assert one["shards_todo"] == 5 and one["world_size"] == 1
+    _assert_same_cache(tmp_path / "two", tmp_path / "one")
