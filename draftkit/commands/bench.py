@@ -241,7 +241,7 @@ def decode(
         pattern: scripted accepted drafts per round, cycled (comma-separated, each in [0, k]).
         threads: torch CPU threads (default: torch's).
         output: also write the results (a JSON list, one entry per dtype) here.
-        kernels: the target's linear kernels (``draftkit.target.kernels``): auto, onednn or stock; HF
+        kernels: the target's and the head's linear kernels (``draftkit.target.kernels``): auto, onednn or stock; HF
             ``generate()`` runs on the same model, so both sides use them (``plain_vs_hf_generate``); when they
             packed the target, HF ``generate()`` is timed again on stock kernels afterwards
             (``hf_generate_stock_tokens_per_s``, ``plain_vs_hf_generate_stock``: draftkit against HF as its users
@@ -256,7 +256,7 @@ def decode(
     from draftkit.decoding.bench import bench_decode, time_hf_generate
     from draftkit.export.head_target import load_head_and_target
     from draftkit.precision import precision_record, resolve_dtype
-    from draftkit.target.kernels import pack_linears
+    from draftkit.target.kernels import pack_target_and_head
 
     if threads:
         torch.set_num_threads(threads)
@@ -271,9 +271,11 @@ def decode(
             random_weights=random_weights, draft_vocab_size=draft_vocab_size)
         prompts = _prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
         t0 = time.perf_counter()
-        with pack_linears(frozen.model, kernels) as packed:
+        packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
+        with packed, packed_head:
             result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
             result["kernels"] = packed.as_dict()  # before the release empties it
+            result["head_kernels"] = packed_head.as_dict()
         result["wall_s"] = time.perf_counter() - t0
         if result["kernels"]["packed_linears"]:  # HF generate() as its users run it: the same model, stock kernels
             hf, seconds = time_hf_generate(frozen.model, prompts, max_new_tokens)

@@ -76,9 +76,10 @@ def evaluate(
             ``greedy_equal`` there, its dtype and near ties. Speed is what users see in their fast dtype, where
             batched verification may round differently from one-row decoding; losslessness is a float32 property.
             At float32 the timed run's ``greedy_equal`` is the check.
-        kernels: the target's linear kernels (``draftkit.target.kernels``): auto (prepacked oneDNN weights where
-            a probe measures them faster on this CPU and dtype, else stock), onednn or stock; the report's
-            ``setup.kernels`` says which ran, why, and the packed copy's bytes.
+        kernels: the target's and the draft head's linear kernels (``draftkit.target.kernels``): auto
+            (prepacked oneDNN weights where a probe measures them faster on this CPU and dtype, else stock), onednn
+            or stock; the report's ``setup.kernels`` (target) and ``setup.head_kernels`` say which ran, why, and
+            the packed copies' bytes. ``--k auto``/``--tree auto`` calibrate on the kernels that run.
         device: where the target and the head run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N;
             the precision policy and the kernels decide for that device.
 
@@ -98,7 +99,7 @@ def evaluate(
     from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
     from draftkit.sampling import check_sampling
     from draftkit.decoding.tree import TreeConfig
-    from draftkit.target.kernels import pack_linears
+    from draftkit.target.kernels import pack_target_and_head
 
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
@@ -119,7 +120,7 @@ def evaluate(
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
     head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
-    packed = pack_linears(frozen.model, kernels)
+    packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
@@ -130,8 +131,10 @@ def evaluate(
         log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
                  checkpoint)
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
-                           draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict())
+                           draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict(),
+                           head_kernels=packed_head.as_dict())
     packed.release()
+    packed_head.release()
     if lossless_check and baseline and temperature == 0:
         report["lossless"] = _lossless(report, checkpoint, target_ref, device, dtype, draft_dtype, prompt_list,
                                        max_new_tokens, seed, meta.get("chat_template"), kernels)
@@ -162,8 +165,8 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
     """
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
+    from draftkit.target.kernels import pack_target_and_head
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.target.kernels import pack_linears
 
     def block(rep: dict, source: str) -> dict:
         entries = rep["sweep"] or [rep]
@@ -182,7 +185,7 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
     head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
-    packed = pack_linears(frozen.model, kernels)
+    packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
     try:
         exact = evaluate_head(
             head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
@@ -191,4 +194,6 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
         )
     finally:
         packed.release()
+        packed_head.release()
     return block(exact, "float32 pass")
+

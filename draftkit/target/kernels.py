@@ -49,6 +49,7 @@ __all__ = [
     "auto_kernels",
     "choose_kernels",
     "pack_linears",
+    "pack_target_and_head",
     "probe_packed_ratio",
 ]
 
@@ -351,3 +352,20 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
     log.info("kernels: %d linear weights packed for oneDNN (%.1f MB copy; %s)",
              len(handle.modules), handle.packed_bytes / 1e6, choice.reason)
     return handle
+
+
+def pack_target_and_head(
+    target: nn.Module, head: nn.Module, kernel: str = "auto"
+) -> tuple[PackedLinears, PackedLinears]:
+    """:func:`pack_linears` over a loaded target and a draft head for decoding, each by its own device and dtype
+    (the head is frozen first: ``requires_grad_(False)``).
+
+    A packed head costs 0.68-0.87x the eager draft round on an AVX512 CPU (benchmarks/README.md, issue 35).
+
+    Returns:
+        (target handle, head handle): release both when decoding ends (or use them as context managers).
+
+    Raises:
+        ValueError: as :func:`pack_linears` (an unknown ``kernel``; a target weight that requires grad).
+    """
+    return pack_linears(target, kernel), pack_linears(head.requires_grad_(False), kernel)

@@ -74,6 +74,7 @@ def test_bench_decode_packed_reports_what_it_packed_and_hf_generate_on_stock_ker
     assert result["kernels"]["packed_linears"] == len(linears)
     assert result["kernels"]["weight_bytes"] == sum(m.weight.numel() * 4 for m in linears)
     assert result["kernels"]["packed_bytes"] > 0
+    assert result["head_kernels"]["kernel"] == "onednn" and result["head_kernels"]["packed_linears"] > 0
     assert result["hf_outputs_equal_plain"] == 2 and result["outputs_equal_plain"] == 2
     assert result["plain_vs_hf_generate_stock"] == pytest.approx(
         result["plain_tokens_per_s"] / result["hf_generate_stock_tokens_per_s"])

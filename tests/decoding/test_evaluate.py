@@ -348,8 +348,36 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
     assert report["setup"]["kernels"] == {"kernel": "stock", "reason": "kernels=stock on cpu -> stock",
                                           "packed_ratio": None, "packed_linears": 0, "packed_bytes": 0,
                                           "weight_bytes": 0}
+    assert report["setup"]["head_kernels"]["kernel"] == "stock"
     assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2
     assert "kernels must be one of auto, onednn, stock, got 'fast'" in capsys.readouterr().err
+
+
+def test_main_packs_the_target_and_the_head_with_the_same_results(tmp_path, ckpt, prompts_file, monkeypatch):
+    """--kernels onednn (the size floor lifted for the tiny models) packs every linear of the target and of the
+    draft head, reports both, and decodes as stock kernels do in float32: the same tau, acceptance per position
+    and greedy_equal."""
+    from draftkit.export.head_target import load_head_and_target
+    from draftkit.target import kernels
+
+    monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)
+    head, frozen, *_ = load_head_and_target(ckpt, None, "float32", "cpu")
+    linears = {name: sum(type(m) is torch.nn.Linear for m in mod.modules())
+               for name, mod in (("target", frozen.model), ("head", head))}
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "8", "--prompt_lookup",
+              "false", "--dtype", "float32", "--k", "3"]
+    reports = {}
+    for kernel in ("stock", "onednn"):
+        out = tmp_path / f"{kernel}.json"
+        assert main([*common, "--output", str(out), "--kernels", kernel]) == 0
+        reports[kernel] = json.loads(out.read_text())
+    setup = reports["onednn"]["setup"]
+    assert setup["kernels"]["packed_linears"] == linears["target"] > 0
+    assert setup["head_kernels"]["packed_linears"] == linears["head"] > 0
+    assert setup["head_kernels"]["packed_bytes"] > 0
+    for key in ("tau", "acceptance_per_position", "greedy_equal"):
+        assert reports["onednn"][key] == reports["stock"][key]
+    assert reports["onednn"]["greedy_equal"] == 3
 
 
 def test_main_device_option(tmp_path, ckpt, prompts_file, capsys, monkeypatch):
