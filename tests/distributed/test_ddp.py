@@ -104,8 +104,8 @@ SKIPPED = {
 def test_two_process_ddp_with_a_skipped_record_finishes(tmp_path, kind):
     """Case x21: a 2-process DDP run whose data has one skipped record used to hang at set-up (global rank 0
     alone reached ``trainer.log_dir``, a broadcast, while writing the skip list). Now it trains its 2 steps
-    (with a validation at step 2) over JSON, JSONL and the offline hidden-state cache (``auto``: rank 0
-    writes it, both ranks train from it), and the skip list names the one record."""
+    (with a validation at step 2) over JSON, JSONL and the offline hidden-state cache (``auto``: each rank
+    writes its share, both ranks train from it), and the skip list names the one record."""
     data = _skip_data(tmp_path, "jsonl" if kind == "offline" else kind)
     root = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
