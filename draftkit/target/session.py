@@ -145,8 +145,17 @@ class TargetSession:
             # a 4-D mask reaches the attention as-is (transformers ``masking_utils``); additive, so that
             # both the eager and the SDPA kernels read it
             dtype = self.target.model.dtype
-            mask = torch.zeros(attn_mask.shape, dtype=dtype, device=input_ids.device)
-            mask = mask.masked_fill(~attn_mask, torch.finfo(dtype).min)[None, None]  # (1, 1, T, length+T)
+            mask = self._additive(attn_mask, dtype)
+            config = self.target.config
+            if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+                # a 4-D mask replaces the model's own, window included: sliding-window layers (Gemma 3, GPT-OSS)
+                # get theirs, a new row at position q reading only cached positions > q - window (transformers
+                # ``masking_utils.sliding_window_overlay``); cache row r holds position r
+                q = (torch.arange(self.length, self.length + attn_mask.shape[0], device=attn_mask.device)
+                     if position_ids is None else position_ids)
+                kv = torch.cat([torch.arange(self.length, device=attn_mask.device), q])  # (length+T,)
+                window = attn_mask & (kv[None, :] > q[:, None] - config.sliding_window)
+                mask = {"full_attention": mask, "sliding_attention": self._additive(window, dtype)}
         pos = None if position_ids is None else position_ids[None]
         if self.cache is None:
             # every layer keeps all its positions, sliding-window ones too (Gemma 3, GPT-OSS: the model still
@@ -169,6 +178,12 @@ class TargetSession:
         if pad > 0:
             self.crop(self.length - pad)
         return logits[0].float(), out.aux_hidden_states[0, :T]
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(T, S) bool -> (1, 1, T, S) additive mask of ``dtype``: 0 where allowed, the dtype's min elsewhere."""
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
     def crop(self, length: int) -> None:
         """Roll the cache back to its first ``length`` positions (``DynamicCache.crop``).

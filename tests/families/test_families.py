@@ -54,6 +54,7 @@ def test_session_cache_equals_uncached_forward(family, family_dirs):
 def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     from draftkit.cli import DraftkitCLI
     from draftkit.decoding.harness import evaluate_head
+    from draftkit.decoding.tree import TreeConfig
     from draftkit.export import ENGINES
     from draftkit.export.exporter import export_checkpoint
     from draftkit.export.load import load_exported_head, load_head
@@ -87,6 +88,10 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     target = FrozenTarget(model, meta["aux_layer_ids"])
     report = evaluate_head(head, target, tok, PROMPTS, k=3, max_new_tokens=24, prompt_lookup=False,
                            collect_kl=False, warmup=False)
+    assert report["greedy_equal"] == len(PROMPTS), report["greedy_equal"]
+    # a tree's 4-D mask replaces the model's: sliding-window layers must get the window on top of it
+    report = evaluate_head(head, target, tok, PROMPTS, tree=TreeConfig(3, 2, 6), max_new_tokens=24,
+                           prompt_lookup=False, collect_kl=False, warmup=False)
     assert report["greedy_equal"] == len(PROMPTS), report["greedy_equal"]
 
     state = head.export_state_dict()
