@@ -31,3 +31,26 @@ def test_verifier_architectures_are_the_targets(architectures, expected):
     verifier = files["config"]["speculators_config"]["verifier"]
     assert verifier == {"name_or_path": "/models/tiny", "architectures": expected}
     assert files["speculation"] == {"speculative_tokens": 3}
+
+
+def test_one_draft_token_is_a_valid_k():
+    """``draftkit.export.exporter``: k = 1 is the smallest k (the boundary of ``k < 1``), 0 is refused."""
+    from draftkit.export.exporter import _draft_tokens
+
+    assert (_draft_tokens(1, None), _draft_tokens(None, None)) == (1, 3)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        _draft_tokens(0, None)
+
+
+def test_verify_export_returns_the_largest_logit_difference(tmp_path):
+    """The self-check of a float32 export reports a difference below its 1e-4 tolerance (never a start value)."""
+    from draftkit.export.exporter import export_checkpoint, verify_export
+    from draftkit.heads.checkpoint import read_checkpoint
+    from tests.export.export_helpers import make_head, save_tiny_target, write_checkpoint
+
+    target = save_tiny_target(tmp_path / "tiny")
+    head, ids = make_head(target)
+    ckpt = write_checkpoint(tmp_path / "head.ckpt", head, target, ids)
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "out", dtype="float32", num_speculative_tokens=1)
+    worst = verify_export(out, read_checkpoint(ckpt))
+    assert 0.0 <= worst < 1e-4
