@@ -2,7 +2,9 @@
 
 ``tiny:llama`` in a recipe's ``model.target`` builds (once, into the draftkit cache) a Llama with
 vocab 320, hidden 64, 8 layers (default aux ids [2, 4, 5]), 4 heads, 2 KV heads, and a byte-level BPE
-tokenizer with a ChatML template; nothing is downloaded.
+tokenizer with a ChatML template; nothing is downloaded. :data:`TINY_FAMILIES` holds the same kind of tiny random
+target for other families (Qwen3-MoE, GPT-OSS, DeepSeek-V3, Gemma 3 and 4 text), built from their transformers
+configs with ``build_tiny_target(dest, family=...)``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ TINY_FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", dict(
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=8)),
+    "gemma4_text": ("Gemma4TextConfig", dict(
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        vocab_size_per_layer_input=320, hidden_size_per_layer_input=8)),
 }
 
 

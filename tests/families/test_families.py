@@ -13,7 +13,7 @@ import yaml
 from draftkit.testing import TINY_FAMILIES, build_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = [f for f in TINY_FAMILIES if f != "llama"]  # tiny:llama has its own tests
+FAMILIES = [f for f in TINY_FAMILIES if f not in ("llama", "gemma4_text")]  # tiny:llama has its own tests
 PROMPTS = ["hello there", "write one line about the sea", "what is two plus two?"]
 
 
@@ -28,6 +28,14 @@ def test_families_are_supported_by_the_head():
     from draftkit.testing import tiny_family_config
 
     assert {tiny_family_config(f).model_type for f in FAMILIES} <= set(SUPPORTED_MODEL_TYPES)
+
+
+def test_gemma4_is_refused_naming_the_family_and_what_is_missing():
+    from draftkit.heads.eagle3_llama import Eagle3Config
+    from draftkit.testing import tiny_family_config
+
+    with pytest.raises(ValueError, match=r"model_type 'gemma4_text' \(Gemma 4's attention differs per layer type"):
+        Eagle3Config.from_target_config(tiny_family_config("gemma4_text"), [2, 4, 5], 64)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
