@@ -505,7 +505,7 @@ def write_recipe_cache(
 
     Args:
         model: an ``Eagle3Module`` (reads ``load_target_model()`` and ``hparams.target``/``target_dtype``/
-            ``aux_layer_ids``); its target is loaded in full here.
+            ``aux_layer_ids``); its target is loaded in full here and released after (``release_target_model``).
         dm: a ``ChatDataModule`` after ``setup`` (``train_set``, ``val_set``, ``cache_fingerprint()``).
         precision: the trainer's precision string (e.g. ``bf16-mixed``, ``32-true``).
         output: cache directory; default ``<draftkit cache>/hidden-states/<cache_key(fingerprint)>``.
@@ -554,6 +554,9 @@ def write_recipe_cache(
         shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
         on_plan=on_plan, rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
     )
+    del target, hf_model
+    if hasattr(model, "release_target_model"):  # training from the cache needs only the target's LM head
+        model.release_target_model()
     return {**result, "output": str(out_dir), "precision": str(precision), "device": device}
 
 

@@ -316,6 +316,7 @@ def test_fit_with_auto_cache_writes_it_once_and_trains_offline(tiny_cache, tmp_p
     a = DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(tmp_path / "a", 2)),
                           "--data.hidden_states_cache", "auto"])
     assert isinstance(a.model.target, TargetLMHead)
+    assert getattr(a.model, "_target_model", None) is None  # the full target is released once the cache is written
     root = Path(a.datamodule.hparams.hidden_states_cache)
     assert root.parent == cache_dir() / "hidden-states"
     shards = sorted(root.glob("*.safetensors"))
