@@ -49,19 +49,21 @@ def section_numbers(sections: str) -> list[str]:
     return out
 
 
-def citations() -> list[tuple[str, int, str, list[str], str | None]]:
-    """(file, line, document, section numbers, quoted title) for every design-document citation in SCANNED."""
-    found = []
+def matches(pattern: re.Pattern):
+    """(file relative to ROOT, line, match) of ``pattern`` in every Python source of SCANNED but this file."""
     for folder in SCANNED:
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == Path(__file__).resolve():
                 continue
             text = path.read_text(encoding="utf-8")
-            for m in CITATION.finditer(text):
-                line = text.count("\n", 0, m.start()) + 1
-                numbers = section_numbers(m["sections"]) if m["sections"] else []
-                found.append((str(path.relative_to(ROOT)), line, m["doc"], numbers, m["title"]))
-    return found
+            for m in pattern.finditer(text):
+                yield str(path.relative_to(ROOT)), text.count("\n", 0, m.start()) + 1, m
+
+
+def citations() -> list[tuple[str, int, str, list[str], str | None]]:
+    """(file, line, document, section numbers, quoted title) for every design-document citation in SCANNED."""
+    return [(where, line, m["doc"], section_numbers(m["sections"]) if m["sections"] else [], m["title"])
+            for where, line, m in matches(CITATION)]
 
 
 def headings(path: Path) -> list[str]:
@@ -110,14 +112,7 @@ def test_the_source_cites_the_design_documents():
 def test_no_source_points_outside_the_repository():
     """A citation names the repository's own file (docs/X.md), never the design team's shared/ folder, which a
     user does not have."""
-    outside = []
-    for folder in SCANNED:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == Path(__file__).resolve():
-                continue
-            text = path.read_text(encoding="utf-8")
-            for m in re.finditer(r"shared/(reference|cases|seeds)/", text):
-                outside.append(f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}")
+    outside = [f"{where}:{line}" for where, line, _ in matches(re.compile(r"shared/(reference|cases|seeds)/"))]
     assert outside == []
 
 
