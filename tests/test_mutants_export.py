@@ -43,7 +43,8 @@ def test_one_draft_token_is_a_valid_k():
 
 
 def test_verify_export_returns_the_largest_logit_difference(tmp_path):
-    """The self-check of a float32 export reports a difference below its 1e-4 tolerance (never a start value)."""
+    """The self-check of a float32 export reports its largest difference: above 0 (the reference forward's
+    rounding), below the 1e-4 tolerance (not a start value)."""
     from draftkit.export.exporter import export_checkpoint, verify_export
     from draftkit.heads.checkpoint import read_checkpoint
     from tests.export.export_helpers import make_head, save_tiny_target, write_checkpoint
@@ -53,4 +54,24 @@ def test_verify_export_returns_the_largest_logit_difference(tmp_path):
     ckpt = write_checkpoint(tmp_path / "head.ckpt", head, target, ids)
     out = export_checkpoint(ckpt, "vllm", tmp_path / "out", dtype="float32", num_speculative_tokens=1)
     worst = verify_export(out, read_checkpoint(ckpt))
-    assert 0.0 <= worst < 1e-4
+    assert 0.0 < worst < 1e-4  # the reference forward differs from the head by rounding, not by 0 exactly
+
+
+def test_chain_only_engine_warns_that_it_serves_the_trees_depth(tmp_path, caplog):
+    """``draftkit.export.exporter``: vLLM given a tree logs the engine's note (it drafts a chain of the depth)."""
+    import logging
+
+    from draftkit.export import Speculation
+    from draftkit.export.exporter import export_checkpoint
+    from draftkit.export.speculation import chain_only_note
+    from tests.export.export_helpers import make_head, save_tiny_target, write_checkpoint
+
+    target = save_tiny_target(tmp_path / "tiny")
+    head, ids = make_head(target)
+    ckpt = write_checkpoint(tmp_path / "head.ckpt", head, target, ids)
+    speculation = Speculation.parse("3,2,6")
+    with caplog.at_level(logging.WARNING, logger="draftkit.export.exporter"):
+        export_checkpoint(ckpt, "vllm", tmp_path / "out", dtype="float32", speculation=speculation)
+    note = chain_only_note(speculation.tree)
+    assert note and [r.getMessage() for r in caplog.records if r.name == "draftkit.export.exporter"
+                     and r.levelno == logging.WARNING] == [f"vllm: {note}"]
