@@ -63,3 +63,19 @@ def test_acceptance_monitor_logs_distribution_metrics_per_position(tmp_path, tin
             for i, x in enumerate(expected[f"{name}_per_position"], 1) if x is not None}
     assert len(want) == 2 * len(DISTRIBUTION_METRICS)  # k = 2 positions, each metric measured at both
     assert {name: logged[name] for name in want} == pytest.approx(want, abs=1e-6)
+
+
+def test_documented_defaults_and_the_k_boundary():
+    """``draftkit.callbacks.acceptance`` / ``draftkit.callbacks.export``: the defaults that change what is
+    measured or written, and k = 1 (the boundary of ``k < 1``) accepted, 0 refused."""
+    from draftkit.callbacks.export import ExportOnCheckpoint
+
+    m = AcceptanceLengthMonitor()
+    assert (m.every_n_validations, m.every_n_train_steps, m.num_prompts, m.k, m.max_new_tokens, m.temperature,
+            m.prompts, m.seed) == (1, None, 8, 5, 64, 0.0, "mt-bench", 0)
+    e = ExportOnCheckpoint()
+    assert (e.engines, e.dirpath, e.checkpoint, e.dtype, e.num_speculative_tokens, e.overwrite) == (
+        ["vllm"], None, "final", "bfloat16", 3, True)
+    assert ExportOnCheckpoint(num_speculative_tokens=1).num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        ExportOnCheckpoint(num_speculative_tokens=0)
