@@ -13,4 +13,6 @@ def test_callbacks_package_and_bundle():
     bundle = yaml.safe_load(importlib.resources.files("draftkit.callbacks").joinpath("default.yaml").read_text())
     paths = [c["class_path"] for c in bundle["trainer"]["callbacks+"]]
     assert "lightning.pytorch.callbacks.LearningRateMonitor" in paths
-    assert not (Path(__file__).resolve().parents[2] / "draftkit" / "callbacks").exists()
+    # no second copy of the package inside draftkit/ (tools/mutation.py's scratch tree links it there: allowed)
+    inner = Path(__file__).resolve().parents[2] / "draftkit" / "callbacks"
+    assert not inner.exists() or inner.is_symlink()
