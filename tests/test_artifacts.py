@@ -118,3 +118,28 @@ def test_pypi_fetch_unpacks_atomically_and_a_failed_fetch_leaves_nothing(tmp_pat
     with pytest.raises(RuntimeError, match="could not fetch broken==1"):
         resolve_artifact("pypi:broken==1/x")
     assert sorted(p.name for p in root.iterdir()) == ["pkg-1.0"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_tiny_family_resolves_to_its_model_type(family):
+    """``tiny:<family>`` builds that family's tiny target once under ``<cache>/tiny/<family>`` (the test cache)."""
+    import json
+
+    from draftkit.testing import tiny_family_config
+
+    path = resolve_artifact(f"tiny:{family}")
+    assert path == str(cache_dir() / "tiny" / family)
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["model_type"] == tiny_family_config(family).model_type == family
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (64, 8, 320)
+    assert resolve_artifact(f"tiny:{family}") == path  # reused, not rebuilt
+
+
+def test_unknown_tiny_family_names_the_option_and_the_families():
+    with pytest.raises(ValueError) as err:
+        resolve_artifact("tiny:falcon", "model.target")
+    msg = str(err.value)
+    assert msg.startswith("model.target: unknown tiny target 'tiny:falcon'; write tiny:<family>")
+    from draftkit.testing import TINY_FAMILIES
+
+    assert msg.endswith(", ".join(TINY_FAMILIES)) and "qwen3_moe, gpt_oss, deepseek_v3, gemma3_text" in msg
