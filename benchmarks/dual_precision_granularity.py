@@ -15,8 +15,13 @@ quantized linear in the target's GGUF (Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, ...), weigh
 8-bit error against the dequantized source) and a replay with only that type's linears at 4 bits (the rest
 at 8): which source tensors produce the flips, and the 4-bit margin p_(1) - p_(2) at those flips.
 
+``--kernels`` (auto, onednn, stock; default auto, as ``evaluate-dual-precision``) picks the linear kernels of the
+float ``nn.Linear`` left after quantization (the 16-bit LM head; nothing with ``--quantize_lm_head``), packed once
+per slicing's copy by ``draftkit.target.kernels.pack_linears``; each entry's ``kernels`` says which ran, why, and
+the packed copy's bytes. float32 logits agree with stock to 1e-5.
+
 Resumable: each finished (target, quantizer, group, slicing) entry is written to --output at once and skipped
-on rerun.
+on rerun (the kernels are not part of the key: a resumed run may use other kernels).
 
     OMP_NUM_THREADS=1 nice -n 5 python benchmarks/dual_precision_granularity.py --target smollm2 \
         --num_prompts 12 --max_new_tokens 64 --output benchmarks/out/dp_granularity_smollm2.json
@@ -59,6 +64,7 @@ from draftkit.quant import (
     nested_linears,
     set_precision,
 )
+from draftkit.target.kernels import KERNELS, pack_linears
 from draftkit.target.session import TargetSession
 
 TARGETS = {"smollm2": (SMOLLM2_REF, True), "gemma3": (GEMMA3_270M_REF, False)}  # (reference, chat template)
@@ -167,7 +173,8 @@ def by_source(lm: TargetSession, float_model, prompts, trajs, high_argmax, types
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the replay study (options: the module docstring and ``--help``); argv None reads ``sys.argv``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", choices=sorted(TARGETS), default="smollm2")
     p.add_argument("--num_prompts", type=int, default=12)
@@ -179,8 +186,10 @@ def main() -> None:
     p.add_argument("--quantize_lm_head", action="store_true")
     p.add_argument("--by_source", action="store_true", help="weight statistics and flips per GGML source type")
     p.add_argument("--bootstrap_samples", type=int, default=300)
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="linear kernels of the float layers left after quantization (draftkit.target.kernels)")
     p.add_argument("--output", type=str, required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from draftkit.target.frozen import load_target
     from draftkit.target.tokens import stop_token_ids
@@ -192,7 +201,7 @@ def main() -> None:
     report["setup"] = {
         "target": ref, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-        "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(), "kernels": args.kernels,
     }
     tag = "sym" if args.scheme == "symmetric" else f"asym{args.code_range}"
     tag += "+head" if args.quantize_lm_head else ""
@@ -210,6 +219,7 @@ def main() -> None:
         lms = {s: TargetSession.with_precision_switch(copy.deepcopy(model),
                                                   QuantConfig(slicing=s, group_size=group_size, **quant))
                for s in keys}
+        packed = {s: pack_linears(lm.target.model, args.kernels) for s, lm in lms.items()}  # after quantizing
         first = next(iter(lms.values()))
         t0 = time.perf_counter()
         trajs = []
@@ -241,6 +251,7 @@ def main() -> None:
                 "verified_ratio_iid": {str(k): expected_verified_ratio(wb.rho, alpha, k) for k in (1, 2, 3, 4)},
                 "timing_s": {"all_high_decode": t_decode, "replay": time.perf_counter() - t1},
                 "load_average": os.getloadavg()[0],
+                "kernels": packed[slicing].as_dict(),
             }
             if types is not None:
                 t2 = time.perf_counter()
@@ -252,7 +263,9 @@ def main() -> None:
             log.info("%s: flip %.3f AUC H %.3f -m %.3f catch@15 margin %.3f entropy %.3f rho %.3f verified(k=2) %.3f",
                      keys[slicing], entry["flip_rate"], entry["auc_entropy"], entry["auc_margin"],
                      c["margin"]["0.15"], c["entropy"]["0.15"], wb.rho, entry["verified_ratio_iid"]["2"])
-        del lms, first
+        for handle in packed.values():
+            handle.release()
+        del lms, first, packed
     print(table(report))
 
 
