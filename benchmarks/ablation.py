@@ -29,6 +29,15 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``default`` (random, trained); ``init`` (+ ``init-from-target.yaml``: the target's draft-vocab rows and final
   norm, trained); ``frozen`` (+ ``freeze-lm-head.yaml``: those rows kept, ``model.freeze_lm_head``).
 
+- ``eagle31`` (issue 34 item 1; base the default recipe as it is): the EAGLE-3.1 head options. ``eagle3`` (the
+  default head); ``input-norm`` (+ ``recipes/ablation/eagle31-input-norm.yaml``: ``norm_before_fc`` +
+  ``norm_output``, speculators' Llama default); ``fc-norm`` (+ ``recipes/ablation/eagle31-fc-norm.yaml``:
+  ``fc_norm`` + ``norm_output``). The norms cost nothing measurable per step, so equal wall time is equal steps.
+- ``inputs`` (issue 33 item 3; base the default recipe as it is): ``default`` (3 TTT steps, clean inputs);
+  ``ttt5`` (+ ``recipes/ablation/ttt5.yaml``: 5 TTT steps, ~1.5x the step time, so fewer steps in the
+  budget); ``noise`` (+ ``recipes/ablation/noise.yaml``: uniform noise in [-0.05, 0.05] on the aux states,
+  speculators' default).
+
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
 ``eval.json`` exists, so the script resumes. The best checkpoint (``ModelCheckpoint``'s monitor,
@@ -112,7 +121,18 @@ STUDIES = {
         diffs={"init_minus_random": ("init", "default"), "frozen_minus_random": ("frozen", "default"),
                "frozen_minus_trained": ("frozen", "init")},
     ),
+    "eagle31": Study(
+        base=[DEFAULT],
+        arms={"eagle3": [], "input-norm": [A / "eagle31-input-norm.yaml"], "fc-norm": [A / "eagle31-fc-norm.yaml"]},
+        diffs={"input_norm_minus_eagle3": ("input-norm", "eagle3"), "fc_norm_minus_eagle3": ("fc-norm", "eagle3")},
+    ),
+    "inputs": Study(
+        base=[DEFAULT],
+        arms={"default": [], "ttt5": [A / "ttt5.yaml"], "noise": [A / "noise.yaml"]},
+        diffs={"ttt5_minus_ttt3": ("ttt5", "default"), "noise_minus_clean": ("noise", "default")},
+    ),
 }
+
 
 def _run(cmd: list[str], cwd: Path, log: Path, threads: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))

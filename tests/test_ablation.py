@@ -143,3 +143,24 @@ def test_layers_default_study_runs_the_arms_on_the_default_budget(arm, monkeypat
     assert cli.model.entropy_filter.mode == ("drop" if arm == "chosen-filter" else "off")
     assert cli.datamodule.hparams.path == REGEN and cli.datamodule.hparams.bucket_window == 256
     assert cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3
+
+
+@pytest.mark.parametrize("arm", ["eagle3", "input-norm", "fc-norm"])
+def test_eagle31_study_arms_set_only_their_head_norms(arm, monkeypatch, benchmark_module):
+    """Issue 34's A/B: the default recipe as it is; each arm sets only the EAGLE-3.1 flags it names."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["eagle31"], arm, ["eagle3", "input-norm", "fc-norm"], monkeypatch)
+    assert cli.datamodule.hparams.path == REGEN and cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3
+    flags = {k: cli.model.hparams[k] for k in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")}
+    assert flags == {"norm_before_fc": arm == "input-norm", "fc_norm": arm == "fc-norm", "norm_output": arm != "eagle3",
+                     "norm_before_residual": False}
+    assert cli.model.hparams.hidden_state_noise == 0.0
+
+
+@pytest.mark.parametrize("arm", ["default", "ttt5", "noise"])
+def test_inputs_study_arms_set_only_ttt_steps_or_noise(arm, monkeypatch, benchmark_module):
+    """Issue 33 item 3: TTT 3 vs 5 and aux-state noise 0 vs 0.05 on the default recipe's 30-minute budget."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["inputs"], arm, ["default", "ttt5", "noise"], monkeypatch)
+    assert cli.datamodule.hparams.path == REGEN and cli.trainer.max_steps == -1
+    assert cli.model.ttt.steps == (5 if arm == "ttt5" else 3)
+    assert cli.model.hparams.hidden_state_noise == (0.05 if arm == "noise" else 0.0)
+    assert not cli.model.hparams.norm_before_fc and not cli.model.hparams.fc_norm

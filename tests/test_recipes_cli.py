@@ -35,9 +35,9 @@ def test_recipe_parses_and_instantiates(recipe, monkeypatch):
     assert cli.datamodule.hparams.tokenizer == cli.model.hparams.target  # linked
 
 
-def _override(tmp_path: Path, max_steps: int, optimizer: str = "adamw") -> Path:
+def _override(tmp_path: Path, max_steps: int, optimizer: str = "adamw", noise: float = 0.0) -> Path:
     cfg = {
-        "model": {"optim": {"optimizer": optimizer}},
+        "model": {"optim": {"optimizer": optimizer}, "hidden_state_noise": noise},
         "trainer": {
             "default_root_dir": str(tmp_path),
             "max_steps": max_steps,
@@ -60,12 +60,13 @@ def _losses(tmp_path: Path, key: str = "train/loss") -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch, optimizer):
+@pytest.mark.parametrize("optimizer,noise", [("adamw", 0.0), ("muon", 0.0), ("muon", 0.05)])
+def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch, optimizer, noise):
+    """Also with model.hidden_state_noise: the resumed steps draw the noise the uninterrupted run drew."""
     monkeypatch.chdir(REPO)
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
-    cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6, optimizer))])
+    cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6, optimizer, noise))])
     assert type(cli.trainer.optimizers[0]).__name__ == {"adamw": "AdamW", "muon": "MuonWithAdamW"}[optimizer]
     ckpt = next((full / "ckpt").glob("*step=3*.ckpt"))
     assert ckpt.exists() and (full / "ckpt" / "last.ckpt").exists()
@@ -79,7 +80,7 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch, optimizer)
     tok = AutoTokenizer.from_pretrained(resolve_model_dir("tiny:llama"))
     assert saved["draftkit"]["tokenizer_fingerprint"] == tokenizer_identity(tok)  # checked on evaluate and export
     assert not any(k.startswith(("target.", "head.embed_tokens")) for k in saved["state_dict"])
-    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6, optimizer)),
+    DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(part, 6, optimizer, noise)),
                       "--ckpt_path", str(ckpt)])
     a, b = _losses(full), _losses(part)
     accs = _losses(full, "train/acc_0")

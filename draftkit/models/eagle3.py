@@ -137,6 +137,12 @@ class Eagle3Module(pl.LightningModule):
             TorchSpec PR #184 measured 1.22x faster GPU steps; on the default recipe on 2 CPU cores the saving, one
             576 x 8,192 weight gradient per TTT step, was within the load's noise, and seed 0 lost 0.023 tau: off by
             default). ``norm`` still trains. The frozen rows are saved in checkpoints and exports like trained ones.
+        hidden_state_noise: s >= 0: training batches add uniform noise in [-s, s] to every aux hidden state
+            before ``fc`` (speculators' ``AddUniformNoise`` on the verifier hidden states, std 0.05 there; EAGLE-1
+            trained with uniform noise too), so the head learns from inputs near, not only on, the target's exact
+            states. The teacher (the target's last hidden state and logits) and validation stay clean. 0 (default)
+            draws nothing. The noise comes from a generator seeded by (the run's seed, global step, rank,
+            batch index), so a resumed run draws the same noise as an uninterrupted one.
         serving_k: draft length at serving, for ``tau_sim_k{serving_k}``.
 
     Heavy work (loading the target, building the vocab map from the datamodule's counts and the head) runs
@@ -158,6 +164,7 @@ class Eagle3Module(pl.LightningModule):
         norm_output: bool = False,
         init_from_target: bool = False,
         freeze_lm_head: bool = False,
+        hidden_state_noise: float = 0.0,
         serving_k: int = 5,
     ) -> None:
         super().__init__()
@@ -170,6 +177,8 @@ class Eagle3Module(pl.LightningModule):
             )
         if target_dtype not in DTYPES:
             raise ValueError(f"model.target_dtype must be one of {', '.join(DTYPES)}, got {target_dtype!r}")
+        if not hidden_state_noise >= 0:
+            raise ValueError(f"model.hidden_state_noise must be >= 0 (half-width of the uniform noise), got {hidden_state_noise}")
         self.save_hyperparameters()
         # LightningCLI and checkpoints may hand the groups over as plain dicts
         self.ttt = ttt if isinstance(ttt, TTTConfig) else TTTConfig(**ttt)
@@ -423,9 +432,23 @@ class Eagle3Module(pl.LightningModule):
                 raise ValueError("batch carries cached hidden states but the model was built without the cache")
             return batch["aux_hidden_states"], batch["last_hidden_state"], self.target.logits
         out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], compute_logits=False)
-        return out.aux_hidden_states, out.last_hidden_state, self.target.model.get_output_embeddings()
+        return out.aux_hidden_states, out.last_hidden_state, self.target.lm_logits
 
-    def ttt_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    def aux_noise(self, aux: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Uniform noise in [-s, s] (s = ``hidden_state_noise``) shaped and typed like ``aux`` (B, T, n*H_t).
+
+        Drawn from its own generator seeded by (``torch.initial_seed()``, which ``seed_everything`` sets, the
+        global step, the rank, ``batch_idx``): the same step of a resumed run gets the same noise, and the
+        global random state (data order, head init) is not advanced.
+        """
+        step = self.trainer.global_step if self._trainer is not None else 0
+        rank = self.global_rank if self._trainer is not None else 0
+        seed = hash((torch.initial_seed(), step, rank, batch_idx)) % (2**63)
+        gen = torch.Generator(device=aux.device).manual_seed(seed)
+        u = torch.rand(aux.shape, generator=gen, device=aux.device, dtype=torch.float32)  # [0, 1)
+        return ((2 * u - 1) * self.hparams.hidden_state_noise).to(aux.dtype)
+
+    def ttt_loss(self, batch: dict[str, torch.Tensor], batch_idx: int = 0) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
         """Run the target and K TTT steps on a batch.
 
         Cost savers, none of which changes the loss or its gradient:
@@ -441,12 +464,15 @@ class Eagle3Module(pl.LightningModule):
             batch: ``input_ids``, ``attention_mask``, ``loss_mask``, each (B, T) int64; in offline mode also
                 ``aux_hidden_states`` (B, T, n*H_t) and ``last_hidden_state`` (B, T, H_t), and then the target
                 forward is skipped.
+            batch_idx: the training batch index (seeds :meth:`aux_noise`; unused without noise).
 
         Returns:
             (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
         """
         input_ids, attn = batch["input_ids"], batch["attention_mask"]
         aux, last, lm_head = self._teacher(batch)  # (B, T, n*H_t), (B, T, H_t)
+        if self.training and self.hparams.hidden_state_noise > 0:
+            aux = aux + self.aux_noise(aux, batch_idx)
         t2d = self.head.t2d
         b, t = input_ids.shape
         flat = b * t
@@ -578,7 +604,7 @@ class Eagle3Module(pl.LightningModule):
         Logs ``train/loss``, ``train/acc_k``/``train/loss_k`` of the TTT steps with supervised rows, and
         ``train/tau_sim`` only when every step had one (never a placeholder).
         """
-        total, stats = self.ttt_loss(batch)
+        total, stats = self.ttt_loss(batch, batch_idx)
         self._last_batch = (batch_idx, batch.get("source"))
         self._check_finite_loss(total, batch, batch_idx, "train")
         # one host copy for every step's (correct, supervised) count: the loop below reads host floats only

@@ -491,3 +491,41 @@ def test_checkpoint_records_the_trained_length_and_eagle3_1_options(tmp_path, mo
     fresh = type(cli.model)(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")})
     fresh.on_load_checkpoint(ckpt)
     assert fresh.trained_length == max(widths)
+
+
+def test_hidden_state_noise_perturbs_only_the_aux_states_of_training_batches(built_module):
+    """model.hidden_state_noise s: uniform noise in [-s, s] on the aux states before fc (speculators'
+    AddUniformNoise), reproducible per (seed, step, rank, batch index); the teacher and validation stay clean."""
+    model, dm = built_module
+    batch = next(iter(dm.train_dataloader()))
+    model.eval()
+    clean, _ = model.ttt_loss(batch, 3)
+    model.train()
+    assert float(model.ttt_loss(batch, 3)[0]) == float(clean)  # s = 0: nothing drawn, the same loss
+    state = torch.random.get_rng_state()
+    model.hparams.hidden_state_noise = 0.05
+    aux = model.target(batch["input_ids"], attention_mask=batch["attention_mask"]).aux_hidden_states
+    noise = model.aux_noise(aux, 3)
+    assert noise.shape == aux.shape and noise.dtype == aux.dtype
+    assert float(noise.abs().max()) <= 0.05 and float(noise.abs().max()) > 0.049
+    assert float(noise.std()) == pytest.approx(0.05 / math.sqrt(3), rel=0.05)  # uniform on [-s, s]
+    assert abs(float(noise.mean())) < 2e-3
+    torch.testing.assert_close(model.aux_noise(aux, 3), noise, rtol=0, atol=0)  # the same step and batch
+    assert not torch.equal(model.aux_noise(aux, 4), noise)  # another batch index: other noise
+    noisy, _ = model.ttt_loss(batch, 3)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is not advanced
+    assert float(noisy) != float(clean)
+    # the same loss as a clean run whose teacher hands the head aux + noise: noise enters through aux only
+    model.hparams.hidden_state_noise = 0.0
+    teacher = model._teacher
+    model._teacher = lambda b: (lambda a, last, head: (a + noise, last, head))(*teacher(b))
+    torch.testing.assert_close(model.ttt_loss(batch, 3)[0], noisy, rtol=0, atol=0)
+    model._teacher = teacher
+    model.hparams.hidden_state_noise = 0.05
+    model.eval()
+    assert float(model.ttt_loss(batch, 3)[0]) == float(clean)  # validation: no noise
+
+
+def test_hidden_state_noise_must_be_non_negative(tiny_target_dir):
+    with pytest.raises(ValueError, match="model.hidden_state_noise must be >= 0"):
+        Eagle3Module(str(tiny_target_dir), hidden_state_noise=-0.1)
