@@ -3,7 +3,7 @@
 ``tiny:llama`` in a recipe's ``model.target`` builds (once, into the draftkit cache) a Llama with
 vocab 320, hidden 64, 8 layers (default aux ids [2, 4, 5]), 4 heads, 2 KV heads, and a byte-level BPE
 tokenizer with a ChatML template; nothing is downloaded. :data:`TINY_FAMILIES` holds the same kind of tiny random
-target for other families (Qwen3-MoE, GPT-OSS, DeepSeek-V3, Gemma 3 and 4 text), built from their transformers
+target for other families (Qwen3-MoE, GPT-OSS, DeepSeek-V3, Gemma 2, Gemma 3 and 4 text), built from their transformers
 configs with ``build_tiny_target(dest, family=...)``; ``tiny:<family>`` (any key of it) names one in a recipe.
 """
 
@@ -51,6 +51,9 @@ TINY_FAMILIES = {
         intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(  # final-logit soft-cap 30.0 and attention soft-cap 50.0 (the defaults)
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8)),
     "gemma3_text": ("Gemma3TextConfig", dict(
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         sliding_window=8)),

@@ -46,7 +46,7 @@ from draftkit.analysis.cka import MinibatchCKA
 from draftkit.analysis.entropy import concat_entropies_from_rows
 from draftkit.analysis.moments import LayerMoments
 from draftkit.analysis.token_entropy import quantile_threshold, token_entropy
-from draftkit.target.frozen import capture_hidden_states, text_config
+from draftkit.target.frozen import capture_hidden_states, target_logits, text_config
 
 __all__ = [
     "LayerAnalysisConfig",
@@ -542,7 +542,7 @@ def collect_layer_statistics(
             if need_keys:
                 hk = out.last_hidden_state[bi, key_pos[bi, ti]]  # (n, d), normed final state at the key position
                 keys = torch.cat([
-                    token_entropy(lm_head(hk[s:s + entropy_chunk]), entropy_chunk)
+                    token_entropy(target_logits(lm_head, hk[s:s + entropy_chunk], model.config), entropy_chunk)
                     for s in range(0, hk.shape[0], entropy_chunk)
                 ])  # (n,)
             captured.clear()

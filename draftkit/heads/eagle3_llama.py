@@ -38,8 +38,11 @@ __all__ = ["Eagle3Config", "Eagle3LlamaHead", "KVCache", "RMSNorm"]
 # whatever the target's attention; it reads the target's full-attention RoPE (Gemma 3's ``rope_parameters`` per
 # layer type), its ``num_attention_heads`` and ``head_dim`` (DeepSeek-V3's MLA ranks stay in the target), its
 # dense ``intermediate_size`` (the MoE experts stay in the target), and the unscaled input embedding rows (as the
-# engines' draft models embed; Gemma's sqrt(H) scale is the target's own, and the head's input norm removes it)
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma3_text")
+# engines' draft models embed; Gemma's sqrt(H) scale is the target's own, and the head's input norm removes it);
+# Gemma 2's final-logit soft-cap is applied to the target's logits (``draftkit.target.frozen.target_logits``), its
+# attention soft-cap stays inside the target
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2",
+                         "gemma3_text")
 # families the head is known not to cover yet: what is missing, named in the refusal
 UNSUPPORTED_NOTES = {
     "gemma4_text": "Gemma 4's attention differs per layer type (head_dim per layer, 'proportional' partial RoPE on "

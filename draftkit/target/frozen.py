@@ -26,6 +26,8 @@ __all__ = [
     "cache_kwarg",
     "capture_hidden_states",
     "load_target",
+    "logit_softcap",
+    "target_logits",
     "text_config",
 ]
 
@@ -33,6 +35,38 @@ __all__ = [
 def text_config(config):
     """The text (decoder) config of a Hugging Face config: ``get_text_config()`` when it has one."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def logit_softcap(config) -> float | None:
+    """The target's final-logit soft-cap c (``final_logit_softcapping``: Gemma 2 30.0; Gemma 3/4 text None by
+    default, set by some checkpoints), or None when the (text) config has none."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
+
+
+def target_logits(head: nn.Module | torch.Tensor, last_hidden_state: torch.Tensor, config) -> torch.Tensor:
+    """The target's logits from its last hidden state, as its ``*ForCausalLM.forward`` computes them: the LM
+    head, then, where the config sets a final-logit soft-cap c, ``tanh(z / c) * c`` in the logits' dtype
+    (transformers' Gemma 2/3/4 order: divide, tanh, multiply). Every draftkit path that applies the target's LM
+    head itself (teacher labels and distribution, decoding, the layer analysis) goes through here.
+
+    Args:
+        head: the output projection: the target's ``get_output_embeddings()`` module, or its (V, H_t) weight
+            (applied as ``F.linear`` in the weight's dtype).
+        last_hidden_state: (..., H_t) ``hidden_states[N]`` (after the final norm).
+        config: the target's config (or text config), read for ``final_logit_softcapping``.
+
+    Returns:
+        (..., V) logits, in the head's dtype.
+    """
+    if isinstance(head, torch.Tensor):
+        logits = torch.nn.functional.linear(last_hidden_state.to(head.dtype), head)
+    else:
+        logits = head(last_hidden_state)
+    cap = logit_softcap(config)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def cache_kwarg(forward) -> str:
@@ -179,6 +213,12 @@ class FrozenTarget(TargetFacts):
         return getattr(norm, "weight", None)
 
     @torch.no_grad()
+    def lm_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """(..., H_t) last hidden state -> (..., V) logits equal to the model's own (:func:`target_logits`:
+        the LM head plus the final-logit soft-cap where the config sets one)."""
+        return target_logits(self.model.get_output_embeddings(), last_hidden_state, self.config)
+
+    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -196,7 +236,7 @@ class FrozenTarget(TargetFacts):
             position_ids: (B, T) int64, or None for 0.. / after the cache.
             cache: a transformers ``Cache`` to extend, or None.
             use_cache: return the (new) cache.
-            compute_logits: also apply the LM head.
+            compute_logits: also apply the LM head (and the soft-cap, :meth:`lm_logits`).
 
         Returns:
             :class:`TargetOutput`.
@@ -211,7 +251,7 @@ class FrozenTarget(TargetFacts):
             )
             aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
         last = out.last_hidden_state  # (B, T, H_t), normed
-        logits = self.model.get_output_embeddings()(last) if compute_logits else None  # (B, T, V)
+        logits = self.lm_logits(last) if compute_logits else None  # (B, T, V), = model(...).logits
         new_cache = None
         if use_cache:
             new_cache = out.cache if "cache" in out else out.past_key_values

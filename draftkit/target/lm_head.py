@@ -2,7 +2,7 @@
 
 Offline training (``draftkit.data.hidden_cache``) reads the aux and last hidden states from a cache, so of the
 target it needs only its config (to size the head), its input embedding (copied into the head once) and its
-LM head (teacher logits z = W_lm · last_hidden_state). Both tensors are read by name from the target's
+LM head (teacher logits z = W_lm · last_hidden_state, soft-capped as the target's forward does). Both tensors are read by name from the target's
 safetensors files; the model itself is only instantiated on the ``meta`` device to learn those names.
 
 Shapes: B batch, T tokens, H_t target hidden, V target vocab.
@@ -15,10 +15,9 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from draftkit.target.frozen import TargetFacts, load_target, text_config
+from draftkit.target.frozen import TargetFacts, load_target, target_logits, text_config
 from draftkit.selection.layers import validate_aux_layer_ids
 
 __all__ = ["TargetLMHead", "load_target_lm_head"]
@@ -80,7 +79,8 @@ class TargetLMHead(TargetFacts):
 
     @torch.no_grad()
     def logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """Teacher logits z = last_hidden_state @ W_lm^T in the target dtype.
+        """Teacher logits z = last_hidden_state @ W_lm^T in the target dtype, soft-capped where the target's
+        config sets ``final_logit_softcapping`` (:func:`~draftkit.target.frozen.target_logits`).
 
         Args:
             last_hidden_state: (B, T, H_t) ``hidden_states[N]`` after the final norm (bf16 from a cache).
@@ -88,7 +88,7 @@ class TargetLMHead(TargetFacts):
         Returns:
             (B, T, V) logits.
         """
-        return F.linear(last_hidden_state.to(self.lm_head.dtype), self.lm_head)  # (B, T, V)
+        return target_logits(self.lm_head, last_hidden_state, self.config)  # (B, T, V)
 
 
 def _weight_names(config) -> tuple[str, str, str | None]:

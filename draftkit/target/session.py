@@ -172,7 +172,7 @@ class TargetSession:
         self.length += input_ids.shape[0]
         if logits_to_keep:
             # the LM head over the kept rows only, as transformers' ``logits_to_keep`` slices before it
-            logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -logits_to_keep:])
+            logits = self.target.lm_logits(out.last_hidden_state[:, -logits_to_keep:])
         else:
             logits = out.logits[:, :T]  # (1, T, V)
         if pad > 0:
