@@ -57,7 +57,7 @@ from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 
 __all__ = [
     "AUTO", "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
-    "config_fingerprint", "plan_shards", "write_hidden_states", "write_recipe_cache",
+    "complete_cache_result", "config_fingerprint", "plan_shards", "write_hidden_states", "write_recipe_cache",
 ]
 
 log = logging.getLogger(__name__)
@@ -360,19 +360,8 @@ def write_hidden_states(
     barrier = barrier or (lambda: None)
     broadcast = broadcast or (lambda obj: obj)
     output = Path(output).expanduser()
-    bpt = bytes_per_token(hidden_size, num_aux_layers)
-    lengths = {name: [len(r["input_ids"]) for r in rows] for name, rows in splits.items()}
-    index = {
-        "format": FORMAT, "complete": False, "fingerprint": fingerprint, "bytes_per_token": bpt,
-        "hidden_size": hidden_size, "aux_width": num_aux_layers * hidden_size, "dtype": "bfloat16",
-        "splits": {
-            name: {
-                "num_sequences": len(lengths[name]), "num_tokens": sum(lengths[name]),
-                "shards": plan_shards(lengths[name], name, shard_tokens),
-            }
-            for name in splits
-        },
-    }
+    index = _index(splits, fingerprint, hidden_size, num_aux_layers, shard_tokens)
+    bpt = index["bytes_per_token"]
     width = (index["aux_width"], hidden_size)
     shards = {shard["file"]: (name, shard) for name, spec in index["splits"].items() for shard in spec["shards"]}
 
@@ -380,14 +369,8 @@ def write_hidden_states(
         """Rank 0: the plan of the whole remaining cache, checked against the free disk; the index started."""
         _check_existing(output, index)
         todo = [f for f, (_, shard) in shards.items() if _shard_problem(output / f, shard, width) is not None]
-        tokens = sum(shards[f][1]["num_tokens"] for f in todo)
-        plan = {
-            "output": str(output), "bytes_per_token": bpt, "tokens": tokens,
-            "tokens_total": sum(s["num_tokens"] for s in index["splits"].values()),
-            "bytes_needed": tokens * bpt + sum(8 * (shards[f][1]["rows"][1] - shards[f][1]["rows"][0] + 1) + 4096 for f in todo),
-            "bytes_free": _free_bytes(output), "shards_done": len(shards) - len(todo), "shards_todo": len(todo),
-            "world_size": world_size,
-        }
+        plan = _plan(output, index, todo, world_size)
+        tokens = plan["tokens"]
         if on_plan is not None:
             on_plan(plan)
         if plan["bytes_needed"] > plan["bytes_free"]:
@@ -463,6 +446,97 @@ def write_hidden_states(
     return {**plan, **merged}
 
 
+def _index(splits: dict[str, Sequence[dict]], fingerprint: dict, hidden_size: int, num_aux_layers: int,
+           shard_tokens: int) -> dict:
+    """The index :func:`write_hidden_states` writes for this configuration (``complete: false``), its shard plan
+    included (arguments as there)."""
+    lengths = {name: [len(r["input_ids"]) for r in rows] for name, rows in splits.items()}
+    return {
+        "format": FORMAT, "complete": False, "fingerprint": fingerprint,
+        "bytes_per_token": bytes_per_token(hidden_size, num_aux_layers),
+        "hidden_size": hidden_size, "aux_width": num_aux_layers * hidden_size, "dtype": "bfloat16",
+        "splits": {
+            name: {
+                "num_sequences": len(lengths[name]), "num_tokens": sum(lengths[name]),
+                "shards": plan_shards(lengths[name], name, shard_tokens),
+            }
+            for name in splits
+        },
+    }
+
+
+def _plan(output: Path, index: dict, todo: list[str], world_size: int) -> dict:
+    """The plan :func:`write_hidden_states` reports (and passes to ``on_plan``) when the shard files ``todo``
+    of ``index`` are still to be written."""
+    shards = {shard["file"]: shard for spec in index["splits"].values() for shard in spec["shards"]}
+    tokens = sum(shards[f]["num_tokens"] for f in todo)
+    return {
+        "output": str(output), "bytes_per_token": index["bytes_per_token"], "tokens": tokens,
+        "tokens_total": sum(s["num_tokens"] for s in index["splits"].values()),
+        "bytes_needed": tokens * index["bytes_per_token"]
+        + sum(8 * (shards[f]["rows"][1] - shards[f]["rows"][0] + 1) + 4096 for f in todo),
+        "bytes_free": _free_bytes(output), "shards_done": len(shards) - len(todo), "shards_todo": len(todo),
+        "world_size": world_size,
+    }
+
+
+def complete_cache_result(
+    output: str | Path,
+    splits: dict[str, Sequence[dict]],
+    fingerprint: dict,
+    hidden_size: int,
+    num_aux_layers: int,
+    shard_tokens: int = 1 << 17,
+    dry_run: bool = False,
+    on_plan: Callable[[dict], None] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    broadcast: Callable[[object], object] | None = None,
+) -> dict | None:
+    """What :func:`write_hidden_states` would return for ``output`` when that cache is already complete for this
+    configuration, found without a target forward and without writing anything; None when it would write.
+
+    Complete means what :func:`write_hidden_states` and the readers check: :class:`HiddenStateCache` opens it
+    (a draftkit index marked ``complete``), its fingerprint and shard plan equal this configuration's (as
+    :func:`write_hidden_states` requires of an existing index), and :meth:`HiddenStateCache.verify` passes for
+    every split (each shard's header matches the index). Anything else (no index, an interrupted cache, another
+    fingerprint or plan, a missing or truncated shard) returns None, so that :func:`write_hidden_states`
+    finishes the cache or refuses it with its own error. Rank 0 decides and broadcasts, so every rank returns
+    the same.
+
+    Args:
+        output, splits, fingerprint, hidden_size, num_aux_layers, shard_tokens, dry_run, on_plan, rank,
+            world_size, broadcast: as :func:`write_hidden_states` (``on_plan`` is called on rank 0 only when the
+            cache is complete, with 0 shards to write).
+
+    Returns:
+        The plan (``shards_todo`` 0, ``tokens`` 0), plus, unless ``dry_run``, the totals of a run that wrote
+        nothing (``tokens_written`` 0, ``bytes_written`` 0, ``seconds`` 0.0, ``ranks`` of empty shares); or None.
+    """
+    output = Path(output).expanduser()
+    index = _index(splits, fingerprint, hidden_size, num_aux_layers, shard_tokens)
+
+    def check() -> dict | None:
+        try:
+            cache = HiddenStateCache(output)
+            _check_existing(output, index)
+            for split in index["splits"]:
+                cache.verify(split)
+        except (FileNotFoundError, ValueError):
+            return None
+        plan = _plan(output, index, [], world_size)
+        if on_plan is not None:
+            on_plan(plan)
+        return plan
+
+    plan = _relay(broadcast or (lambda obj: obj), rank, check)
+    if plan is None or dry_run:
+        return plan
+    share = {"shards": [], "tokens_written": 0, "bytes_written": 0, "seconds": 0.0}
+    return {**plan, "tokens_written": 0, "bytes_written": 0, "seconds": 0.0, "tokens_per_s": 0.0, "mb_per_s": 0.0,
+            "ranks": [dict(share) for _ in range(world_size)]}
+
+
 def _check_existing(output: Path, index: dict) -> None:
     """Refuse an ``output`` whose index has another fingerprint or shard plan than ``index``."""
     old_path = output / INDEX
@@ -503,9 +577,17 @@ def write_recipe_cache(
     ``data.hidden_states_cache: auto``. Under several processes every rank loads the target on its own
     device and writes its share of the shards (:func:`write_hidden_states`).
 
+    A cache that is already complete for this configuration (:func:`complete_cache_result`) is reused without
+    loading the target's weights: the fingerprint is first computed from the target's config (``config.json``,
+    through ``AutoConfig``, as offline training's check reads it), the resolved ``target_dtype``, the aux layer
+    ids and ``dm.cache_fingerprint()`` (the tokenizer and the tokenized data). Otherwise (no cache, an
+    interrupted one, a mismatch) the target is loaded and everything runs as without that check: the
+    fingerprint from the loaded target, the same shards written, the same error for another configuration.
+
     Args:
-        model: an ``Eagle3Module`` (reads ``load_target_model()`` and ``hparams.target``/``target_dtype``/
-            ``aux_layer_ids``); its target is loaded in full here and released after (``release_target_model``).
+        model: an ``Eagle3Module`` (reads ``resolve_target_dtype()``, ``load_target_model()`` and
+            ``hparams.target``/``target_dtype``/``aux_layer_ids``); unless the cache is complete its target is
+            loaded in full here; it is released after either way (``release_target_model``).
         dm: a ``ChatDataModule`` after ``setup`` (``train_set``, ``val_set``, ``cache_fingerprint()``).
         precision: the trainer's precision string (e.g. ``bf16-mixed``, ``32-true``).
         output: cache directory; default ``<draftkit cache>/hidden-states/<cache_key(fingerprint)>``.
@@ -519,7 +601,8 @@ def write_recipe_cache(
             ``barrier`` and ``broadcast``.
 
     Returns:
-        :func:`write_hidden_states`' result plus ``output`` (str), ``precision`` and ``device``.
+        :func:`write_hidden_states`' result (for a complete cache: 0 shards written) plus ``output`` (str),
+        ``precision`` and ``device``.
 
     Raises:
         ValueError: when ``output`` holds a cache for another configuration.
@@ -527,19 +610,47 @@ def write_recipe_cache(
     """
     from contextlib import nullcontext
 
-    from draftkit.artifacts import cache_dir
-    from draftkit.target.frozen import FrozenTarget
+    from transformers import AutoConfig
 
-    hf_model, _ = model.load_target_model()
+    from draftkit.artifacts import cache_dir, resolve_model_dir
+    from draftkit.selection.layers import validate_aux_layer_ids
+    from draftkit.target.frozen import FrozenTarget, text_config
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    splits = {"train": dm.train_set, "val": dm.val_set}
+    data_fingerprint = dm.cache_fingerprint()  # the tokenizer (loaded, not the model) and the tokenized data
+
+    def fingerprint_of(config, aux_layer_ids: list[int]) -> dict:
+        return {"target": model.hparams.target, "target_config": config_fingerprint(config),
+                "target_dtype": model.hparams.target_dtype, "aux_layer_ids": list(aux_layer_ids), **data_fingerprint}
+
+    def out_dir_of(fingerprint: dict) -> Path:
+        return Path(output or cache_dir() / "hidden-states" / cache_key(fingerprint))
+
+    def shard_tokens(hidden_size: int, num_aux: int) -> int:
+        return max(1, int(shard_mb * 1e6) // bytes_per_token(hidden_size, num_aux))
+
+    model.resolve_target_dtype()  # the dtype load_target_model loads in: the fingerprint's target_dtype
+    config = text_config(AutoConfig.from_pretrained(resolve_model_dir(model.hparams.target)))
+    aux_ids = validate_aux_layer_ids(model.hparams.aux_layer_ids, config.num_hidden_layers)
+    fingerprint = fingerprint_of(config, aux_ids)
+    out_dir = out_dir_of(fingerprint)
+    reused = complete_cache_result(
+        out_dir, splits, fingerprint, config.hidden_size, len(aux_ids),
+        shard_tokens=shard_tokens(config.hidden_size, len(aux_ids)), dry_run=dry_run, on_plan=on_plan, rank=rank,
+        world_size=world_size, broadcast=broadcast,
+    )
+    if reused is not None:
+        log.info("hidden-state cache %s is complete for this configuration: reused, the target not loaded", out_dir)
+        if hasattr(model, "release_target_model"):
+            model.release_target_model()
+        return {**reused, "output": str(out_dir), "precision": str(precision), "device": device}
+
+    hf_model, _ = model.load_target_model()
     target = FrozenTarget(hf_model.to(device), model.hparams.aux_layer_ids)
-    fingerprint = {
-        "target": model.hparams.target, "target_config": config_fingerprint(target.config),
-        "target_dtype": model.hparams.target_dtype, "aux_layer_ids": list(target.aux_layer_ids),
-        **dm.cache_fingerprint(),
-    }
-    out_dir = Path(output or cache_dir() / "hidden-states" / cache_key(fingerprint))
+    fingerprint = fingerprint_of(target.config, target.aux_layer_ids)
+    out_dir = out_dir_of(fingerprint)
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if "bf16" in str(precision) else nullcontext()
 
     def forward(ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,12 +658,11 @@ def write_recipe_cache(
             out = target(ids.to(device), attention_mask=attn.to(device), compute_logits=False)
         return out.aux_hidden_states, out.last_hidden_state  # (B, T, n*H_t), (B, T, H_t)
 
-    bpt = bytes_per_token(target.hidden_size, len(target.aux_layer_ids))
     result = write_hidden_states(
-        out_dir, {"train": dm.train_set, "val": dm.val_set}, fingerprint, forward, target.hidden_size,
-        len(target.aux_layer_ids), batch_size=batch_size or dm.hparams.batch_size,
-        shard_tokens=max(1, int(shard_mb * 1e6) // bpt), pad_token_id=dm.pad_token_id, dry_run=dry_run,
-        on_plan=on_plan, rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
+        out_dir, splits, fingerprint, forward, target.hidden_size, len(target.aux_layer_ids),
+        batch_size=batch_size or dm.hparams.batch_size,
+        shard_tokens=shard_tokens(target.hidden_size, len(target.aux_layer_ids)), pad_token_id=dm.pad_token_id,
+        dry_run=dry_run, on_plan=on_plan, rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
     )
     del target, hf_model
     if hasattr(model, "release_target_model"):  # training from the cache needs only the target's LM head
