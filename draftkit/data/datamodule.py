@@ -464,7 +464,8 @@ class ChatDataModule(pl.LightningDataModule):
                 "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
             )
         s = trainer.strategy
-        log.info("data.hidden_states_cache: auto: one target pass over the data first (complete shards are reused)")
+        log.info("data.hidden_states_cache: auto: a complete cache for this target, data and aux layers is reused; "
+                 "otherwise one target pass over the data first (complete shards are kept)")
         self.open_hidden_states(write_recipe_cache(
             trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
             rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
