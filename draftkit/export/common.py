@@ -35,8 +35,11 @@ from draftkit.jsonio import InsufficientSpaceError, atomic_path, check_free_spac
 from draftkit.selection.vocab import VocabMap
 
 __all__ = [
+    "CHECKED_TARGET_FAMILIES",
+    "ENGINE_TARGET_FAMILIES",
     "EXPORT_DTYPES",
     "SIDECAR",
+    "engine_family_warning",
     "llama_config_fields",
     "norm_flags",
     "rope_legacy_fields",
@@ -53,6 +56,57 @@ SIDECAR = "draftkit_export.json"
 """Sidecar file name; engines ignore it."""
 
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+_CAPTURE_EVERYWHERE = frozenset({"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3"})
+ENGINE_TARGET_FAMILIES: dict[str, frozenset[str]] = {
+    # vLLM 0.34.0 (PyPI wheel, commit g62d4bc3c7): the target's *ForCausalLM in vllm/model_executor/models/ declares
+    # SupportsEagle3 (set_aux_hidden_state_layers); gemma3.py and gemma2.py do not
+    "vllm": _CAPTURE_EVERYWHERE,
+    # a speculators directory is served by vLLM's speculators loader: the target side is vLLM's
+    "speculators": _CAPTURE_EVERYWHERE,
+    # SGLang 0.5.23 (PyPI wheel): python/sglang/srt/models/<file> defines set_eagle3_layers_to_capture
+    # (gemma3_causal.py does; gemma2.py does not)
+    "sglang": _CAPTURE_EVERYWHERE | {"gemma3_text"},
+    # TensorRT-LLM (source, tensorrt_llm/_torch/models/modeling_<family>.py): the decoder layers hand their output to
+    # spec_metadata.maybe_capture_hidden_states; modeling_gemma3.py and modeling_gemma2.py do not
+    "trtllm": _CAPTURE_EVERYWHERE,
+}
+"""Engine -> the target ``model_type`` values whose target model captures EAGLE3 aux hidden states in that
+engine, as read in each engine's code (the table, files and versions: eagle3-format.md §7.7). Only the families of
+:data:`CHECKED_TARGET_FAMILIES` were checked; ``draftkit export`` warns (never refuses) outside these sets."""
+
+CHECKED_TARGET_FAMILIES = frozenset({*_CAPTURE_EVERYWHERE, "gemma2", "gemma3_text"})
+"""The target ``model_type`` values looked up in every engine of :data:`ENGINE_TARGET_FAMILIES`."""
+
+
+def engine_family_warning(engine: str, model_type: str | None) -> str | None:
+    """The warning ``draftkit export`` logs when ``engine`` does not declare EAGLE3 for the target's family.
+
+    Args:
+        engine: the export engine (a name of ``draftkit.export.ENGINES``).
+        model_type: the target's (text) config ``model_type``; None when unknown.
+
+    Returns:
+        None when :data:`ENGINE_TARGET_FAMILIES` lists ``model_type`` for ``engine``; else one line naming the
+        engine, the model_type and the engines that do serve it, or saying the pair was not checked (a family
+        outside :data:`CHECKED_TARGET_FAMILIES`, or an engine without an entry).
+    """
+    served = ENGINE_TARGET_FAMILIES.get(engine)
+    if served is not None and model_type in served:
+        return None
+    if served is None or model_type not in CHECKED_TARGET_FAMILIES:
+        return (
+            f"--to {engine}: EAGLE3 support for target model_type {model_type!r} in {engine} was not checked "
+            f"(draftkit records {', '.join(sorted(CHECKED_TARGET_FAMILIES))} for "
+            f"{', '.join(ENGINE_TARGET_FAMILIES)}); the export is written: check that {engine}'s model for this "
+            "target captures the aux hidden states before serving it"
+        )
+    others = [e for e, families in ENGINE_TARGET_FAMILIES.items() if model_type in families]
+    return (
+        f"--to {engine}: {engine}'s model for target model_type {model_type!r} does not declare EAGLE3 (no aux "
+        f"hidden-state capture, eagle3-format.md §7.7); engines that serve it: {', '.join(others) or 'none'}. "
+        "The export is written, but the engine will refuse or ignore this head for this target"
+    )
 
 
 def serving_tensors(

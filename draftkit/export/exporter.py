@@ -2,7 +2,8 @@
 
 Steps (eagle3-format.md §7):
 1. read the checkpoint and its target config; refuse a head trained for another target (hidden size, vocab)
-   or without a draft-vocab map;
+   or without a draft-vocab map; warn when the engine's model for the target's family does not capture EAGLE3
+   aux hidden states (``common.ENGINE_TARGET_FAMILIES``, eagle3-format.md §7.7);
 2. rename/cast the serving tensors for the engine and validate them strictly (names, shapes, dtypes, d2t);
 3. build ``config.json`` (aux ids converted by the engine module, all four norm flags explicit), the launch
    line for the chain k or the tree shape (``export.speculation``) and the ``draftkit_export.json`` sidecar;
@@ -29,6 +30,7 @@ from draftkit.export.common import (
     EXPORT_DTYPES,
     NORM_FLAGS,
     SIDECAR,
+    engine_family_warning,
     head_config_dict,
     serving_tensors,
     validate_tensors,
@@ -180,6 +182,10 @@ def export_head_source(
     module = ENGINES[engine]
     out_dir = Path(out_dir).expanduser().absolute()
     cfg, n_layers, aux = source.config, source.num_layers, source.aux_layer_ids
+    model_type = getattr(source.target_config, "model_type", None)
+    family_note = engine_family_warning(engine, model_type)
+    if family_note:
+        log.warning("%s", family_note)
     torch_dtype = EXPORT_DTYPES[dtype]
     if dtype == "float16":
         log.warning("exporting fp16 weights: fp16 drafts have overflowed to NaN logits in engines; prefer bfloat16")
@@ -206,6 +212,7 @@ def export_head_source(
         "target": source.target,
         "target_path": source.target_path,
         "target_name": source.serving_name,
+        "target_model_type": model_type,
         "target_dtype": meta.get("target_dtype"),
         "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
         "chat_template": meta.get("chat_template"),
