@@ -20,8 +20,8 @@ def test_val_loss_logged_with_one_supervised_token(weight, tiny_target_dir, tiny
     model.build(dm)
     real, totals = model.ttt_loss, []
 
-    def ttt_loss(batch):  # validation: step 0's weighted count is `weight` (one token, or half of one)
-        total, stats = real(batch)
+    def ttt_loss(batch, batch_idx=0):  # validation: step 0's weighted count is `weight` (one token, or half of one)
+        total, stats = real(batch, batch_idx)
         if not model.training:
             loss_sum, correct_sum, w_sum = stats[0]
             stats = [(loss_sum / w_sum * weight, correct_sum / w_sum * weight, w_sum / w_sum * weight)]

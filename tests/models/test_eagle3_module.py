@@ -326,8 +326,8 @@ def _empty_on(model, batches: set[int]):
     """Make the TTT loss of the given training batch indices (counted from 0 over the run) supervise nothing."""
     real, seen = model.ttt_loss, []
 
-    def ttt_loss(batch):
-        total, stats = real(batch)
+    def ttt_loss(batch, batch_idx=0):
+        total, stats = real(batch, batch_idx)
         if model.training:
             seen.append(len(seen))
             if seen[-1] in batches:
@@ -394,8 +394,8 @@ def test_validation_never_logs_nan_or_placeholders(built_module, tmp_path):
                          ttt={"steps": 3, "decay": 0.8})  # full vocab: every validation row is supervised
     real = model.ttt_loss
 
-    def ttt_loss(batch):  # validation: steps 1 and 2 never supervised
-        total, stats = real(batch)
+    def ttt_loss(batch, batch_idx=0):  # validation: steps 1 and 2 never supervised
+        total, stats = real(batch, batch_idx)
         if not model.training:
             stats = [stats[0]] + [(s[0] * 0, s[1] * 0, s[2] * 0) for s in stats[1:]]
         return total, stats
