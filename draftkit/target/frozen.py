@@ -11,7 +11,9 @@ Shapes: B batch, T tokens, H_t target hidden, V target vocab, n number of aux la
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "capture_hidden_states",
     "load_target",
     "logit_softcap",
+    "rms_norm_scale",
     "target_logits",
     "text_config",
 ]
@@ -67,6 +70,33 @@ def target_logits(head: nn.Module | torch.Tensor, last_hidden_state: torch.Tenso
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def rms_norm_scale(norm: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """(H,) float32 per-channel scale s of an RMSNorm module: norm(x) = x / rms(x) * s, whatever the family
+    stores. Llama's RMSNorm multiplies by its weight w (s = w); Gemma's (Gemma 1-3) by 1 + w, its weights stored
+    around 0. The head's own norm is Llama's, so copying the target's final norm into it
+    (``Eagle3LlamaHead.init_from_target``) must copy s, not w.
+
+    Measured, not looked up by family: a float32 copy of the module is applied to a unit-RMS input (ones) and the
+    output rescaled by sqrt(1 + eps), which undoes the epsilon exactly.
+
+    Args:
+        norm: the RMSNorm module (may live on the ``meta`` device when ``weight`` is given).
+        weight: (H,) its weight, for a module without real tensors (the offline LM head's meta instance).
+
+    Returns:
+        (H,) float32 scale.
+    """
+    probe = copy.deepcopy(norm)
+    if weight is not None:
+        probe = probe.to_empty(device="cpu")
+        probe.weight.data.copy_(weight)
+    probe = probe.float()
+    eps = float(getattr(probe, "variance_epsilon", getattr(probe, "eps", 0.0)))
+    with torch.no_grad():
+        out = probe(torch.ones(1, probe.weight.shape[-1], device=probe.weight.device))[0]  # (H,)
+    return (out * math.sqrt(1.0 + eps)).detach()
 
 
 def cache_kwarg(forward) -> str:
@@ -208,9 +238,10 @@ class FrozenTarget(TargetFacts):
         return self.model.get_output_embeddings().weight
 
     def final_norm_weight(self) -> torch.Tensor | None:
-        """(H_t,) weight of the final RMSNorm (``model.model.norm``), or None if the target has none."""
+        """(H_t,) float32 scale of the final RMSNorm (``model.model.norm``, :func:`rms_norm_scale`: its weight
+        for Llama, 1 + weight for Gemma), or None if the target has none."""
         norm = getattr(self.base, "norm", None)
-        return getattr(norm, "weight", None)
+        return rms_norm_scale(norm) if getattr(norm, "weight", None) is not None else None
 
     @torch.no_grad()
     def lm_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftkit.target.frozen import TargetFacts, load_target, target_logits, text_config
+from draftkit.target.frozen import TargetFacts, load_target, rms_norm_scale, target_logits, text_config
 from draftkit.selection.layers import validate_aux_layer_ids
 
 __all__ = ["TargetLMHead", "load_target_lm_head"]
@@ -34,7 +34,8 @@ class TargetLMHead(TargetFacts):
         embed_weight: (V, H_t) input embedding.
         lm_head_weight: (V, H_t) output projection, in the target dtype.
         aux_layer_ids: HF ``hidden_states`` indices, or None for [2, N//2, N-3].
-        final_norm_weight: (H_t,) final RMSNorm weight, or None if the checkpoint has none.
+        final_norm_weight: (H_t,) float32 scale of the final RMSNorm (``rms_norm_scale``: the weight for Llama,
+            1 + weight for Gemma), or None if the checkpoint has none.
 
     Raises:
         ValueError: on invalid aux ids or weights whose shapes do not match the config.
@@ -68,7 +69,7 @@ class TargetLMHead(TargetFacts):
         return self.lm_head
 
     def final_norm_weight(self) -> torch.Tensor | None:
-        """(H_t,) weight of the target's final RMSNorm, or None."""
+        """(H_t,) float32 scale of the target's final RMSNorm (``rms_norm_scale``), or None."""
         return self._final_norm
 
     def forward(self, *args, **kwargs):
@@ -91,9 +92,9 @@ class TargetLMHead(TargetFacts):
         return target_logits(self.lm_head, last_hidden_state, self.config)  # (B, T, V)
 
 
-def _weight_names(config) -> tuple[str, str, str | None]:
-    """Checkpoint names of the input embedding, LM head and final norm weights (from a meta-device instance);
-    the last is None when the base model has no ``norm``."""
+def _weight_names(config) -> tuple[str, str, str | None, nn.Module | None]:
+    """Checkpoint names of the input embedding, LM head and final norm weights (from a meta-device instance),
+    and that meta instance's final norm module; the last two are None when the base model has no ``norm``."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -101,7 +102,8 @@ def _weight_names(config) -> tuple[str, str, str | None]:
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     norm = getattr(model.get_decoder(), "norm", None)
-    return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight", f"{names[id(norm)]}.weight" if norm is not None else None
+    norm_name = f"{names[id(norm)]}.weight" if norm is not None else None
+    return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight", norm_name, norm
 
 
 def _read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -153,10 +155,10 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_i
         norm = getattr(model.get_decoder(), "norm", None)
         return TargetLMHead(cfg, model.get_input_embeddings().weight.detach(),
                             model.get_output_embeddings().weight.detach(), aux_layer_ids,
-                            norm.weight.detach() if norm is not None else None)
+                            rms_norm_scale(norm) if norm is not None else None)
     config = AutoConfig.from_pretrained(path)
     text_cfg = text_config(config)
-    emb_name, head_name, norm_name = _weight_names(config)
+    emb_name, head_name, norm_name, norm = _weight_names(config)
     tensors = _read_tensors(path, [n for n in (emb_name, head_name, norm_name) if n is not None])
     if emb_name not in tensors:
         raise ValueError(f"target {ref}: no tensor {emb_name!r} in {path}")
@@ -166,5 +168,6 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_i
             raise ValueError(f"target {ref}: no tensor {head_name!r} in {path} and the embeddings are not tied")
         head = tensors[emb_name]
     log.info("offline mode: loaded %s and %s of %s (not the decoder layers)", emb_name, head_name, ref)
+    norm_weight = tensors.get(norm_name)
     return TargetLMHead(text_cfg, tensors[emb_name].to(torch_dtype), head.to(torch_dtype).clone(), aux_layer_ids,
-                        tensors.get(norm_name))
+                        None if norm_weight is None else rms_norm_scale(norm, norm_weight))

@@ -61,3 +61,45 @@ def test_head_init_from_target_reproduces_target_logits_on_draft_vocab(tiny_targ
         torch.testing.assert_close(head.logits(x), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not match the head"):
         head.init_from_target(torch.zeros(320, 32))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
+def test_init_from_target_copies_the_norm_scale_gemma_stores_as_one_plus_weight(family, tmp_path):
+    """Gemma's RMSNorm multiplies by 1 + w (weights stored around 0), the head's (Llama's) by w: the head must
+    start from 1 + w, online and offline, so that its logits equal the target's LM head on its final norm."""
+    from transformers import AutoModelForCausalLM
+
+    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+    from draftkit.selection.vocab import VocabMap
+    from draftkit.target.frozen import rms_norm_scale
+    from draftkit.target.lm_head import load_target_lm_head
+    from draftkit.testing import build_tiny_target
+
+    path = build_tiny_target(tmp_path / family, family=family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    w = torch.linspace(-0.5, 1.0, 64)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(w)
+    model.save_pretrained(path)
+    torch.testing.assert_close(rms_norm_scale(model.model.norm), 1.0 + w, rtol=0, atol=1e-6)
+    ids = torch.tensor([1, 3, 4, 8, 40, 319])
+    vocab = VocabMap.from_ids(ids, 320)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        expected = model.lm_head(model.model.norm(x))[..., ids]  # (2, 5, 6), before any soft-cap
+    for target in (FrozenTarget(model), load_target_lm_head(str(path), "float32")):
+        torch.testing.assert_close(target.final_norm_weight(), 1.0 + w, rtol=0, atol=1e-6)
+        cfg = Eagle3Config.from_target_config(target.config, target.aux_layer_ids, len(ids))
+        head = Eagle3LlamaHead(cfg)
+        head.set_vocab(vocab.d2t, vocab.t2d)
+        head.init_from_target(target.lm_head_weight(), target.final_norm_weight())
+        torch.testing.assert_close(head.logits(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_scale_of_a_llama_norm_is_its_weight(tiny_target):
+    from draftkit.target.frozen import rms_norm_scale
+
+    norm = copy.deepcopy(tiny_target.model.norm)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 64))
+    torch.testing.assert_close(rms_norm_scale(norm), torch.linspace(0.5, 2.0, 64), rtol=0, atol=1e-6)
