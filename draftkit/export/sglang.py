@@ -150,7 +150,7 @@ def check_supported(cfg: Eagle3Config) -> None:
     """Refuse heads SGLang would compute differently.
 
     Raises:
-        ValueError: if the head uses ``norm_before_residual`` (SGLang has no norm flags).
+        ValueError: if the head uses ``norm_before_residual`` (SGLang 0.5.23 reads the EAGLE-3.1 flags, not this one).
     """
     if cfg.norm_before_residual:
         raise ValueError(
