@@ -23,6 +23,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from draftkit.models.schedule import RESUME_KEY
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 from draftkit.strategy import check_strategy
 
@@ -31,7 +32,6 @@ __all__ = ["DraftkitCLI", "load_recipe"]
 
 RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
 
-RESUME_KEY = "draftkit_trainer_options"  # checkpoint key: the run's trainer options (plain values), for resume checks
 
 SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "trainer.min_steps", "trainer.min_epochs"),

@@ -91,6 +91,50 @@ def test_fit_then_resume_matches_uninterrupted(tmp_path, monkeypatch, optimizer,
     assert a[5] != a[0]
 
 
+def test_a_resume_under_another_step_limit_replans_the_cosine_from_where_it_stands(tmp_path, monkeypatch, caplog):
+    """A run planned for 6 steps, resumed from step 3 with --trainer.max_steps 9: the LR at step 3 is the one the
+    first run used there (bit for bit), the cosine then reaches its floor at step 9, and the change is logged once;
+    the same resume with the limit unchanged re-plans nothing."""
+    import logging
+
+    from draftkit.models import schedule
+
+    monkeypatch.chdir(REPO)
+    full, longer, same = tmp_path / "full", tmp_path / "longer", tmp_path / "same"
+    for d in (full, longer, same):
+        d.mkdir()
+    first = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(full, 6))])
+    ckpt = next((full / "ckpt").glob("*step=3*.ckpt"))
+    optim = first.model.optim
+    assert first.model.planned_total == 6 and first.model.lr_horizon is None
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["draftkit"]["planned_total"] == 6
+    with caplog.at_level(logging.INFO, logger="draftkit.models.eagle3"):
+        cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(longer, 9)),
+                                "--ckpt_path", str(ckpt)])
+    model = cli.model
+    assert cli.trainer.global_step == 9 and model.planned_total == 9 and model.lr_horizon == 9
+    assert caplog.text.count("the cosine schedule is re-planned to reach its floor at step 9") == 1
+    assert model.lr_factor(3) == schedule.lr_factor(3, 6, optim.warmup_steps, optim.min_lr_ratio, None)
+    factors = [model.lr_factor(s) for s in range(3, 10)]
+    assert factors == sorted(factors, reverse=True) and factors[-1] == pytest.approx(optim.min_lr_ratio)
+    assert schedule.lr_factor(8, 6, optim.warmup_steps, optim.min_lr_ratio, None) == pytest.approx(optim.min_lr_ratio)
+    assert cli.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(optim.lr * optim.min_lr_ratio)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="draftkit.models.eagle3"):
+        again = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(same, 6)),
+                                  "--ckpt_path", str(ckpt)])
+    assert "re-planned" not in caplog.text and again.model.lr_horizon is None
+    # a checkpoint written before planned_total was stored: its trainer.max_steps stands in
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    del saved["draftkit"]["planned_total"]
+    older, older_dir = tmp_path / "older.ckpt", tmp_path / "older"
+    older_dir.mkdir()
+    torch.save(saved, older)
+    old_run = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_override(older_dir, 9)),
+                                "--ckpt_path", str(older)])
+    assert old_run.model.lr_horizon == 9 and old_run.model.lr_factor(3) == model.lr_factor(3)
+
+
 @pytest.mark.slow
 def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     """The embedded default recipe on the real SmolLM2 and its shipped regenerated data, shrunk to a few steps."""

@@ -29,6 +29,7 @@ from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.heads.checkpoint import HEAD_PREFIX
 from draftkit.models import schedule
+from draftkit.models.schedule import RESUME_KEY
 from draftkit.models.ttt import later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
@@ -36,6 +37,7 @@ from draftkit.selection.vocab import VocabMap
 __all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError"]
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -202,6 +204,11 @@ class Eagle3Module(pl.LightningModule):
         """H, the optimizer step at which the cosine schedule reaches its floor, when fixed by a callback
         (``TimeBudget``, through :meth:`set_lr_horizon`) or a checkpoint; None =
         ``trainer.estimated_stepping_batches``."""
+        self.planned_total: int | None = None
+        """The optimizer steps the trainer's limits allowed (``estimated_stepping_batches``) when the schedule was
+        built: the horizon when no callback fixes one. Checkpointed; a run resumed under another limit re-plans
+        the cosine from where it stands (:meth:`on_train_start`)."""
+        self._resumed_total: int | None = None  # the checkpoint's planned_total, until on_train_start reads it
         self.lr_anchor: tuple[int, int, float] | None = None
         """(W warmup steps, a optimizer step, p_a cosine progress) set by the last re-plan (:meth:`set_lr_horizon`):
         from step a on, the progress runs linearly from p_a to 1 at ``lr_horizon``. None = the first plan, from
@@ -386,6 +393,7 @@ class Eagle3Module(pl.LightningModule):
             "trained_length": self.trained_length or None,
             "lr_horizon": self.lr_horizon,
             "lr_anchor": None if self.lr_anchor is None else list(self.lr_anchor),
+            "planned_total": self.planned_total,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -396,6 +404,11 @@ class Eagle3Module(pl.LightningModule):
             self.lr_horizon = meta.get("lr_horizon")
             anchor = meta.get("lr_anchor")  # absent in checkpoints written before re-planning: the first plan
             self.lr_anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), float(anchor[2]))
+            planned = meta.get("planned_total")
+            if planned is None:  # written before planned_total was stored: its max_steps, when it set one
+                steps = (checkpoint.get(RESUME_KEY) or {}).get("trainer.max_steps")
+                planned = steps if isinstance(steps, int) and steps > 0 else None
+            self._resumed_total = None if planned is None else int(planned)
         stored = (meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")) if meta else None
         if stored and self.head is not None and list(stored) != list(self.head.config.aux_layer_ids):
             raise ValueError(
@@ -593,6 +606,22 @@ class Eagle3Module(pl.LightningModule):
             "optimizer step, the weights stay finite; lower model.optim.lr or set trainer.gradient_clip_val"
         )
 
+    def on_train_start(self) -> None:
+        """A run resumed under another step limit (``fit --ckpt_path ... --trainer.max_steps M``) keeps its LR
+        continuous: when the schedule's horizon followed the limits (no callback moved it), the cosine is
+        re-planned from the current step to end at the new limit (:meth:`set_lr_horizon`: the warmup and the LR
+        in use are kept bit for bit), instead of jumping to where a run planned for M would be. Logged once."""
+        old, new = self._resumed_total, self.planned_total
+        self._resumed_total = None
+        if old is None or new is None or old == new or self.lr_horizon not in (None, old):
+            return
+        step = self.trainer.global_step
+        self.lr_horizon = old
+        self.set_lr_horizon(new, step)
+        log.info("resumed at step %d under a limit of %d optimizer steps (the checkpoint's run planned %d): the "
+                 "cosine schedule is re-planned to reach its floor at step %d, keeping the LR in use at step %d",
+                 step, new, old, new, step)
+
     def on_train_epoch_start(self) -> None:
         self._epoch_batches = [0, 0]
 
@@ -780,6 +809,7 @@ class Eagle3Module(pl.LightningModule):
             opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
         estimated = self.trainer.estimated_stepping_batches
         default_total = max(1, int(estimated)) if math.isfinite(estimated) else None
+        self.planned_total = default_total
         # the plan is read at every step: a TimeBudget callback fixes and re-plans it while training runs
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: self.lr_factor(step, default_total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import math
 
+RESUME_KEY = "draftkit_trainer_options"
+"""Checkpoint key: the run's trainer options as plain values (written by ``draftkit.cli``, which reads them for
+its resume checks; ``Eagle3Module`` reads the step limit an older checkpoint planned its schedule on)."""
+
 __all__ = ["Anchor", "lr_factor", "lr_progress", "replan_anchor"]
 
 Anchor = tuple[int, int, float]
