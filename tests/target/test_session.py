@@ -119,3 +119,32 @@ def test_precision_bytes_and_bad_precision(lm, tiny_target):
     assert plain.precision_bytes is None and plain.precision_layers == []
     with pytest.raises(ValueError, match="no precision switch"):
         plain.forward([1], precision="high")
+
+
+def test_forward_runs_in_inference_mode_and_the_cache_still_rolls_back(lm_exact):
+    """The model runs under ``torch.inference_mode`` (issue 35: no autograd bookkeeping per op): its cache holds
+    inference tensors, the returned logits and aux are ordinary tensors (a caller may modify them in place or feed
+    them to a module that requires grad), and a crop or a ``keep`` (the tree's compaction) made outside inference
+    mode still leaves a cache whose next forward is that of a session that never ran the dropped position."""
+    lm = lm_exact
+    runs = {}
+    for how in ("crop", "keep", "never"):
+        lm.reset()
+        logits, aux = lm.forward(IDS[:4], 1, precision="high")
+        assert lm.cache.layers[0].keys.is_inference() and not (logits.is_inference() or aux.is_inference())
+        assert not torch.is_inference_mode_enabled()  # left again on return
+        if how == "never":
+            lm.forward(IDS[4:5], precision="high")
+        else:
+            lm.forward(IDS[4:6], precision="high")
+            lm.crop(5) if how == "crop" else lm.keep(torch.arange(5))
+        assert lm.length == 5 and lm.cache.get_seq_length() == 5
+        runs[how], _ = lm.forward(IDS[5:], precision="high")
+    assert torch.equal(runs["crop"], runs["keep"])
+    torch.testing.assert_close(runs["crop"], runs["never"], rtol=1e-5, atol=1e-5)
+    runs["crop"][0, 0] = 1.0  # an ordinary tensor: in place is allowed outside inference mode
+    assert runs["crop"][0, 0] == 1.0
+    weight = torch.ones(aux.shape[-1], 2, dtype=aux.dtype, requires_grad=True)
+    (aux @ weight).sum().backward()  # autograd may save it
+    torch.testing.assert_close(weight.grad[:, 0], aux.sum(0))
+    lm.reset()
