@@ -165,8 +165,8 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
     """
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
-    from draftkit.target.kernels import pack_target_and_head
     from draftkit.export.head_target import load_head_and_target
+    from draftkit.target.kernels import pack_target_and_head
 
     def block(rep: dict, source: str) -> dict:
         entries = rep["sweep"] or [rep]
@@ -196,4 +196,3 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
         packed.release()
         packed_head.release()
     return block(exact, "float32 pass")
-
