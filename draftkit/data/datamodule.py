@@ -111,7 +111,8 @@ class ChatDataModule(pl.LightningDataModule):
             one target pass, then trains from it; pays when a run makes more than ~1.5 passes over the data.
         supervise: training positions with a loss: ``assistant`` (default; the assistant tokens) or ``all``
             (every token: user and template positions too, labelled with the target's own distribution).
-            Validation always scores the assistant tokens, so ``val/*`` stays comparable.
+            Validation always scores the assistant tokens, so ``val/*`` stays comparable; under ``all`` a
+            conversation whose answers all lie past ``max_length`` still trains on its prompt (never validates).
         max_skip_fraction: the largest fraction (0..1) of the source's records that may be skipped (read
             errors, template errors, no trainable token); more stops set-up naming the main reason, since it
             usually means the data has another format than the reader expects. 1.0 = never stop.
@@ -207,7 +208,7 @@ class ChatDataModule(pl.LightningDataModule):
 
         The key covers what changes the tokenized rows: the tokenization code and draftkit's version
         (:func:`~draftkit.data.chat.tokenization_fingerprint`), the data file, split, chat template, tokenizer,
-        ``max_length`` and ``max_conversations``.
+        ``max_length``, ``max_conversations`` and ``supervise`` (which rows have a trainable token).
         """
         if getattr(self, "_key", None) is None:
             self._key = self._compute_cache_key()
@@ -221,7 +222,7 @@ class ChatDataModule(pl.LightningDataModule):
             "chat-v4", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
             hp.chat_template or tok.chat_template, tok.name_or_path, len(tok),
             tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
-            hp.max_conversations,
+            hp.max_conversations, hp.supervise,
         )
         return key, Path(path)
 
@@ -267,11 +268,19 @@ class ChatDataModule(pl.LightningDataModule):
             out["template_error"] = ""
             return out
 
+        every_token = hp.supervise == "all"
+
+        def trainable(n: int, ids: list) -> bool:
+            # supervise: all trains every position >= 1, so a row whose answers start past max_length still
+            # trains on its prompt; validation takes only rows with an assistant token (_split)
+            return n > 0 or (every_token and len(ids) >= 2)
+
         ds = ds.map(encode, remove_columns=["messages"], num_proc=hp.num_proc if hp.num_proc > 1 else None,
                     desc="tokenizing conversations")
         rejected = ds.filter(lambda e: bool(e), input_columns="template_error")
-        dropped = ds.filter(lambda n, e: n == 0 and not e, input_columns=["num_supervised", "template_error"])
-        ds = ds.filter(lambda n: n > 0, input_columns="num_supervised").remove_columns("template_error")
+        cols = ["num_supervised", "input_ids"]
+        dropped = ds.filter(lambda n, ids, e: not trainable(n, ids) and not e, input_columns=cols + ["template_error"])
+        ds = ds.filter(trainable, input_columns=cols).remove_columns("template_error")
         lost = self._name_untrainable(dropped, conversations, summary.records)
         template_skips = [{"record": name, "reason": "chat template error", "detail": error}
                           for name, error in zip(rejected["record"], rejected["template_error"])]
@@ -281,6 +290,7 @@ class ChatDataModule(pl.LightningDataModule):
             "cut_offset": summary.cut_offset, "truncated": int(sum(ds["truncated"])),
             "template_error": len(rejected),
             "no_supervised_token": len(dropped), "lost_to_truncation": sum(1 for r in lost if r["needs"]),
+            "prompt_only": sum(1 for n in ds["num_supervised"] if n == 0),
             "shortest_needed_length": min((r["needs"] for r in lost if r["needs"]), default=None),
             "sequences": len(ds),
             "skips": summary.skip_rows() + template_skips + [{k: r[k] for k in SKIP_KEYS} for r in lost],
@@ -299,6 +309,10 @@ class ChatDataModule(pl.LightningDataModule):
             would (the template renders no assistant token after position 0).
         """
         hp = self.hparams
+        if hp.supervise == "all":  # every position >= 1 trains: only a rendering of < 2 tokens has none
+            return [{"record": name, "reason": "no trainable token", "needs": None,
+                     "detail": "the chat template renders fewer than 2 tokens (data.supervise: all)"}
+                    for name in dropped["record"]]
         index = {name: i for i, name in enumerate(records)}
         out = []
         for name, truncated in zip(dropped["record"], dropped["truncated"]):
@@ -332,9 +346,10 @@ class ChatDataModule(pl.LightningDataModule):
                     f"{stats['shortest_needed_length']} tokens)"
                 )
             if stats["no_supervised_token"] > stats["lost_to_truncation"]:
+                what = ("render fewer than 2 tokens" if hp.supervise == "all"
+                        else "have no assistant token after position 0 in the chat template's rendering")
                 causes.append(
-                    f"{stats['no_supervised_token'] - stats['lost_to_truncation']} have no assistant token after "
-                    "position 0 in the chat template's rendering; check data.chat_template"
+                    f"{stats['no_supervised_token'] - stats['lost_to_truncation']} {what}; check data.chat_template"
                 )
             if stats["template_error"]:
                 first = next(s for s in stats["skips"] if s["reason"] == "chat template error")
@@ -361,7 +376,8 @@ class ChatDataModule(pl.LightningDataModule):
             "detail"}`` per dropped row.
 
         Raises:
-            ValueError: when ``data.val_size`` holds out more sequences than it leaves for training.
+            ValueError: when ``data.val_size`` holds out more sequences than it leaves for training, or more
+                than the data has with an assistant token.
         """
         hp = self.hparams
         rule = PromptFilter(min_prompt_chars=hp.min_prompt_chars, drop_fillers=hp.min_prompt_chars > 0,
@@ -379,7 +395,18 @@ class ChatDataModule(pl.LightningDataModule):
                 + (f" after the prompt rule ({len(dropped)} dropped: {_count_reasons(dropped)})" if dropped else "")
                 + f"; set data.val_size to at most {n // 2}"
             )
-        train_idx, val_idx = grouped_split(keys, kept, hp.val_size, hp.seed)
+        # validation scores assistant tokens: rows without one (kept under supervise: all) train, unless
+        # their prompt is on the validation side
+        n_sup = ds["num_supervised"]
+        train_idx, val_idx = grouped_split(keys, [i for i in kept if n_sup[i] > 0], hp.val_size, hp.seed)
+        if len(val_idx) < hp.val_size:
+            raise ValueError(
+                f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has with an assistant "
+                f"token within data.max_length={hp.max_length} ({len(val_idx)}); lower data.val_size or raise "
+                "data.max_length"
+            )
+        val_keys = {keys[i] for i in val_idx}
+        train_idx = sorted(train_idx + [i for i in kept if n_sup[i] == 0 and keys[i] not in val_keys])
         order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(hp.seed)).tolist()
         train_idx = [train_idx[i] for i in order]
         if hp.max_samples is not None:
@@ -441,12 +468,14 @@ class ChatDataModule(pl.LightningDataModule):
         elif hp.hidden_states_cache:
             self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
+        prompt_only = self.stats.get("prompt_only", 0)
         log.info(
-            "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens, %d dropped with no "
-            "assistant token, %d by the prompt rule: %s)",
+            "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens%s, %d dropped with no "
+            "%s token, %d by the prompt rule: %s)",
             len(self.train_set), len(self.val_set), self.stats["truncated"], hp.max_length,
-            self.stats["no_supervised_token"], len(self.stats["prompt_rule"]),
-            _count_reasons(self.stats["prompt_rule"]) or "none",
+            f", {prompt_only} with no assistant token train on their prompt (data.supervise: all)" if prompt_only else "",
+            self.stats["no_supervised_token"], "trainable" if hp.supervise == "all" else "assistant",
+            len(self.stats["prompt_rule"]), _count_reasons(self.stats["prompt_rule"]) or "none",
         )
 
     def _write_auto_cache(self) -> None:

@@ -189,6 +189,40 @@ def test_mixed_no_signal_causes_and_names(tmp_path, tiny_target_dir):
     ]
 
 
+def test_supervise_all_trains_conversations_whose_answers_lie_past_max_length(tmp_path, tiny_target_dir):
+    """Under data.supervise: all every position >= 1 trains, so a conversation whose only answer starts past
+    data.max_length trains on its prompt (under assistant it is dropped as lost to truncation); validation takes
+    only conversations with an assistant token, and a too-large data.val_size is refused naming both."""
+    bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"id": f"long{i}", "conversations": [{"from": "human", "value": f"{i} " + "x" * 100},
+                                                  {"from": "gpt", "value": "ok"}]} for i in range(3)]
+    rows += [{"id": f"short{i}", "conversations": [{"from": "human", "value": f"question {i}?"},
+                                                   {"from": "gpt", "value": f"answer {i}."}]} for i in range(4)]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(rows))
+    kw = dict(tokenizer=str(tiny_target_dir), chat_template=bare, max_length=50, val_size=2, min_prompt_chars=0,
+              max_skip_fraction=1.0)
+    assistant = ChatDataModule(str(path), **kw)
+    assistant.setup("fit")
+    assert (len(assistant.train_set), len(assistant.val_set)) == (2, 2)
+    assert assistant.stats["lost_to_truncation"] == 3 and assistant.stats["prompt_only"] == 0
+    every = ChatDataModule(str(path), supervise="all", **kw)
+    every.setup("fit")
+    assert every.stats["no_supervised_token"] == 0 and every.stats["prompt_only"] == 3
+    assert sorted(every.train_set["record"]) == ["long0", "long1", "long2"] + sorted(assistant.train_set["record"])
+    assert sorted(every.val_set["record"]) == sorted(assistant.val_set["record"])
+    assert all(len(ids) == 50 for r, ids in zip(every.train_set["record"], every.train_set["input_ids"])
+               if r.startswith("long"))
+    assert not any(s["reason"] == "assistant tokens lost to truncation" for s in every.stats["skips"])
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps(rows + [{**r, "id": r["id"] + "b", "conversations": [
+        {"from": "human", "value": "b" + r["conversations"][0]["value"]}, r["conversations"][1]]} for r in rows[:3]]))
+    too_many = ChatDataModule(str(more), supervise="all", **{**kw, "val_size": 5})  # 10 rows, 4 with an answer
+    with pytest.raises(ValueError, match=r"data.val_size=5 wants more validation sequences than .*more.json has "
+                                         r"with an assistant token within data.max_length=50 \(4\)"):
+        too_many.setup("fit")
+
+
 def test_val_size_larger_than_the_training_split_is_an_error(tiny_target_dir, tiny_chat_jsonl):
     dm = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=5)
     with pytest.raises(ValueError, match=r"data.val_size=5 holds out more sequences than it leaves for training: "
