@@ -89,8 +89,9 @@ def atomic_path(path: str | Path, directory: bool = False) -> Iterator[Path]:
     The temporary is an empty file (``directory=False``; a writer may also replace it, e.g. ``save_file``) or
     an empty folder (``directory=True``: an existing folder at ``path`` is moved aside just before the rename,
     put back if the rename fails, and removed after it). It lies in ``path``'s folder (created), so the rename
-    never crosses filesystems. A file gets the usual permissions (0666 minus the umask, not mkstemp's 0600); a
-    folder keeps mkdtemp's.
+    never crosses filesystems. What lands gets the usual permissions, as ``open`` and ``mkdir`` would give: files
+    0666 and folders 0777 minus the umask, not mkstemp's 0600 or mkdtemp's 0700 (safetensors' ``save_file``
+    writes 0600 too), so a server running as another user can read an exported head.
 
     Args:
         path: the file or folder to write.
@@ -112,7 +113,9 @@ def atomic_path(path: str | Path, directory: bool = False) -> Iterator[Path]:
         yield tmp
         if directory:
             for root, _, files in os.walk(tmp):
+                os.chmod(root, 0o777 & ~_umask())
                 for f in files:
+                    os.chmod(Path(root) / f, 0o666 & ~_umask())
                     _fsync(Path(root) / f)
             if path.exists():  # move the old folder aside, so a failed rename can put it back
                 aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))

@@ -57,7 +57,7 @@ def test_resumable_record_round_trip_torn_line_and_other_run(tmp_path):
 
 def test_atomic_path_file_and_folder_replace_or_keep_the_old(tmp_path):
     """A file gets its content and umask permissions; a failed write keeps the old one; a folder replaces the
-    old folder whole; nothing is left beside either."""
+    old folder whole, every folder and file in it with umask permissions; nothing is left beside either."""
     path = tmp_path / "a.bin"
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         assert tmp.parent == tmp_path and tmp.name.startswith(".a.bin.")
@@ -73,8 +73,11 @@ def test_atomic_path_file_and_folder_replace_or_keep_the_old(tmp_path):
     with atomic_path(out, directory=True) as tmp:
         (tmp / "old.txt").write_text("old")
     with atomic_path(out, directory=True) as tmp:
-        (tmp / "sub").mkdir()
+        (tmp / "sub").mkdir(mode=0o700)
         (tmp / "sub" / "new.txt").write_text("new")
+        (tmp / "sub" / "new.txt").chmod(0o600)  # as safetensors' save_file leaves a file
+    assert [p.stat().st_mode & 0o777 for p in (out, out / "sub", out / "sub" / "new.txt")] == [
+        0o777 & ~umask, 0o777 & ~umask, 0o666 & ~umask]
     with pytest.raises(RuntimeError), atomic_path(out, directory=True) as tmp:
         (tmp / "half.txt").write_text("x")
         raise RuntimeError("stop")
