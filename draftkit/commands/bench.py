@@ -241,7 +241,8 @@ def decode(
         pattern: scripted accepted drafts per round, cycled (comma-separated, each in [0, k]).
         threads: torch CPU threads (default: torch's).
         output: also write the results (a JSON list, one entry per dtype) here.
-        kernels: the target's and the head's linear kernels (``draftkit.target.kernels``): auto, onednn or stock; HF
+        kernels: the target's and the head's linear kernels (``draftkit.target.kernels``): auto, onednn, stock or
+            compiled (the target's decoder stack under ``torch.compile``, compiled before the timing starts); HF
             ``generate()`` runs on the same model, so both sides use them (``plain_vs_hf_generate``); when they
             packed the target, HF ``generate()`` is timed again on stock kernels afterwards
             (``hf_generate_stock_tokens_per_s``, ``plain_vs_hf_generate_stock``: draftkit against HF as its users
@@ -271,7 +272,7 @@ def decode(
             random_weights=random_weights, draft_vocab_size=draft_vocab_size)
         prompts = _prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
         t0 = time.perf_counter()
-        packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
+        packed, packed_head = pack_target_and_head(frozen, head, kernels)
         with packed, packed_head:
             result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
             result["kernels"] = packed.as_dict()  # before the release empties it

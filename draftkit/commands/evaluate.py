@@ -78,8 +78,11 @@ def evaluate(
             At float32 the timed run's ``greedy_equal`` is the check.
         kernels: the target's and the draft head's linear kernels (``draftkit.target.kernels``): auto
             (prepacked oneDNN weights where a probe measures them faster on this CPU and dtype, else stock), onednn
-            or stock; the report's ``setup.kernels`` (target) and ``setup.head_kernels`` say which ran, why, and
-            the packed copies' bytes. ``--k auto``/``--tree auto`` calibrate on the kernels that run.
+            or stock, or compiled (the target's decoder stack under ``torch.compile``, the LM head and the draft
+            head packed as auto decides; compiling takes minutes before the first prompt, never chosen by auto);
+            the report's ``setup.kernels`` (target) and ``setup.head_kernels`` say which ran, why, and the packed
+            copies' bytes. ``--k auto``/``--tree auto`` calibrate on the kernels that run; the float32
+            losslessness pass of a compiled run uses auto's kernels (a second compile would cost minutes more).
         device: where the target and the head run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N;
             the precision policy and the kernels decide for that device.
 
@@ -120,7 +123,7 @@ def evaluate(
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
     head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
-    packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
+    packed, packed_head = pack_target_and_head(frozen, head, kernels)
     report = evaluate_head(
         head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
@@ -155,9 +158,9 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
     """The report's ``lossless`` block: float32 greedy equality of speculative and plain decoding.
 
     When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the head
-    and target are loaded again in float32 on ``device`` (the kernels chosen by ``kernels`` for float32) and every
-    topology of the report (the main one and any ``--sweep`` entry, as they ran, ``--k auto``'s choice included)
-    decodes every prompt, untimed, beside plain decoding.
+    and target are loaded again in float32 on ``device`` (the kernels chosen by ``kernels`` for float32; auto's
+    for ``compiled``) and every topology of the report (the main one and any ``--sweep`` entry, as they ran,
+    ``--k auto``'s choice included) decodes every prompt, untimed, beside plain decoding.
 
     Returns:
         ``{"dtype": "float32", "source": "timed run" | "float32 pass", "greedy_equal": int,
@@ -185,7 +188,7 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
     head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
-    packed, packed_head = pack_target_and_head(frozen.model, head, kernels)
+    packed, packed_head = pack_target_and_head(frozen, head, "auto" if kernels == "compiled" else kernels)
     try:
         exact = evaluate_head(
             head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,

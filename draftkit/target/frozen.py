@@ -223,6 +223,9 @@ class FrozenTarget(TargetFacts):
         self.num_layers = self.config.num_hidden_layers
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
         self._cache_kw = cache_kwarg(base.forward)
+        # decoding's compiled decoder forward (draftkit.target.kernels.compile_target), run under inference mode
+        # only; None: eager
+        self.compiled_forward = None
 
     @property
     def generation_config(self):
@@ -272,15 +275,24 @@ class FrozenTarget(TargetFacts):
         Returns:
             :class:`TargetOutput`.
         """
-        with capture_hidden_states(self.base, self.aux_layer_ids) as captured:
-            out = self.base(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                **{self._cache_kw: cache},
-            )
-            aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=use_cache, **{self._cache_kw: cache})
+        if self.compiled_forward is not None and torch.is_inference_mode_enabled():
+            # decoding only (TargetSession runs under inference mode); training's forward, under no_grad, keeps
+            # the eager path: its (B, 512) batches would compile graphs of their own
+            # the compiled graph returns hidden_states (hidden_states[k] = decoder layer k-1's output, what the
+            # hooks capture for an id k <= N-1); hooks registered per forward would recompile it. Ids are
+            # copied: a view's storage offset is part of the graph's guards (0/1 specialisation), so a slice
+            # of a longer tensor would compile a new graph
+            for key in ("input_ids", "position_ids"):
+                if kwargs[key] is not None:
+                    kwargs[key] = kwargs[key].clone()
+            out = self.compiled_forward(**kwargs, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
+        else:
+            with capture_hidden_states(self.base, self.aux_layer_ids) as captured:
+                out = self.base(**kwargs)
+                aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
         last = out.last_hidden_state  # (B, T, H_t), normed
         logits = self.lm_logits(last) if compute_logits else None  # (B, T, V), = model(...).logits
         new_cache = None

@@ -179,6 +179,7 @@ class TargetSession:
                 logits = out.logits[:, :T]  # (1, T, V)
         self.cache = out.cache
         self.length += input_ids.shape[0]
+        self._settle()
         if pad > 0:
             self.crop(self.length - pad)
         return logits[0].to(torch.float32, copy=True), out.aux_hidden_states[0, :T].clone()
@@ -199,8 +200,10 @@ class TargetSession:
         if drop < 0:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         if drop:
-            self.cache.crop(-drop)  # transformers 5: a negative count removes that many positions
+            with torch.inference_mode():  # the cache holds inference tensors; so do its crops
+                self.cache.crop(-drop)  # transformers 5: a negative count removes that many positions
             self.length = length
+            self._settle()
 
     def keep(self, rows: torch.Tensor) -> None:
         """Compact the cache to the given positions, in order (a tree's accepted path).
@@ -208,7 +211,35 @@ class TargetSession:
         Args:
             rows: (R,) int64 ascending cache rows to keep; row i of the new cache is old row ``rows[i]``.
         """
-        for layer in self.cache.layers:  # transformers 5 ``DynamicLayer``: keys/values (B, A_kv, S, d)
-            layer.keys = layer.keys.index_select(-2, rows)
-            layer.values = layer.values.index_select(-2, rows)
+        with torch.inference_mode():  # inference tensors, as the forward's (a compiled graph guards on it)
+            for layer in self.cache.layers:  # transformers 5 ``DynamicLayer``: keys/values (B, A_kv, S, d)
+                layer.keys = layer.keys.index_select(-2, rows)
+                layer.values = layer.values.index_select(-2, rows)
         self.length = rows.shape[0]
+        self._settle()
+
+    def _settle(self) -> None:
+        """Under a compiled target (``kernels=compiled``), give every cached key and value tensor the plain
+        row-major strides of its shape.
+
+        The compiled graph guards on the cache's strides, and three layouts reach it otherwise: a prefill stores
+        the attention's transposed view, a crop keeps the longer tensor's strides, and a size-1 head axis keeps
+        whatever stride it had (``Tensor.contiguous`` ignores size-1 axes; ``torch.cat`` and ``index_select``
+        write row-major ones). Each would compile a new graph. Eager decoding keeps the views as they are.
+        """
+        if getattr(self.target, "compiled_forward", None) is None:
+            return
+        with torch.inference_mode():
+            for layer in self.cache.layers:
+                layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its strides are the row-major ones of its shape, else a row-major copy."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
