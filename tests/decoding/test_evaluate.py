@@ -350,7 +350,7 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
                                           "weight_bytes": 0}
     assert report["setup"]["head_kernels"]["kernel"] == "stock"
     assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2
-    assert "kernels must be one of auto, onednn, stock, got 'fast'" in capsys.readouterr().err
+    assert "kernels must be one of auto, onednn, stock, compiled, got 'fast'" in capsys.readouterr().err
 
 
 def test_main_packs_the_target_and_the_head_with_the_same_results(tmp_path, ckpt, prompts_file, monkeypatch):
