@@ -38,6 +38,10 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   budget); ``noise`` (+ ``recipes/ablation/noise.yaml``: uniform noise in [-0.05, 0.05] on the aux states,
   speculators' default).
 
+``--max_steps N`` replaces the recipe's 30-minute wall-time budget by N optimizer steps (the cosine planned to end
+there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
+work; use it where the arms cost the same per step (``eagle31``, ``noise``), since equal steps are then equal wall time.
+
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
 ``eval.json`` exists, so the script resumes. The best checkpoint (``ModelCheckpoint``'s monitor,
@@ -160,6 +164,15 @@ def best_checkpoint(run_dir: Path) -> Path:
     return best if best.is_absolute() else REPO / best  # fit runs from the repository root
 
 
+def fit_args(study: Study, arm: str, seed: int, run_dir: Path, max_steps: int | None) -> list[str]:
+    """The ``draftkit fit`` arguments of one (arm, seed): the recipe stack, the seed for init and data, the output
+    folder, and with ``max_steps`` a fixed step budget in place of the recipe's wall time."""
+    recipes = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
+    budget = [] if max_steps is None else ["--trainer.max_time", "null", "--trainer.max_steps", str(max_steps)]
+    return [*recipes, "--seed_everything", str(seed), "--data.seed", str(seed),
+            "--trainer.default_root_dir", str(run_dir / "checkpoints" / arm), *budget]
+
+
 def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
     """Train and evaluate one (arm, seed); returns its row of the summary."""
     run_dir = out / f"{arm}-s{seed}"
@@ -168,10 +181,8 @@ def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
     start = time.time()
     if not report.exists():
         if not fitted.exists():
-            recipes = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
             # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
-            _run([sys.executable, "-m", "draftkit", "fit", *recipes, "--seed_everything", str(seed),
-                  "--data.seed", str(seed), "--trainer.default_root_dir", str(run_dir / "checkpoints" / arm)],
+            _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps)],
                  REPO, log, args.threads)
             fitted.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
         _run([sys.executable, "-m", "draftkit", "evaluate", "--checkpoint", str(best_checkpoint(run_dir)),
@@ -232,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--parallel", type=int, default=1, help="runs at once (each with --threads torch threads)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max_steps", type=int, default=None,
+                   help="a fixed step budget instead of the recipe's wall time (equal batches under any machine load)")
     p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="draft tokens per round")

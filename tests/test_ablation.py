@@ -10,14 +10,16 @@ PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"
 
 
 
-def _stacked(study, arm, expected_arms, monkeypatch):
-    """The CLI (not run) of one arm's recipe stack with seed 1, from the repository root."""
+def _stacked(study, arm, expected_arms, monkeypatch, max_steps=None, run_dir=Path("benchmarks/out/test")):
+    """The CLI (not run) of one arm's ``fit`` arguments as the script builds them, seed 1, from the repository root."""
+    import sys
+
     from draftkit.cli import DraftkitCLI
 
+    fit_args = sys.modules["ablation"].fit_args  # the module the benchmark_module fixture loaded
     assert set(study.arms) == set(expected_arms)
     monkeypatch.chdir(PATH.parents[1])
-    args = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
-    return DraftkitCLI(args=args + ["--seed_everything", "1", "--data.seed", "1"], run=False)
+    return DraftkitCLI(args=fit_args(study, arm, 1, run_dir, max_steps), run=False)
 
 
 def _row(arm, seed, tau, val):
@@ -154,6 +156,19 @@ def test_eagle31_study_arms_set_only_their_head_norms(arm, monkeypatch, benchmar
     assert flags == {"norm_before_fc": arm == "input-norm", "fc_norm": arm == "fc-norm", "norm_output": arm != "eagle3",
                      "norm_before_residual": False}
     assert cli.model.hparams.hidden_state_noise == 0.0
+
+
+def test_max_steps_replaces_the_wall_time_budget(monkeypatch, benchmark_module):
+    """--max_steps N: the run trains N steps with no wall-time limit (TimeBudget then follows max_steps), and its
+    outputs go below the run's folder; without it the recipe's 30 minutes stay."""
+    study = benchmark_module("ablation").STUDIES["eagle31"]
+    cli = _stacked(study, "input-norm", ["eagle3", "input-norm", "fc-norm"], monkeypatch, max_steps=450,
+                   run_dir=Path("/tmp/abl/input-norm-s1"))
+    assert cli.trainer.max_steps == 450 and cli.config.trainer.max_time is None
+    assert cli.trainer.default_root_dir == "/tmp/abl/input-norm-s1/checkpoints/input-norm"
+    assert cli.config.seed_everything == 1 and cli.model.hparams.norm_before_fc
+    cli = _stacked(study, "input-norm", ["eagle3", "input-norm", "fc-norm"], monkeypatch)
+    assert cli.trainer.max_steps == -1 and cli.config.trainer.max_time == "00:00:30:00"
 
 
 @pytest.mark.parametrize("arm", ["default", "ttt5", "noise"])
