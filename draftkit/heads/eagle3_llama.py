@@ -591,12 +591,14 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, emb: torch.Tensor, feature: torch.Tensor, attend) -> torch.Tensor:
-        """(B, T, H) embedding and feature -> (B, T, H) pre-norm output h; ``attend(u)`` runs attention."""
+        """(B, T, H) embedding and feature -> (B, T, H) pre-norm output h in the feature's dtype; ``attend(u)``
+        runs attention. (Under mixed precision ``norm_before_residual``'s residual is the float32 norm product;
+        h is cast back so that the next TTT step's keys and values keep step 0's dtype.)"""
         g = self.hidden_norm(feature)
         u = torch.cat([self.input_layernorm(emb), g], dim=-1)  # (B, T, 2H), embedding half first
         residual = g if self.norm_before_residual else feature
         h = residual + attend(u)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return (h + self.mlp(self.post_attention_layernorm(h))).to(feature.dtype)
 
 
 class Eagle3LlamaHead(nn.Module):
@@ -713,8 +715,10 @@ class Eagle3LlamaHead(nn.Module):
 
     def next_feature(self, h: torch.Tensor) -> torch.Tensor:
         """The feature the next draft / TTT step receives: h (EAGLE-3), or norm(h) with ``norm_output``
-        (vLLM and SGLang return the post-norm state as the aux output). (..., H) -> (..., H)."""
-        return self.norm(h) if self.config.norm_output else h
+        (vLLM and SGLang return the post-norm state as the aux output). (..., H) -> (..., H), in h's dtype: under
+        mixed precision (float32 norm weight, bfloat16 h) the norm's float32 product is cast back, so every TTT
+        step's keys and values have the dtype of step 0's."""
+        return self.norm(h).to(h.dtype) if self.config.norm_output else h
 
     def forward(
         self,

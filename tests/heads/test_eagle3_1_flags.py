@@ -118,3 +118,31 @@ def test_ttt_with_flags_equals_cached_decoding(flags):
     for k in range(1, steps):
         logits, f = head(ids[:, p + 1 + k:p + 2 + k], f, pos[:, p:p + 1] + k, kv)
         torch.testing.assert_close(logits[0, -1], outs[k][0, p], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_before_fc": True, "norm_output": True}, {"fc_norm": True, "norm_output": True},
+                                   {"norm_output": True, "norm_before_residual": True}])
+def test_ttt_under_bf16_autocast_keeps_one_dtype_across_steps(flags):
+    """bf16-mixed training (float32 head under bfloat16 autocast, a bfloat16 target's aux states): every TTT step's
+    feature is bfloat16 like step 0's, so the fused attention sees one dtype (norm_output's float32 norm product
+    once reached it as float32 and the CPU flash kernel refused the mixed keys), and the loss and gradients are
+    finite."""
+    cfg = Eagle3Config.from_target_config(tiny_llama_config(), [2, 4, 5], 320)
+    head = Eagle3LlamaHead(Eagle3Config(**{**cfg.__dict__, **flags}))
+    b, t, steps = 2, 6, 3
+    torch.manual_seed(4)
+    aux = torch.randn(b, t, 192).to(torch.bfloat16)
+    ids = torch.randint(0, 320, (b, t + steps))
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 4:] = False  # a right-padded row, as the collator pads
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache, feature, loss, dtypes = [], head.project(aux), 0.0, []
+        for k in range(steps):
+            dtypes.append(feature.dtype)
+            logits, feature = head.ttt_step(ids[:, 1 + k:1 + k + t], feature, torch.arange(t)[None] + k, cache, mask)
+            loss = loss + logits.float().logsumexp(-1)[mask].mean()
+    assert dtypes == [torch.bfloat16] * steps
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in head.parameters() if p.requires_grad
+               and p is not head.embed_tokens.weight)
