@@ -42,6 +42,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
 there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
 work; use it where the arms cost the same per step (``eagle31``, ``noise``), since equal steps are then equal wall time.
 
+Every base stacks ``recipes/ablation/eagle3-plain.yaml`` (no EAGLE-3.1 norm) on the default recipe: the studies ran
+before the default moved to ``norm_before_fc`` + ``norm_output``, and their arms keep the meaning they had.
+
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
 ``eval.json`` exists, so the script resumes. The best checkpoint (``ModelCheckpoint``'s monitor,
@@ -71,6 +74,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "recipes/smollm2-135m-eagle3.yaml"
 A = REPO / "recipes/ablation"
+EAGLE3 = A / "eagle3-plain.yaml"  # the head without EAGLE-3.1 norms, as every study below ran (the default has them now)
 
 
 class Study(NamedTuple):
@@ -90,10 +94,10 @@ LAYER_ARMS = {
 LAYER_DIFFS = {"chosen_minus_fixed": ("chosen", "fixed"), "filter_minus_nofilter": ("chosen-filter", "chosen"),
                "blocks_minus_fixed": ("chosen-blocks", "fixed")}
 STUDIES = {
-    "layers": Study(base=[DEFAULT, A / "budget.yaml"], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
-    "layers-default": Study(base=[DEFAULT], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
+    "layers": Study(base=[DEFAULT, EAGLE3, A / "budget.yaml"], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
+    "layers-default": Study(base=[DEFAULT, EAGLE3], arms=LAYER_ARMS, diffs=LAYER_DIFFS),
     "head": Study(
-        base=[DEFAULT, A / "head-base.yaml"],
+        base=[DEFAULT, EAGLE3, A / "head-base.yaml"],
         arms={
             "sharegpt": [],
             "regen": [A / "regen-data.yaml"],
@@ -112,26 +116,26 @@ STUDIES = {
                "candidate_all_minus_candidate": ("candidate-all", "candidate")},
     ),
     "levers": Study(
-        base=[DEFAULT, A / "adamw.yaml"],
+        base=[DEFAULT, EAGLE3, A / "adamw.yaml"],
         arms={"adamw": [], "muon": [A / "muon.yaml"], "init": [A / "init-from-target.yaml"],
               "vocab16k": [A / "draft-vocab-16k.yaml"]},
         diffs={"muon_minus_adamw": ("muon", "adamw"), "init_minus_random": ("init", "adamw"),
                "vocab16k_minus_8k": ("vocab16k", "adamw")},
     ),
     "lm_head": Study(
-        base=[DEFAULT],
+        base=[DEFAULT, EAGLE3],
         arms={"default": [], "init": [A / "init-from-target.yaml"],
               "frozen": [A / "init-from-target.yaml", A / "freeze-lm-head.yaml"]},
         diffs={"init_minus_random": ("init", "default"), "frozen_minus_random": ("frozen", "default"),
                "frozen_minus_trained": ("frozen", "init")},
     ),
     "eagle31": Study(
-        base=[DEFAULT],
+        base=[DEFAULT, EAGLE3],
         arms={"eagle3": [], "input-norm": [A / "eagle31-input-norm.yaml"], "fc-norm": [A / "eagle31-fc-norm.yaml"]},
         diffs={"input_norm_minus_eagle3": ("input-norm", "eagle3"), "fc_norm_minus_eagle3": ("fc-norm", "eagle3")},
     ),
     "inputs": Study(
-        base=[DEFAULT],
+        base=[DEFAULT, EAGLE3],
         arms={"default": [], "ttt5": [A / "ttt5.yaml"], "noise": [A / "noise.yaml"]},
         diffs={"ttt5_minus_ttt3": ("ttt5", "default"), "noise_minus_clean": ("noise", "default")},
     ),

@@ -151,6 +151,9 @@ def test_smollm2_default_recipe_trains_a_few_steps(tmp_path, monkeypatch):
     cli = DraftkitCLI(args=["fit", "--recipe", "recipes/smollm2-135m-eagle3.yaml", "--recipe", str(override)])
     head = cli.model.head
     assert head.config.aux_layer_ids == [2, 15, 27] and head.fc.weight.shape == (576, 3 * 576)
+    # the EAGLE-3.1 A/B's winner: one RMSNorm over the aux concatenation before fc, and norm(h) fed forward
+    assert head.input_norm.weight.shape == (3 * 576,) and head.fc_norm is None
+    assert head.config.norm_before_fc and head.config.norm_output and not head.config.norm_before_residual
     # the levers A/B's winner: Muon on fc and the decoder layer's matrices, AdamW on norms and lm_head
     muon_group, adamw_group = cli.trainer.optimizers[0].param_groups
     assert {id(p) for p in muon_group["params"]} == {id(p) for n, p in head.named_parameters()
