@@ -423,8 +423,9 @@ def compile_target(target: nn.Module) -> CompiledTarget:
     happens here, logged with its time, and not inside a timed run. The graphs are those of torch's thread
     count at this call (Dynamo guards on it): set ``torch.set_num_threads`` first, as ``evaluate`` and
     ``bench decode`` do; a later change recompiles every shape class. On SmolLM2-135M (2 AVX512 cores) the
-    compiled step took 0.69-0.80x the packed eager one and compiling took 3-10 minutes per process and dtype
-    (benchmarks/README.md, issue 35): worth it for a long evaluation, which is why ``auto`` never picks it.
+    compiled step took 0.69-0.80x the packed eager one on one loaded thread, but on two idle threads plain
+    decoding ran at 0.83x (bf16) / 0.62x (float32) the packed eager speed, and compiling took 2.5-10 minutes per
+    process and dtype (benchmarks/README.md, issue 35): measure before using it; ``auto`` never picks it.
 
     Args:
         target: a :class:`~draftkit.target.frozen.FrozenTarget`.
