@@ -33,10 +33,12 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   default head); ``input-norm`` (+ ``recipes/ablation/eagle31-input-norm.yaml``: ``norm_before_fc`` +
   ``norm_output``, speculators' Llama default); ``fc-norm`` (+ ``recipes/ablation/eagle31-fc-norm.yaml``:
   ``fc_norm`` + ``norm_output``). The norms cost nothing measurable per step, so equal wall time is equal steps.
+  Result (``--max_steps 450``, 2 seeds): both variants beat ``eagle3`` by ~+0.037 tau and tie; the recipes now
+  train ``input-norm`` (benchmarks/README.md).
 - ``inputs`` (issue 33 item 3; base the default recipe as it is): ``default`` (3 TTT steps, clean inputs);
   ``ttt5`` (+ ``recipes/ablation/ttt5.yaml``: 5 TTT steps, ~1.5x the step time, so fewer steps in the
   budget); ``noise`` (+ ``recipes/ablation/noise.yaml``: uniform noise in [-0.05, 0.05] on the aux states,
-  speculators' default).
+  speculators' default). Result (``--max_steps 450``, 2 seeds): noise +0.002 / -0.002 tau, off; ``ttt5`` not run.
 
 ``--max_steps N`` replaces the recipe's 30-minute wall-time budget by N optimizer steps (the cosine planned to end
 there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
