@@ -38,7 +38,7 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
 - ``inputs`` (issue 33 item 3; base the default recipe as it is): ``default`` (3 TTT steps, clean inputs);
   ``ttt5`` (+ ``recipes/ablation/ttt5.yaml``: 5 TTT steps, ~1.5x the step time, so fewer steps in the
   budget); ``noise`` (+ ``recipes/ablation/noise.yaml``: uniform noise in [-0.05, 0.05] on the aux states,
-  speculators' default). Result (``--max_steps 450``, 2 seeds): noise +0.002 / -0.002 tau, off; ``ttt5`` not run.
+  speculators' default). Result (2 seeds): noise +0.002 / -0.002 tau (450 steps), off; ``ttt5`` at 360 steps (equal wall time) -0.037 / -0.050.
 
 ``--max_steps N`` replaces the recipe's 30-minute wall-time budget by N optimizer steps (the cosine planned to end
 there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
