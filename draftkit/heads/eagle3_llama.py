@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from draftkit.attention import grouped_query_attention
+
 __all__ = ["Eagle3Config", "Eagle3LlamaHead", "KVCache", "RMSNorm"]
 
 # target families (``model_type`` of the text config) the head is sized from, each tested end to end on a tiny
@@ -299,8 +301,7 @@ class Eagle3Attention(nn.Module):
             mask = attn_mask
         if key_padding_mask is not None:
             mask = mask[None, None] & key_padding_mask[:, None, None, :]  # (B, 1, T, S+T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self._out(o)
+        return self._out(grouped_query_attention(q, k, v, mask))
 
     def forward_ttt(
         self,

@@ -27,6 +27,10 @@ and after its weight was replaced or changed in place. The packed copy is a seco
 weight (SmolLM2-135M: 538 MB in float32, 269 MB in bfloat16, its tied 49152 x 576 LM head included);
 :meth:`PackedLinears.release` (or leaving the ``with`` block) drops it and restores the stock forward.
 
+The same handle also switches a Hugging Face target's attention from transformers' ``sdpa`` to
+:data:`DECODE_ATTENTION` (:func:`decode_attention`: grouped-query attention without key/value copies,
+:mod:`draftkit.attention`) for every kernel option but ``stock``, on any device; release restores ``sdpa``.
+
 Shapes: M rows (tokens), K in features, N out features.
 """
 
@@ -42,8 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftkit.attention import grouped_query_attention
+
 __all__ = [
     "CompiledTarget",
+    "DECODE_ATTENTION",
     "DECODE_KERNELS",
     "KERNELS",
     "KernelChoice",
@@ -51,6 +58,7 @@ __all__ = [
     "auto_kernels",
     "choose_kernels",
     "compile_target",
+    "decode_attention",
     "pack_linears",
     "pack_target_and_head",
     "probe_packed_ratio",
@@ -219,6 +227,54 @@ def auto_kernels(device: str | torch.device, dtype: str | torch.dtype) -> Kernel
     return _decide(torch.device(device).type, _dtype_name(dtype))
 
 
+DECODE_ATTENTION = "draftkit_gqa"
+"""The name :func:`decode_attention` is registered under in transformers' ``AttentionInterface`` (its masks are
+``sdpa``'s)."""
+
+_UNFOLDED = ("softcap", "s_aux", "position_bias")
+"""Attention kwargs that change the math (Gemma 2's logit soft-capping, GPT-OSS's sinks, T5-style biases):
+:func:`decode_attention` leaves those calls to transformers' ``sdpa``."""
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Transformers attention-interface function (registered as :data:`DECODE_ATTENTION`): SDPA with the query
+    groups folded into rows (:func:`draftkit.attention.grouped_query_attention`) wherever a forward has a mask
+    or one row, i.e. every decode step, verify and tree verify; transformers' own
+    ``integrations.sdpa_attention.sdpa_attention_forward`` otherwise (a prefill without a mask relies on its
+    causal flag; no grouped-query heads; dropout; the kwargs in ``_UNFOLDED``).
+
+    Args:
+        module: the attention layer.
+        query: (B, A, T, d); key: (B, A_kv, S, d); value: (B, A_kv, S, d_v).
+        attention_mask: None or (B|1, 1, T, S) bool or additive, from transformers' ``sdpa_mask`` or the caller.
+        dropout, scaling, is_causal: as transformers' ``sdpa_attention_forward``.
+
+    Returns:
+        ((B, T, A, d_v) attention output, None), as every transformers attention function.
+    """
+    t = query.shape[2]
+    mask = attention_mask
+    folded = (key.shape[1] < query.shape[1] and not dropout and (mask is not None or t == 1)
+              and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[-1] == key.shape[2]))
+              and all(kwargs.get(name) is None for name in _UNFOLDED))
+    if not folded:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    return grouped_query_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
 @dataclass
 class PackedLinears:
     """The packed copy of a model's linear weights (a handle; use as a context manager or call :meth:`release`).
@@ -228,6 +284,8 @@ class PackedLinears:
         modules: the ``nn.Linear`` modules whose forward runs the packed kernel.
         packed_bytes: bytes of the packed copy (0 when nothing is packed).
         weight_bytes: bytes of those modules' own weights (what the copy duplicates).
+        attention: the attention implementation the model ran before :data:`DECODE_ATTENTION` replaced it
+            (``sdpa``; restored by :meth:`release`), or None when its attention was left as it was.
     """
 
     choice: KernelChoice
@@ -235,14 +293,26 @@ class PackedLinears:
     packed_bytes: int = 0
     weight_bytes: int = 0
     model: nn.Module | None = field(default=None, repr=False)
+    attention: str | None = None
+    attention_model: nn.Module | None = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
         """Whether packed weights are in use."""
         return bool(self.modules)
 
+    def use_decode_attention(self, model: nn.Module) -> None:
+        """Switch a transformers ``model`` running ``sdpa`` to :data:`DECODE_ATTENTION` until :meth:`release`; a
+        no-op for another attention (``eager``, ...) or a module without a transformers config (a draft head)."""
+        config = getattr(model, "config", None)
+        if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+            return
+        _register_decode_attention()
+        model.set_attn_implementation(DECODE_ATTENTION)
+        self.attention, self.attention_model = "sdpa", model
+
     def release(self) -> None:
-        """Drop the packed copy and restore every module's stock forward (idempotent)."""
+        """Drop the packed copy, restore every module's stock forward and the model's attention (idempotent)."""
         for module in self.modules:
             module.__dict__.pop("forward", None)
         self.modules = []
@@ -250,6 +320,9 @@ class PackedLinears:
         if self.model is not None and getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
         self.model = None
+        if self.attention_model is not None:
+            self.attention_model.set_attn_implementation(self.attention)
+            self.attention_model = None
 
     def __enter__(self) -> PackedLinears:
         return self
@@ -258,7 +331,8 @@ class PackedLinears:
         self.release()
 
     def as_dict(self) -> dict:
-        """The report entry: ``{kernel, reason, packed_ratio, packed_linears, packed_bytes, weight_bytes}``."""
+        """The report entry: ``{kernel, reason, packed_ratio, packed_linears, packed_bytes, weight_bytes,
+        attention}`` (``attention``: :data:`DECODE_ATTENTION` while it replaces the model's, else None)."""
         return {
             "kernel": self.choice.kernel,
             "reason": self.choice.reason,
@@ -266,6 +340,7 @@ class PackedLinears:
             "packed_linears": len(self.modules),
             "packed_bytes": self.packed_bytes,
             "weight_bytes": self.weight_bytes,
+            "attention": DECODE_ATTENTION if self.attention_model is not None else None,
         }
 
 
@@ -296,7 +371,8 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
         model: a module whose linear layers all have frozen weights (``requires_grad_(False)``), e.g. a loaded
             target.
         kernel: ``auto`` (:func:`auto_kernels` on the weights' device and dtype), ``onednn`` (pack on any CPU
-            oneDNN supports for that dtype; a no-op off the CPU) or ``stock`` (pack nothing).
+            oneDNN supports for that dtype; a no-op off the CPU) or ``stock`` (pack nothing). Every option but
+            ``stock`` also switches a transformers model's ``sdpa`` attention to :data:`DECODE_ATTENTION`.
         min_elements: weights with fewer elements stay stock (None: ``PACK_MIN_ELEMENTS``, read at the call).
 
     Returns:
@@ -335,6 +411,8 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
         choice = KernelChoice(device, dtype, "onednn", f"cpu {torch.backends.cpu.get_cpu_capability()} {dtype}: "
                               "kernels=onednn requested -> onednn")
     handle = PackedLinears(choice)
+    if kernel != "stock":
+        handle.use_decode_attention(model)
     min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     if choice.kernel != "onednn":
         return handle
@@ -368,7 +446,8 @@ class CompiledTarget:
 
     Attributes:
         choice: the kernel record (``kernel`` = ``compiled``).
-        lm_head: the target's LM head packed by the ``auto`` decision (it runs outside the compiled graph).
+        lm_head: the target's LM head packed by the ``auto`` decision (it runs outside the compiled graph); the
+            handle also holds the target's switch to :data:`DECODE_ATTENTION`.
         compile_s: wall seconds the warm-up compile took (every graph decoding uses: prefill, one row, verify,
             tree verify).
         graphs: graphs compiled in the warm-up.
@@ -445,6 +524,7 @@ def compile_target(target: nn.Module) -> CompiledTarget:
     weight = target.input_embeddings()
     device, dtype = weight.device.type, _dtype_name(weight.dtype)
     lm_head = pack_linears(target.model.get_output_embeddings(), "auto")
+    lm_head.use_decode_attention(target.model)
     options = {"freezing": True} if device == "cpu" else {}
     target.compiled_forward = torch.compile(target.base.forward, dynamic=True, options=options)
     choice = KernelChoice(device, dtype, "compiled", f"{device} {dtype}: kernels=compiled requested -> the decoder "

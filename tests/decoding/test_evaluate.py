@@ -347,7 +347,7 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
     assert "lossless" not in report
     assert report["setup"]["kernels"] == {"kernel": "stock", "reason": "kernels=stock on cpu -> stock",
                                           "packed_ratio": None, "packed_linears": 0, "packed_bytes": 0,
-                                          "weight_bytes": 0}
+                                          "weight_bytes": 0, "attention": None}
     assert report["setup"]["head_kernels"]["kernel"] == "stock"
     assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2
     assert "kernels must be one of auto, onednn, stock, compiled, got 'fast'" in capsys.readouterr().err

@@ -67,6 +67,7 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     from draftkit.export.exporter import export_checkpoint
     from draftkit.export.load import load_exported_head, load_head
     from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.target.kernels import DECODE_ATTENTION, pack_target_and_head
 
     monkeypatch.chdir(REPO)
     override = tmp_path / "override.yaml"
@@ -101,6 +102,17 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     report = evaluate_head(head, target, tok, PROMPTS, tree=TreeConfig(3, 2, 6), max_new_tokens=24,
                            prompt_lookup=False, collect_kl=False, warmup=False)
     assert report["greedy_equal"] == len(PROMPTS), report["greedy_equal"]
+    # the decoding kernels as `evaluate` sets them (the decode attention, where the family runs sdpa): the same
+    # acceptance, prompt by prompt
+    own = model.config._attn_implementation  # eager for gemma2 (soft-capping) and gpt_oss (sinks)
+    packed, packed_head = pack_target_and_head(target, head, "auto")
+    with packed, packed_head:
+        assert model.config._attn_implementation == (DECODE_ATTENTION if own == "sdpa" else own)
+        fast = evaluate_head(head, target, tok, PROMPTS, tree=TreeConfig(3, 2, 6), max_new_tokens=24,
+                             prompt_lookup=False, collect_kl=False, warmup=False)
+    assert fast["greedy_equal"] == len(PROMPTS), fast["greedy_equal"]
+    assert [(r["rounds"], r["new_tokens"]) for r in fast["per_prompt"]] == [
+        (r["rounds"], r["new_tokens"]) for r in report["per_prompt"]]
 
     state = head.export_state_dict()
     for engine in ENGINES:

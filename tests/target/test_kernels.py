@@ -1,7 +1,8 @@
 """Inference kernels (issue 35): packed oneDNN linear layers give the stock outputs (float32 allclose 1e-5,
 greedy decoding token-identical) on the tiny target and (slow) SmolLM2; the probe's choice faked both ways;
 packing refused with requires_grad and ignored when autograd would record; release restores the stock path;
-off the CPU nothing is packed."""
+off the CPU nothing is packed. The decode attention (transformers ``sdpa`` -> ``draftkit_gqa``) gives the same logits
+and is restored on release."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from draftkit.attention import grouped_query_attention
 from draftkit.target import kernels
 from draftkit.target.kernels import KernelChoice, auto_kernels, choose_kernels, pack_linears
 
@@ -237,3 +239,44 @@ def test_smollm2_packed_logits_and_greedy_decode(dtype):
         if dtype == "float32":
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert _greedy(model, ids, 32) == greedy
+
+
+def _decode_logits(target) -> list[torch.Tensor]:
+    """float32 logits of what decoding runs: a prefill, one row, a 3-row verify (rolled back), a tree verify."""
+    from draftkit.target.session import TargetSession
+
+    session = TargetSession(target)
+    ids = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2))
+    out = [session.forward(ids[:10])[0], session.forward(ids[10:11])[0], session.forward(ids[11:14])[0]]
+    session.crop(11)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root, a child, its sibling
+    mask = torch.cat([torch.ones(3, 11, dtype=torch.bool), tree], 1)
+    out.append(session.forward(ids[:3], position_ids=torch.tensor([11, 12, 12]), attn_mask=mask)[0])
+    return out
+
+
+def test_decode_attention_switches_folds_and_restores(tiny_target_dir, fake_probe, monkeypatch):
+    from draftkit.target.frozen import FrozenTarget
+
+    fake_probe(2.0)  # nothing packed: the attention switch alone (as on CUDA under auto)
+    model = _frozen_tiny(tiny_target_dir)
+    assert model.config._attn_implementation == "sdpa"
+    target = FrozenTarget(model, aux_layer_ids=[1, 4, 6])
+    want = _decode_logits(target)
+    folded = []
+    monkeypatch.setattr(kernels, "grouped_query_attention",
+                        lambda *a, **kw: folded.append(a[0].shape) or grouped_query_attention(*a, **kw))
+    with pack_linears(model, "auto") as handle:
+        assert not handle.active and model.config._attn_implementation == kernels.DECODE_ATTENTION
+        assert handle.as_dict()["attention"] == "draftkit_gqa"
+        got = _decode_logits(target)
+    assert model.config._attn_implementation == "sdpa" and handle.as_dict()["attention"] is None
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # the prefill (no mask, 10 rows) stays on transformers' sdpa; each layer folds the 1-row step and both verifies
+    assert folded == [(1, 4, 1, 16)] * 8 + [(1, 4, 3, 16)] * 16
+    with pack_linears(model, "stock") as handle:
+        assert model.config._attn_implementation == "sdpa" and handle.as_dict()["attention"] is None
+    model.set_attn_implementation("eager")
+    with pack_linears(model, "auto"):
+        assert model.config._attn_implementation == "eager"  # another attention is left as it is
