@@ -346,7 +346,7 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
     report = json.loads(out.read_text())
     assert "lossless" not in report
     assert report["setup"]["kernels"] == {"kernel": "stock", "reason": "kernels=stock on cpu -> stock",
-                                          "packed_ratio": None, "packed_linears": 0, "packed_bytes": 0,
+                                          "packed_ratio": None, "packed_linears": 0, "fused_groups": 0, "packed_bytes": 0,
                                           "weight_bytes": 0, "attention": None}
     assert report["setup"]["head_kernels"]["kernel"] == "stock"
     assert main([*common, "--output", str(out), "--kernels", "fast"]) == 2

@@ -67,6 +67,7 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     from draftkit.export.exporter import export_checkpoint
     from draftkit.export.load import load_exported_head, load_head
     from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.target import kernels
     from draftkit.target.kernels import DECODE_ATTENTION, pack_target_and_head
 
     monkeypatch.chdir(REPO)
@@ -102,12 +103,15 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     report = evaluate_head(head, target, tok, PROMPTS, tree=TreeConfig(3, 2, 6), max_new_tokens=24,
                            prompt_lookup=False, collect_kl=False, warmup=False)
     assert report["greedy_equal"] == len(PROMPTS), report["greedy_equal"]
-    # the decoding kernels as `evaluate` sets them (the decode attention, where the family runs sdpa): the same
-    # acceptance, prompt by prompt
+    # the decoding kernels as `evaluate` sets them (packed and fused linears, the decode attention where the family
+    # runs sdpa): the same acceptance, prompt by prompt
     own = model.config._attn_implementation  # eager for gemma2 (soft-capping) and gpt_oss (sinks)
-    packed, packed_head = pack_target_and_head(target, head, "auto")
+    monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)  # pack even the tiny weights: fused q/k/v, gate/up
+    packed, packed_head = pack_target_and_head(target, head, "onednn" if kernels._onednn_available() else "auto")
     with packed, packed_head:
         assert model.config._attn_implementation == (DECODE_ATTENTION if own == "sdpa" else own)
+        # per layer: q/k/v and gate/up; MoE experts are no nn.Linear; DeepSeek's MLA has no q/k/v siblings
+        assert packed.fused_groups == {"qwen3_moe": 8, "gpt_oss": 8, "deepseek_v3": 8}.get(family, 16)
         fast = evaluate_head(head, target, tok, PROMPTS, tree=TreeConfig(3, 2, 6), max_new_tokens=24,
                              prompt_lookup=False, collect_kl=False, warmup=False)
     assert fast["greedy_equal"] == len(PROMPTS), fast["greedy_equal"]

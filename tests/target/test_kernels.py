@@ -207,6 +207,7 @@ def test_tiny_target_packed_logits_and_greedy_decode(tiny_target_dir, dtype):
     with pack_linears(model, "onednn", min_elements=0) as handle:
         n_linear = sum(type(m) is nn.Linear for m in model.modules())
         assert len(handle.modules) == n_linear == 8 * 7 + 1  # q k v o gate up down per layer, the LM head
+        assert handle.fused_groups == 8 * 2  # q/k/v and gate/up of each layer packed as one weight each
         with torch.no_grad():
             got = model(ids).logits
         if dtype == torch.float32:
@@ -232,6 +233,7 @@ def test_smollm2_packed_logits_and_greedy_decode(dtype):
     greedy = _greedy(model, ids, 32)
     with pack_linears(model, "onednn") as handle:
         assert len(handle.modules) == 30 * 7 + 1  # every projection and the (tied) LM head
+        assert handle.fused_groups == 30 * 2
         assert handle.packed_bytes == handle.weight_bytes == (
             sum(m.weight.numel() for m in handle.modules) * model.dtype.itemsize)
         with torch.no_grad():
@@ -280,3 +282,41 @@ def test_decode_attention_switches_folds_and_restores(tiny_target_dir, fake_prob
     model.set_attn_implementation("eager")
     with pack_linears(model, "auto"):
         assert model.config._attn_implementation == "eager"  # another attention is left as it is
+
+
+class _Attn(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        for name, n in (("q_proj", 6), ("k_proj", 2), ("v_proj", 3), ("o_proj", 6)):
+            setattr(self, name, nn.Linear(5, n, bias=bias))
+            with torch.no_grad():
+                getattr(self, name).weight.copy_(torch.randn(n, 5, generator=g))
+                if bias:
+                    getattr(self, name).bias.copy_(torch.randn(n, generator=g))
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_siblings_one_call_per_input_and_each_member_right(monkeypatch, bias):
+    m = _Attn(bias).requires_grad_(False)
+    want = lambda name, x: x @ getattr(m, name).weight.T + (getattr(m, name).bias if bias else 0)  # noqa: E731
+    calls = []
+    real = kernels._packed_linear
+    monkeypatch.setattr(kernels, "_packed_linear", lambda x, w, b: calls.append(w.shape) or real(x, w, b))
+    x = torch.randn(2, 3, 5)
+    with pack_linears(m, "onednn", min_elements=0) as handle:
+        assert handle.fused_groups == 1 and len(handle.modules) == 4
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            torch.testing.assert_close(getattr(m, name)(x), want(name, x), rtol=1e-5, atol=1e-5)
+        assert len(calls) == 2  # q/k/v once (the fused weight), o_proj once
+        y = torch.randn(2, 3, 5)
+        torch.testing.assert_close(m.v_proj(y), want("v_proj", y), rtol=1e-5, atol=1e-5)  # a new input: recomputed
+        y.mul_(2)  # changed in place: k_proj must not return the rows of the old values
+        torch.testing.assert_close(m.k_proj(y), want("k_proj", y), rtol=1e-5, atol=1e-5)
+        assert len(calls) == 4
+        with torch.no_grad():
+            m.k_proj.weight.add_(1)  # one member changed: the group runs stock, each on its own weight
+        for name in ("q_proj", "k_proj", "v_proj"):
+            torch.testing.assert_close(getattr(m, name)(x), want(name, x), rtol=1e-5, atol=1e-5)
+        assert len(calls) == 4

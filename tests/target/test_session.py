@@ -148,3 +148,50 @@ def test_forward_runs_in_inference_mode_and_the_cache_still_rolls_back(lm_exact)
     (aux @ weight).sum().backward()  # autograd may save it
     torch.testing.assert_close(weight.grad[:, 0], aux.sum(0))
     lm.reset()
+
+
+def test_growing_layer_equals_dynamic_layers_cat_through_appends_crops_and_keeps():
+    """GrowingLayer (appends written in place) holds what transformers' DynamicLayer (``torch.cat``) holds after
+    every append, crop and index_select compaction, and reuses its buffer while it has room."""
+    from transformers.cache_utils import DynamicLayer
+
+    from draftkit.target.session import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    grow, cat = GrowingLayer(), DynamicLayer()
+    grow.MIN_CAPACITY = 8
+
+    def append(t):
+        k, v = torch.randn(1, 2, t, 4, generator=g), torch.randn(1, 2, t, 3, generator=g)
+        a, b = grow.update(k, v), cat.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (1, 2, cat.get_seq_length(), 4)
+
+    append(5)
+    buf = grow._kbuf.data_ptr()
+    assert grow._kbuf.shape == (1, 2, 10, 4)  # 2 x the first append (at least MIN_CAPACITY)
+    append(1), append(3)  # 9 <= 10: written in place
+    assert grow._kbuf.data_ptr() == buf and grow.keys.data_ptr() == buf
+    grow.crop(-2), cat.crop(-2)
+    append(1)  # over a dropped row
+    assert grow._kbuf.data_ptr() == buf and grow.get_seq_length() == 8
+    append(4)  # 12 > 10: a buffer of 24, the 8 kept rows copied over
+    assert grow._kbuf.shape[-2] == 24 and grow._kbuf.data_ptr() != buf
+    rows = torch.tensor([0, 1, 2, 5, 9])
+    for layer in (grow, cat):  # TargetSession.keep's compaction
+        layer.keys, layer.values = layer.keys.index_select(-2, rows), layer.values.index_select(-2, rows)
+    append(2), append(1)
+    assert grow.get_seq_length() == cat.get_seq_length() == 8
+
+
+def test_session_cache_grows_in_place(lm_exact):
+    """The session's cache is GrowingLayer's: a decode step writes its row into the buffer the prefill made."""
+    from draftkit.target.session import GrowingLayer
+
+    lm = lm_exact
+    lm.reset()
+    lm.forward(IDS[:4], 1, precision="high")
+    assert all(type(layer) is GrowingLayer for layer in lm.cache.layers)
+    ptrs = [layer.keys.data_ptr() for layer in lm.cache.layers]
+    lm.forward(IDS[4:5], precision="high")
+    assert [layer.keys.data_ptr() for layer in lm.cache.layers] == ptrs and lm.cache.get_seq_length() == 5
+    lm.reset()
