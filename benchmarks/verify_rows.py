@@ -15,7 +15,7 @@ and prints each row count's time as a ratio to the same kernel's one row and the
 markdown table per attention and logits setting (ms min per verify, ratio to one row, packed / stock).
 
 Run:  python benchmarks/verify_rows.py [--rows 1 2 3 4 8] [--context 200] [--threads 2] [--dtype float32]
-          [--kernels stock onednn] [--attn sdpa] [--logits all] [--clock process]
+          [--kernels stock onednn] [--attn sdpa draftkit_gqa] [--logits all] [--clock process]
 Prints min/median milliseconds per forward (12 repeats, 2 warm-ups dropped) and the CPU capability;
 ``--clock process`` times process CPU seconds (robust to other processes on a shared machine with one thread).
 """
@@ -39,16 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--kernels", nargs="+", default=["stock"], choices=["stock", "onednn"])
-    p.add_argument("--attn", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager"])
+    p.add_argument("--attn", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager", "draftkit_gqa"],
+                   help="draftkit_gqa: decoding's grouped-query attention (draftkit.target.kernels.decode_attention)")
     p.add_argument("--logits", nargs="+", default=["all", "last"], choices=["all", "last"])
     p.add_argument("--clock", default="wall", choices=["wall", "process"])
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from draftkit.artifacts import resolve_model_dir
-    from draftkit.target.kernels import pack_linears
+    from draftkit.target.kernels import pack_linears, register_decode_attention
 
     torch.set_num_threads(args.threads)
+    register_decode_attention()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     path = resolve_model_dir(args.target)
     models, handles = {}, []
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 caches, times = {}, {kernel: [] for kernel in args.kernels}
                 with torch.no_grad():
                     for kernel, model in models.items():
-                        model.config._attn_implementation = impl
+                        model.set_attn_implementation(impl)
                         caches[kernel] = DynamicCache()
                         model(ids, past_key_values=caches[kernel], use_cache=True, logits_to_keep=1)
                     for _ in range(args.repeats):

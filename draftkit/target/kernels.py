@@ -20,6 +20,9 @@ The decision, once per process, device and dtype (cached, logged once with its r
    ``1 - PACK_MARGIN`` of the stock time (the packed copy costs memory, so a tie keeps stock). Weights under
    ``PACK_MIN_ELEMENTS`` stay stock whatever the probe says (oneDNN's fixed cost per call dominates there).
 
+Sibling projections that read one input (:data:`FUSED_GROUPS`: q/k/v, gate/up) are packed as one weight and
+run as one oneDNN call, each member returning its slice (7 calls a Llama layer become 4).
+
 Packed weights have no backward (``_linear_pointwise`` registers no autograd kernel), so packing refuses a
 model whose linear weights require grad, and a packed layer runs the stock path whenever autograd would
 record it (grad enabled and the input or weight requires grad), under autocast, for another dtype or device,
@@ -60,6 +63,7 @@ __all__ = [
     "compile_target",
     "decode_attention",
     "pack_linears",
+    "register_decode_attention",
     "pack_target_and_head",
     "probe_packed_ratio",
 ]
@@ -267,7 +271,9 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 @functools.cache
-def _register_decode_attention() -> None:
+def register_decode_attention() -> None:
+    """Register :func:`decode_attention` in transformers' attention and mask interfaces as :data:`DECODE_ATTENTION`
+    (once per process), so that ``model.set_attn_implementation(DECODE_ATTENTION)`` selects it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -309,7 +315,7 @@ class PackedLinears:
         config = getattr(model, "config", None)
         if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
             return
-        _register_decode_attention()
+        register_decode_attention()
         model.set_attn_implementation(DECODE_ATTENTION)
         self.attention, self.attention_model = "sdpa", model
 

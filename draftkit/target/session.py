@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from draftkit.quant import QuantConfig, WeightBytes, nested_linears, quantize_model, set_precision, weight_bytes
 from draftkit.quant.bytes import param_bytes
 
-__all__ = ["GrowingLayer", "TargetSession"]
+__all__ = ["TargetSession"]
 
 
 class TargetSession:
@@ -166,8 +165,6 @@ class TargetSession:
             from transformers import DynamicCache
 
             self.cache = DynamicCache()
-            if getattr(self.target, "compiled_forward", None) is None:  # a compiled graph guards on cat's strides
-                self.cache.layer_class_to_replicate = GrowingLayer
         # inference mode, not only no_grad: autograd's per-op bookkeeping was 6-8 % of a SmolLM2 decode step on
         # an AVX512 core (issue 35); the outputs are copied out of it so that callers get ordinary tensors
         with torch.inference_mode():
@@ -235,52 +232,6 @@ class TargetSession:
         with torch.inference_mode():
             for layer in self.cache.layers:
                 layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
-
-
-class GrowingLayer(DynamicLayer):
-    """A transformers ``DynamicLayer`` whose keys and values are prefix views of buffers with room to spare, so
-    that appending T positions writes T rows in place instead of ``torch.cat``'s copy of the whole cache.
-
-    ``DynamicLayer.update`` copies all S cached positions of every layer at every decode step (O(S) bytes a
-    step, O(S^2) a generation): on SmolLM2-135M at 300 positions that was 122 ``cat`` calls and ~1-1.5 ms of a
-    14-20 ms step on 2 AVX512 threads. Here the buffers double when full (amortised O(T) a step). ``crop`` (the
-    parent's slice) keeps a prefix view, so the next append writes over the dropped rows; a ``keys``/``values``
-    set from outside (:meth:`TargetSession.keep`'s ``index_select``) is no view of the buffer and is copied into
-    a new one at the next append. Batch-axis methods (``batch_repeat_interleave``, ...) likewise replace the
-    tensors and are handled the same way.
-
-    Shapes: keys (B, A_kv, S, d), values (B, A_kv, S, d_v); buffers (B, A_kv, capacity, d|d_v).
-    """
-
-    MIN_CAPACITY = 256
-    """Positions of the first buffer (at least twice the first append)."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append (B, A_kv, T, d) keys and values; returns the (B, A_kv, S+T, d) prefix views."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        s, t = self.get_seq_length(), key_states.shape[-2]
-        kbuf, vbuf = getattr(self, "_kbuf", None), getattr(self, "_vbuf", None)
-        if not (_is_prefix(self.keys, kbuf, key_states) and _is_prefix(self.values, vbuf, value_states)
-                and s + t <= kbuf.shape[-2]):
-            capacity = max(2 * (s + t), self.MIN_CAPACITY)
-            kbuf = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-            vbuf = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
-            if s:
-                kbuf[..., :s, :] = self.keys
-                vbuf[..., :s, :] = self.values
-            self._kbuf, self._vbuf = kbuf, vbuf
-        kbuf[..., s:s + t, :] = key_states
-        vbuf[..., s:s + t, :] = value_states
-        self.keys, self.values = kbuf[..., :s + t, :], vbuf[..., :s + t, :]
-        return self.keys, self.values
-
-
-def _is_prefix(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor) -> bool:
-    """Whether ``view`` is a prefix (along the position axis) of ``buf`` that ``new`` rows can extend."""
-    return (buf is not None and view.dim() == buf.dim() and view.data_ptr() == buf.data_ptr()
-            and view.stride() == buf.stride() and view.shape[:-2] == buf.shape[:-2] == new.shape[:-2]
-            and view.dtype == buf.dtype == new.dtype and buf.shape[-1] == new.shape[-1])
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
