@@ -48,7 +48,8 @@ def grouped_query_attention(
         (B, A, T, d_v) in q's dtype.
 
     Raises:
-        ValueError: when A is not a multiple of A_kv, or the mask has a head axis other than 1.
+        ValueError: when A is not a multiple of A_kv, or (A > A_kv) the mask has a head axis other than 1 (with
+            A = A_kv the call is plain SDPA, which takes per-head masks).
     """
     b, heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]

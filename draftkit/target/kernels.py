@@ -363,23 +363,25 @@ float32 over the 30 layers (oneDNN's fixed cost per call; 7 calls a layer become
 def _packed_forwards(modules: list[nn.Linear], packed: torch.Tensor, bias: torch.Tensor | None) -> list[Callable]:
     """Forwards for a group of linears packed as one (out_features stacked in order; a group of one is a plain
     packed linear): each runs ``packed`` while every member's weight and bias are the ones packed (same tensor,
-    same version, no grad), else ``F.linear`` on its own parameters.
+    same version, neither requiring grad), else ``F.linear`` on its own parameters. A single linear adds its
+    live bias; a group adds ``bias``, the members' biases concatenated when packing (like the weights, a change
+    made through ``.data`` is not seen: replace the parameter or repack).
 
-    In a group, the first member called with an input x computes every member's rows (one oneDNN call) and
-    keeps them with x; a sibling called next with the same x (the same tensor object, unmodified: same version
-    counter outside inference mode) returns its
-    slice, a view of the fused (..., sum N) output. Another input recomputes, so a member called alone is still
-    right.
+    In a group, the first member called with an input x computes every member's rows (one oneDNN call) and holds
+    them until each sibling has taken its slice (a view of the fused (..., sum N) output) for the same x, then
+    drops them, so nothing outlives the group's calls. A member called again, or with another input, or with x
+    changed in place (its version counter; inference tensors keep none, so an in-place change under inference
+    mode between sibling calls is not seen, which no transformers layer does), recomputes.
     """
     params = [m._parameters for m in modules]  # read on every call: a replaced weight is seen
     packed_params = [(p["weight"], p["bias"]) for p in params]
     versions = [_versions(*wb) for wb in packed_params]
     sizes = [m.out_features for m in modules]
-    last: dict = {}  # the group's last input: {"x", "version", "outs"}
+    last: dict = {}  # the group's pending input: {"x", "version", "outs", "left": members still to serve}
 
     def valid() -> bool:
-        return all(p["weight"] is w and p["bias"] is b and not w.requires_grad and _versions(w, b) == ver
-                   for p, (w, b), ver in zip(params, packed_params, versions))
+        return all(p["weight"] is w and p["bias"] is b and not (w.requires_grad or (b is not None and b.requires_grad))
+                   and _versions(w, b) == ver for p, (w, b), ver in zip(params, packed_params, versions))
 
     def forward_of(i: int) -> Callable:
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -387,11 +389,16 @@ def _packed_forwards(modules: list[nn.Linear], packed: torch.Tensor, bias: torch
                     or (x.requires_grad and torch.is_grad_enabled()) or torch.is_autocast_enabled("cpu")):
                 return F.linear(x, params[i]["weight"], params[i]["bias"])
             if len(modules) == 1:
-                return _packed_linear(x, packed, bias)
+                return _packed_linear(x, packed, params[i]["bias"])
             version = None if x.is_inference() else x._version  # inference tensors keep no version
-            if last.get("x") is not x or last["version"] != version:
-                last.update(x=x, version=version, outs=_packed_linear(x, packed, bias).split(sizes, -1))
-            return last["outs"][i]
+            if last.get("x") is not x or last["version"] != version or i not in last["left"]:
+                last.update(x=x, version=version, outs=_packed_linear(x, packed, bias).split(sizes, -1),
+                            left=set(range(len(modules))))
+            out = last["outs"][i]
+            last["left"].discard(i)
+            if not last["left"]:
+                last.clear()
+            return out
 
         return forward
 
@@ -432,7 +439,8 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
         min_elements: weights with fewer elements stay stock (None: ``PACK_MIN_ELEMENTS``, read at the call).
 
     Returns:
-        :class:`PackedLinears` (inactive when nothing was packed).
+        :class:`PackedLinears` (inactive when nothing was packed; it may still hold the attention switch, so
+        release it in every case).
 
     Raises:
         ValueError: on another ``kernel``; when a linear weight or bias requires grad (packed weights have no
@@ -478,13 +486,13 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
     with torch.no_grad():
         for group in _linear_groups(model, packable):
             w = torch.cat([m.weight.detach() for m in group]) if len(group) > 1 else group[0].weight.detach()
-            bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
+            bias = None if group[0].bias is None or len(group) == 1 else torch.cat([m.bias.detach() for m in group])
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             for m, forward in zip(group, _packed_forwards(group, packed, bias)):
                 m.forward = forward
             handle.modules += group
             handle.fused_groups += len(group) > 1
-            handle.packed_bytes += packed.nbytes + (0 if bias is None or len(group) == 1 else bias.nbytes)
+            handle.packed_bytes += packed.nbytes + (0 if bias is None else bias.nbytes)
             handle.weight_bytes += w.nbytes
     if not handle.modules:
         return handle

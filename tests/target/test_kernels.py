@@ -7,6 +7,7 @@ and is restored on release."""
 from __future__ import annotations
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -315,8 +316,24 @@ def test_fused_siblings_one_call_per_input_and_each_member_right(monkeypatch, bi
         y.mul_(2)  # changed in place: k_proj must not return the rows of the old values
         torch.testing.assert_close(m.k_proj(y), want("k_proj", y), rtol=1e-5, atol=1e-5)
         assert len(calls) == 4
+        a = m.q_proj(x)  # called again before its siblings: a fresh result, not the held one
+        b = m.q_proj(x)
+        assert a is not b and len(calls) == 6
+        a.mul_(0)
+        torch.testing.assert_close(b, want("q_proj", x), rtol=1e-5, atol=1e-5)
+        z = torch.randn(2, 3, 5)
+        ref = weakref.ref(z)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(m, name)(z)
+        del z
+        assert ref() is None  # every sibling served: the group holds neither the input nor the fused output
         with torch.no_grad():
             m.k_proj.weight.add_(1)  # one member changed: the group runs stock, each on its own weight
         for name in ("q_proj", "k_proj", "v_proj"):
             torch.testing.assert_close(getattr(m, name)(x), want(name, x), rtol=1e-5, atol=1e-5)
-        assert len(calls) == 4
+        assert len(calls) == 7
+        if bias:
+            m.o_proj.bias.data.add_(1)  # a single packed linear adds its live bias
+            torch.testing.assert_close(m.o_proj(x), want("o_proj", x), rtol=1e-5, atol=1e-5)
+            m.q_proj.bias.requires_grad_(True)  # a bias that requires grad: stock, so autograd records it
+            assert m.q_proj(x).requires_grad and m.v_proj(x).grad_fn is None
