@@ -55,6 +55,7 @@ __all__ = [
     "CompiledTarget",
     "DECODE_ATTENTION",
     "DECODE_KERNELS",
+    "FUSED_GROUPS",
     "KERNELS",
     "KernelChoice",
     "PackedLinears",
@@ -63,9 +64,9 @@ __all__ = [
     "compile_target",
     "decode_attention",
     "pack_linears",
-    "register_decode_attention",
     "pack_target_and_head",
     "probe_packed_ratio",
+    "register_decode_attention",
 ]
 
 log = logging.getLogger(__name__)
