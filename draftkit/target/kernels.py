@@ -236,6 +236,11 @@ DECODE_ATTENTION = "draftkit_gqa"
 """The name :func:`decode_attention` is registered under in transformers' ``AttentionInterface`` (its masks are
 ``sdpa``'s)."""
 
+FOLD_MAX_ROWS = 128
+"""Forwards of more rows (a prefill with a padding mask) stay on transformers' ``sdpa``: folding repeats the
+(B, 1, T, S) mask g times, which for long prompts costs more than ``repeat_kv``'s key/value copies (g*B*T*S mask
+entries against 2*B*A*S*d key/value entries). Decoding's steps, verifies and trees are far below it."""
+
 _UNFOLDED = ("softcap", "s_aux", "position_bias")
 """Attention kwargs that change the math (Gemma 2's logit soft-capping, GPT-OSS's sinks, T5-style biases):
 :func:`decode_attention` leaves those calls to transformers' ``sdpa``."""
@@ -245,9 +250,10 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Transformers attention-interface function (registered as :data:`DECODE_ATTENTION`): SDPA with the query
     groups folded into rows (:func:`draftkit.attention.grouped_query_attention`) wherever a forward has a mask
-    or one row, i.e. every decode step, verify and tree verify; transformers' own
-    ``integrations.sdpa_attention.sdpa_attention_forward`` otherwise (a prefill without a mask relies on its
-    causal flag; no grouped-query heads; dropout; the kwargs in ``_UNFOLDED``).
+    or one row and at most :data:`FOLD_MAX_ROWS` rows, i.e. every decode step, verify and tree verify;
+    transformers' own ``integrations.sdpa_attention.sdpa_attention_forward`` otherwise (a prefill without a mask
+    relies on its causal flag; a long masked prefill; no grouped-query heads; dropout; the kwargs in
+    ``_UNFOLDED``).
 
     Args:
         module: the attention layer.
@@ -260,7 +266,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     """
     t = query.shape[2]
     mask = attention_mask
-    folded = (key.shape[1] < query.shape[1] and not dropout and (mask is not None or t == 1)
+    folded = (key.shape[1] < query.shape[1] and not dropout and (mask is not None or t == 1) and t <= FOLD_MAX_ROWS
               and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[-1] == key.shape[2]))
               and all(kwargs.get(name) is None for name in _UNFOLDED))
     if not folded:

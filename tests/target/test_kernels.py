@@ -337,3 +337,24 @@ def test_fused_siblings_one_call_per_input_and_each_member_right(monkeypatch, bi
             torch.testing.assert_close(m.o_proj(x), want("o_proj", x), rtol=1e-5, atol=1e-5)
             m.q_proj.bias.requires_grad_(True)  # a bias that requires grad: stock, so autograd records it
             assert m.q_proj(x).requires_grad and m.v_proj(x).grad_fn is None
+
+
+def test_decode_attention_leaves_long_masked_forwards_to_transformers(monkeypatch):
+    """A masked forward of more than FOLD_MAX_ROWS rows (a padded prefill) runs transformers' sdpa, with the same
+    result as the folded one."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False  # sequence 1 left-padded by two
+    mask[1, :, :2, 0] = True  # (a padded row sees one key, as transformers' sdpa_mask lets it)
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    folded = []
+    monkeypatch.setattr(kernels, "grouped_query_attention",
+                        lambda *a, **kw: folded.append(a[0].shape[2]) or grouped_query_attention(*a, **kw))
+    want, _ = kernels.decode_attention(module, q, k, v, mask, scaling=0.5)
+    monkeypatch.setattr(kernels, "FOLD_MAX_ROWS", 4)
+    got, _ = kernels.decode_attention(module, q, k, v, mask, scaling=0.5)
+    assert folded == [5] and got.shape == (2, 5, 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
