@@ -487,6 +487,7 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
     min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     if choice.kernel != "onednn":
         return handle
+
     def packable(m: nn.Linear) -> bool:
         return m.weight.device.type == "cpu" and m.weight.dtype == weight.dtype and m.weight.numel() >= min_elements
 

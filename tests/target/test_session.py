@@ -148,4 +148,3 @@ def test_forward_runs_in_inference_mode_and_the_cache_still_rolls_back(lm_exact)
     (aux @ weight).sum().backward()  # autograd may save it
     torch.testing.assert_close(weight.grad[:, 0], aux.sum(0))
     lm.reset()
-
