@@ -1,5 +1,5 @@
 """Does ``torch.compile`` (Inductor, C++ codegen) of the target's decode forward pay on a CPU, over the eager
-forward with linear weights packed for oneDNN (``draftkit.target.kernels``)? Issue 35.
+forward with linear weights packed for oneDNN (``draftkit.kernels``)? Issue 35.
 
 One forward over T new rows (T = 1: a plain decode step; 3 / 6: the verify of chain k = 2 / k = 5) on a cached
 context, then the cache cropped back, so every repeat runs the same shapes. Variants, alternating repeat by repeat:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftkit.artifacts import resolve_model_dir
     from draftkit.target.frozen import FrozenTarget
-    from draftkit.target.kernels import pack_linears
+    from draftkit.kernels.linears import pack_linears
     from draftkit.target.session import TargetSession
 
     torch.set_num_threads(args.threads)

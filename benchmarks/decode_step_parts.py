@@ -1,6 +1,6 @@
 """What each part of draftkit's decoding kernels buys a decode step (issue 35): fused sibling linears
-(``draftkit.target.kernels.FUSED_GROUPS``) and the grouped-query decode attention
-(``draftkit.target.kernels.decode_attention``), each switched off alone, and both off (linears still packed for
+(``draftkit.kernels.linears.FUSED_GROUPS``) and the grouped-query decode attention
+(``draftkit.kernels.decode_attention``), each switched off alone, and both off (linears still packed for
 oneDNN), in one process, the variants alternating run by run.
 
 Each run: a fresh ``TargetSession``, a prefill of ``--context`` tokens, then ``--tokens`` plain greedy steps (ms per
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    from draftkit.target import kernels
+    from draftkit.kernels import linears as kernels
     from draftkit.target.frozen import FrozenTarget, load_target
     from draftkit.target.session import TargetSession
 

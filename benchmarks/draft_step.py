@@ -1,5 +1,5 @@
 """What the draft round costs on a CPU, eager against ``torch.compile`` of the head's forward and against the head's
-linear weights packed for oneDNN (``draftkit.target.kernels.pack_linears``; issue 35 item 4).
+linear weights packed for oneDNN (``draftkit.kernels.linears.pack_linears``; issue 35 item 4).
 
 A round is ``Eagle3Drafter.propose`` for k = 2..5: the pending step-0 rows (2 per round here, a typical accepted
 count) through ``fc`` and the layer, then k - 1 one-row steps, over a draft KV cache of 300 rows (a 300-token
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftkit.decoding.drafters import Eagle3Drafter
     from draftkit.export.head_target import load_head_and_target
     from draftkit.sampling import DecodeConfig
-    from draftkit.target.kernels import pack_linears
+    from draftkit.kernels.linears import pack_linears
     from draftkit.target.session import TargetSession
 
     torch.set_num_threads(args.threads)

@@ -17,7 +17,7 @@ at 8): which source tensors produce the flips, and the 4-bit margin p_(1) - p_(2
 
 ``--kernels`` (auto, onednn, stock; default auto, as ``evaluate-dual-precision``) picks the linear kernels of the
 float ``nn.Linear`` left after quantization (the 16-bit LM head; nothing with ``--quantize_lm_head``), packed once
-per slicing's copy by ``draftkit.target.kernels.pack_linears``; each entry's ``kernels`` says which ran, why, and
+per slicing's copy by ``draftkit.kernels.linears.pack_linears``; each entry's ``kernels`` says which ran, why, and
 the packed copy's bytes. float32 logits agree with stock to 1e-5.
 
 Resumable: each finished (target, quantizer, group, slicing) entry is written to --output at once and skipped
@@ -64,7 +64,7 @@ from draftkit.quant import (
     nested_linears,
     set_precision,
 )
-from draftkit.target.kernels import KERNELS, pack_linears
+from draftkit.kernels.linears import KERNELS, pack_linears
 from draftkit.target.session import TargetSession
 
 TARGETS = {"smollm2": (SMOLLM2_REF, True), "gemma3": (GEMMA3_270M_REF, False)}  # (reference, chat template)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by_source", action="store_true", help="weight statistics and flips per GGML source type")
     p.add_argument("--bootstrap_samples", type=int, default=300)
     p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="linear kernels of the float layers left after quantization (draftkit.target.kernels)")
+                   help="linear kernels of the float layers left after quantization (draftkit.kernels)")
     p.add_argument("--output", type=str, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -6,7 +6,7 @@ Run by ``benchmarks/gpu_check.sh`` (which installs the wheels and runs the ``gpu
 
 Steps (each one a row of the table; a failing step prints its error and the others still run):
 
-1. ``attention``: the TTT attention (``heads.eagle3_llama.ttt_attention``) against the dense reference on CUDA
+1. ``attention``: the TTT attention (``kernels.ttt_attention.ttt_attention``) against the dense reference on CUDA
    at T = 2,048 and 4,096, 3 steps, SmolLM2's head shape (9 heads over 3, d 64), bf16: max |diff| of the
    output, peak memory and forward+backward ms of each.
 2. ``fit tiny``: ``recipes/tiny-debug.yaml`` on one GPU under DDP for ``--steps`` optimizer steps.

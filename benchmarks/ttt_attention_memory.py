@@ -7,9 +7,9 @@ it, so it counts what the attention allocates (scores, saved tensors, gradients)
 
 Shapes default to the SmolLM2-135M draft head (A = 9 heads, A_kv = 3, d = 64), B = 1, k = 3 TTT steps.
 
-Kernels: ``eager`` (the dense reference, :func:`draftkit.heads.eagle3_llama.ttt_attention_eager`, a (B, A, T, T)
+Kernels: ``eager`` (the dense reference, :func:`draftkit.kernels.ttt_attention.ttt_attention_eager`, a (B, A, T, T)
 tensor per step: what CUDA ran before issue 32), ``flash_cpu`` and ``chunked`` (the two causal kernels of
-:func:`draftkit.heads.eagle3_llama.ttt_attention`: the CPU flash kernel, and the device-agnostic query-chunked one
+:func:`draftkit.kernels.ttt_attention.ttt_attention`: the CPU flash kernel, and the device-agnostic query-chunked one
 that CUDA runs).
 
 Run:  python benchmarks/ttt_attention_memory.py [--t 512 1024 2048] [--kernels eager flash_cpu chunked] [--dtype float32]
@@ -25,7 +25,7 @@ import sys
 CHILD = r"""
 import json, math, resource, sys, time
 import torch
-from draftkit.heads import eagle3_llama as m
+from draftkit.kernels import ttt_attention as m
 kernel, t, steps, heads, kv_heads, d, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), getattr(torch, sys.argv[7])
 torch.manual_seed(0)
 b = 1

@@ -10,7 +10,7 @@ row by row, 4 take one GEMM). ``decoding.cost`` pads a verify up to the cheapest
 (``CostTable.cover``, ``TargetSession.pad_rows``) under ``evaluate --k auto`` / ``--tree auto``.
 
 ``--kernels stock onednn`` times each row count with the stock linear and with every linear weight packed
-for oneDNN (``draftkit.target.kernels``, issue 35; one model copy per kernel, alternating repeat by repeat),
+for oneDNN (``draftkit.kernels``, issue 35; one model copy per kernel, alternating repeat by repeat),
 and prints each row count's time as a ratio to the same kernel's one row and the packed / stock ratio, then a
 markdown table per attention and logits setting (ms min per verify, ratio to one row, packed / stock).
 
@@ -40,14 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--kernels", nargs="+", default=["stock"], choices=["stock", "onednn"])
     p.add_argument("--attn", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager", "draftkit_gqa"],
-                   help="draftkit_gqa: decoding's grouped-query attention (draftkit.target.kernels.decode_attention)")
+                   help="draftkit_gqa: decoding's grouped-query attention (draftkit.kernels.decode_attention)")
     p.add_argument("--logits", nargs="+", default=["all", "last"], choices=["all", "last"])
     p.add_argument("--clock", default="wall", choices=["wall", "process"])
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from draftkit.artifacts import resolve_model_dir
-    from draftkit.target.kernels import pack_linears, register_decode_attention
+    from draftkit.kernels.decode_attention import register_decode_attention
+    from draftkit.kernels.linears import pack_linears
 
     torch.set_num_threads(args.threads)
     register_decode_attention()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from draftkit.data.prompts import Prompt
-from draftkit.target import kernels
+from draftkit.kernels import linears as kernels
 
 needs_onednn = pytest.mark.skipif(not kernels._onednn_available(), reason="torch without oneDNN")
 

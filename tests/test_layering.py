@@ -4,9 +4,9 @@ A module may import only from its own floor or lower ones, lazy (function-level)
 nothing in ``draftkit/`` may import ``draftkit.callbacks``, and no two packages (``draftkit.X``) import each other,
 on one floor or not:
 
-1. selection, quant, jsonio, artifacts, testing, precision, strategy, sampling, attention, heads/eagle3_llama,
+1. selection, quant, jsonio, artifacts, testing, precision, strategy, sampling, kernels, heads/eagle3_llama,
    analysis/{cka, entropy, moments, subsets, token_entropy, plots}
-2. target, heads/checkpoint, data
+2. target, heads/checkpoint, data, kernels/{compile, option}
 3. decoding, dual_precision, export, analysis/{collect, report}
 4. models
 5. cli, callbacks (callbacks may import any of 1-4)
@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = {
     1: ["draftkit", "draftkit.selection", "draftkit.quant", "draftkit.jsonio", "draftkit.artifacts",
-        "draftkit.testing", "draftkit.precision", "draftkit.strategy", "draftkit.sampling", "draftkit.attention", "draftkit.heads", "draftkit.heads.eagle3_llama",
+        "draftkit.testing", "draftkit.precision", "draftkit.strategy", "draftkit.sampling", "draftkit.kernels",
+        "draftkit.heads", "draftkit.heads.eagle3_llama",
         "draftkit.analysis", "draftkit.analysis.cka", "draftkit.analysis.entropy", "draftkit.analysis.moments",
         "draftkit.analysis.subsets", "draftkit.analysis.token_entropy", "draftkit.analysis.plots"],
-    2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data"],
+    2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data", "draftkit.kernels.compile",
+        "draftkit.kernels.option"],
     3: ["draftkit.decoding", "draftkit.dual_precision", "draftkit.export", "draftkit.analysis.collect",
         "draftkit.analysis.report"],
     4: ["draftkit.models"],
@@ -105,6 +107,7 @@ def test_imports_stay_on_or_below_the_floor(name, path):
 def test_floor_rules_on_examples():
     assert floor_of("draftkit.analysis.cka") == 1 and floor_of("draftkit.analysis.collect") == 3
     assert floor_of("draftkit.heads.checkpoint") == 2 and floor_of("draftkit.heads.eagle3_llama") == 1
+    assert floor_of("draftkit.kernels.ttt_attention") == 1 and floor_of("draftkit.kernels.option") == 2
     assert floor_of("draftkit.decoding.tree") == 3 and floor_of("draftkit.commands.evaluate") == 6
     assert floor_of("draftkit.callbacks.export") == 5 and floor_of("draftkit") == 1
     with pytest.raises(KeyError, match="no floor"):

@@ -241,7 +241,7 @@ def decode(
         pattern: scripted accepted drafts per round, cycled (comma-separated, each in [0, k]).
         threads: torch CPU threads (default: torch's).
         output: also write the results (a JSON list, one entry per dtype) here.
-        kernels: the target's and the head's linear kernels (``draftkit.target.kernels``): auto, onednn, stock or
+        kernels: the target's and the head's linear kernels (``draftkit.kernels``): auto, onednn, stock or
             compiled (the target's decoder stack under ``torch.compile``, compiled before the timing starts); HF
             ``generate()`` runs on the same model, so both sides use them (``plain_vs_hf_generate``); when they
             packed the target, HF ``generate()`` is timed again on stock kernels afterwards
@@ -257,7 +257,7 @@ def decode(
     from draftkit.decoding.bench import bench_decode, time_hf_generate
     from draftkit.export.head_target import load_head_and_target
     from draftkit.precision import precision_record, resolve_dtype
-    from draftkit.target.kernels import pack_target_and_head
+    from draftkit.kernels.option import use_kernels
 
     if threads:
         torch.set_num_threads(threads)
@@ -272,11 +272,10 @@ def decode(
             random_weights=random_weights, draft_vocab_size=draft_vocab_size)
         prompts = _prompt_ids(tokenizer, num_prompts, frozen.vocab_size)
         t0 = time.perf_counter()
-        packed, packed_head = pack_target_and_head(frozen, head, kernels)
-        with packed, packed_head:
+        with use_kernels(kernels, frozen, head) as applied:
             result = bench_decode(frozen, tokenizer, head, prompts, k, max_new_tokens, counts)
-            result["kernels"] = packed.as_dict()  # before the release empties it
-            result["head_kernels"] = packed_head.as_dict()
+            result["kernels"] = applied.target.as_dict()  # before the release empties it
+            result["head_kernels"] = applied.head.as_dict()
         result["wall_s"] = time.perf_counter() - t0
         if result["kernels"]["packed_linears"]:  # HF generate() as its users run it: the same model, stock kernels
             hf, seconds = time_hf_generate(frozen.model, prompts, max_new_tokens)

@@ -76,7 +76,7 @@ def evaluate(
             ``greedy_equal`` there, its dtype and near ties. Speed is what users see in their fast dtype, where
             batched verification may round differently from one-row decoding; losslessness is a float32 property.
             At float32 the timed run's ``greedy_equal`` is the check.
-        kernels: the target's and the draft head's linear kernels (``draftkit.target.kernels``): auto
+        kernels: the target's and the draft head's linear kernels (``draftkit.kernels``): auto
             (prepacked oneDNN weights where a probe measures them faster on this CPU and dtype, else stock), onednn
             or stock, or compiled (the target's decoder stack under ``torch.compile``, the LM head and the draft
             head packed as auto decides; compiling takes minutes before the first prompt, never chosen by auto);
@@ -102,7 +102,7 @@ def evaluate(
     from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
     from draftkit.sampling import check_sampling
     from draftkit.decoding.tree import TreeConfig
-    from draftkit.target.kernels import pack_target_and_head
+    from draftkit.kernels.option import use_kernels
 
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
@@ -123,21 +123,19 @@ def evaluate(
         torch.set_num_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
     head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
-    packed, packed_head = pack_target_and_head(frozen, head, kernels)
-    report = evaluate_head(
-        head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
-        max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
-        prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
-        calibration_tokens=calibration_tokens, sweep=sweep_list, trained_length=meta.get("trained_length"),
-    )
+    with use_kernels(kernels, frozen, head) as applied:
+        report = evaluate_head(
+            head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
+            max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
+            prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
+            calibration_tokens=calibration_tokens, sweep=sweep_list, trained_length=meta.get("trained_length"),
+        )
+        kernels_record = {"kernels": applied.target.as_dict(), "head_kernels": applied.head.as_dict()}
     if not meta.get("trained_length"):
         log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
                  checkpoint)
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
-                           draft_dtype=draft_dtype, precision=precision, kernels=packed.as_dict(),
-                           head_kernels=packed_head.as_dict())
-    packed.release()
-    packed_head.release()
+                           draft_dtype=draft_dtype, precision=precision, **kernels_record)
     if lossless_check and baseline and temperature == 0:
         report["lossless"] = _lossless(report, checkpoint, target_ref, device, dtype, draft_dtype, prompt_list,
                                        max_new_tokens, seed, meta.get("chat_template"), kernels)
@@ -169,7 +167,7 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.tree import TreeConfig
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.target.kernels import pack_target_and_head
+    from draftkit.kernels.option import use_kernels
 
     def block(rep: dict, source: str) -> dict:
         entries = rep["sweep"] or [rep]
@@ -188,14 +186,10 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
     head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
-    packed, packed_head = pack_target_and_head(frozen, head, "auto" if kernels == "compiled" else kernels)
-    try:
+    with use_kernels("auto" if kernels == "compiled" else kernels, frozen, head):
         exact = evaluate_head(
             head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
             max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template, baseline=True,
             prompt_lookup=False, collect_kl=False, warmup=False, sweep=topologies[1:] or None,
         )
-    finally:
-        packed.release()
-        packed_head.release()
     return block(exact, "float32 pass")

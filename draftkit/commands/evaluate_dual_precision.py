@@ -100,7 +100,7 @@ def evaluate_dual_precision(
         record: per-prompt JSONL record; a rerun with the same options resumes from it (default: OUTPUT with
             .prompts.jsonl for .json when --output is given, else none).
         tensorboard: TensorBoard log directory.
-        kernels: linear kernels of the target's float layers (``draftkit.target.kernels``): auto (prepacked oneDNN
+        kernels: linear kernels of the target's float layers (``draftkit.kernels``): auto (prepacked oneDNN
             weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Only
             the ``nn.Linear`` left after quantization is packed (the 16-bit LM head, or nothing with
             ``--quantize_lm_head``); the ``NestedInt8Linear`` layers keep their own forward. Both precisions'
@@ -122,7 +122,8 @@ def evaluate_dual_precision(
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target
-    from draftkit.target.kernels import KERNELS, pack_linears
+    from draftkit.kernels.linears import KERNELS
+    from draftkit.kernels.option import use_kernels
     from draftkit.target.session import TargetSession
     from draftkit.target.tokens import stop_token_ids
 
@@ -130,8 +131,6 @@ def evaluate_dual_precision(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if template not in TEMPLATES:
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
-    if kernels not in KERNELS:
-        raise ValueError(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
@@ -165,7 +164,7 @@ def evaluate_dual_precision(
         lm = TargetSession.with_precision_switch(model, quant)
     except ValueError as err:
         raise ValueError(f"--target {target}: {err}") from err
-    packed = pack_linears(model, kernels)  # after quantizing: only the float linears left are packed
+    applied = use_kernels(kernels, model, options=KERNELS)  # after quantizing: only the float linears left are packed
     t_load = time.perf_counter() - t_load
     eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     chosen = resolve_template(template, tokenizer, target)
@@ -178,12 +177,12 @@ def evaluate_dual_precision(
         record = str(Path(output).with_suffix(".prompts.jsonl"))
     eval_ids = [encode_prompt(p, tokenizer, template) for p in evaluation]
     calib_ids = [encode_prompt(p, tokenizer, template) for p in calib]
-    with packed:
+    with applied:
         report = run(
             lm, eval_ids, calib_ids, config, eos, dp_report.answer_checker(tokenizer, evaluation), record=record,
             record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
         )
-        report["kernels"] = packed.as_dict()
+        report["kernels"] = applied.target.as_dict()
     report["target"] = target
     report["dtype"] = precision["dtype"]
     report["precision"] = precision

@@ -65,7 +65,7 @@ def generate(
         shard_size: conversations per shard (the unit of resume).
         split: datasets split of the source.
         overwrite: replace an existing output, or restart when <output>.parts was made with other settings.
-        kernels: the target's linear kernels (``draftkit.target.kernels``): auto (prepacked oneDNN weights where
+        kernels: the target's linear kernels (``draftkit.kernels``): auto (prepacked oneDNN weights where
             a probe measures them faster on this CPU and dtype, else stock), onednn or stock; the tokens, the
             header and its settings hash are the same either way.
 

@@ -343,7 +343,7 @@ def regenerate(
         batch_size: prompts decoded together (sequences).
         shard_size: conversations per shard (the unit of resume).
         overwrite: replace an existing output, or restart when ``<output>.parts`` was made with other settings.
-        kernels: the target's linear kernels (``draftkit.target.kernels.pack_linears``): auto (prepacked oneDNN
+        kernels: the target's linear kernels (``draftkit.kernels.linears.pack_linears``): auto (prepacked oneDNN
             weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Not a
             decode setting: the tokens are the same either way (float32 outputs agree to 1e-5), so it stays out
             of the header and its ``settings`` hash, and a run resumes shards made with the other kernels.
@@ -363,7 +363,8 @@ def regenerate(
     from draftkit.data.hidden_cache import config_fingerprint
     from draftkit.precision import default_device, resolve_dtype
     from draftkit.target.frozen import load_target
-    from draftkit.target.kernels import pack_linears
+    from draftkit.kernels.linears import KERNELS
+    from draftkit.kernels.option import use_kernels
     from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_identity
 
     if batch_size < 1 or shard_size < 1:
@@ -395,10 +396,9 @@ def regenerate(
     dtype = resolve_dtype(dtype, device, "--dtype")
     model, tokenizer = load_target(target, dtype)
     model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
-    # packed once, before anything is written; released after the last shard (on an error the model and its packed
-    # copy go together when regenerate leaves)
-    packed = pack_linears(model, kernels)
-    kernels_record = packed.as_dict()
+    # packed once, before anything is written; released after the last shard
+    applied = use_kernels(kernels, model, options=KERNELS)
+    kernels_record = applied.target.as_dict()
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
@@ -490,37 +490,37 @@ def regenerate(
         if _after_batch is not None:
             _after_batch()
 
-    for i, rows in enumerate(shards):
-        if done(i):
-            continue
-        items = [
-            _Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
-            for r in rows
-        ]
-        ts = time.perf_counter()
-        failed = _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
-        lines = [
-            json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
-                        "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
-            for w in items if w.failed is None
-        ]
-        check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
-        _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
-        checked[i] = True
-        index["shards"][str(i)] = {
-            "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
-            "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
-        }
-        write_json_atomic(index_path, index)
-        records_done += len(rows)
-        elapsed = time.perf_counter() - t0
-        rate = new_tokens / max(elapsed, 1e-9)
-        eta = elapsed / records_done * (todo_records - records_done)
-        log.info(
-            "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
-            i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
-        )
-    packed.release()
+    with applied:
+        for i, rows in enumerate(shards):
+            if done(i):
+                continue
+            items = [
+                _Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
+                for r in rows
+            ]
+            ts = time.perf_counter()
+            failed = _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
+            lines = [
+                json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
+                            "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
+                for w in items if w.failed is None
+            ]
+            check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
+            _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
+            checked[i] = True
+            index["shards"][str(i)] = {
+                "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
+                "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
+            }
+            write_json_atomic(index_path, index)
+            records_done += len(rows)
+            elapsed = time.perf_counter() - t0
+            rate = new_tokens / max(elapsed, 1e-9)
+            eta = elapsed / records_done * (todo_records - records_done)
+            log.info(
+                "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
+                i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
+            )
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]

@@ -223,7 +223,7 @@ class FrozenTarget(TargetFacts):
         self.num_layers = self.config.num_hidden_layers
         self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
         self._cache_kw = cache_kwarg(base.forward)
-        # decoding's compiled decoder forward (draftkit.target.kernels.compile_target), run under inference mode
+        # decoding's compiled decoder forward (draftkit.kernels.compile.compile_target), run under inference mode
         # only; None: eager
         self.compiled_forward = None
 

@@ -59,7 +59,7 @@ def test_bench_decode_packed_reports_what_it_packed_and_hf_generate_on_stock_ker
     import json
 
     from draftkit.artifacts import resolve_model_dir
-    from draftkit.target import kernels
+    from draftkit.kernels import linears as kernels
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)

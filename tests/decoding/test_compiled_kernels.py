@@ -15,7 +15,8 @@ from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
 from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.sampling import DecodeConfig
 from draftkit.target.frozen import FrozenTarget
-from draftkit.target.kernels import compile_target, pack_target_and_head
+from draftkit.kernels.compile import compile_target
+from draftkit.kernels.option import use_kernels
 from draftkit.target.session import TargetSession
 
 PROMPTS = [[256, 10, 72, 101, 108, 108, 111, 257, 10], [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8, 9, 10]]
@@ -117,11 +118,11 @@ def test_refused_while_a_parameter_requires_grad_and_released_to_eager(tiny_targ
         compile_target(target)
     assert target.compiled_forward is None
     with pytest.raises(ValueError, match="kernels must be one of auto, onednn, stock, compiled, got 'fast'"):
-        pack_target_and_head(target, torch.nn.Linear(2, 2), "fast")
+        use_kernels("fast", target, torch.nn.Linear(2, 2))
 
 
 def test_release_restores_eager(tiny_target_dir, monkeypatch):
-    from draftkit.target import kernels
+    from draftkit.kernels import compile as kernels
 
     target = _target(tiny_target_dir)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # compile nothing: only the handle's bookkeeping

@@ -358,7 +358,7 @@ def test_main_packs_the_target_and_the_head_with_the_same_results(tmp_path, ckpt
     draft head, reports both, and decodes as stock kernels do in float32: the same tau, acceptance per position
     and greedy_equal."""
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.target import kernels
+    from draftkit.kernels import linears as kernels
 
     monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)
     head, frozen, *_ = load_head_and_target(ckpt, None, "float32", "cpu")

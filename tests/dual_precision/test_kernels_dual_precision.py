@@ -15,7 +15,7 @@ from draftkit.dual_precision import Gate, greedy_decode, verified_decode
 from draftkit.quant import QuantConfig
 from draftkit.quant.linear import NestedInt8Linear
 from draftkit.sampling import DecodeConfig
-from draftkit.target import kernels
+from draftkit.kernels import linears as kernels
 from draftkit.target.session import TargetSession
 
 needs_onednn = pytest.mark.skipif(not kernels._onednn_available(), reason="torch without oneDNN")

@@ -67,8 +67,9 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     from draftkit.export.exporter import export_checkpoint
     from draftkit.export.load import load_exported_head, load_head
     from draftkit.target.frozen import FrozenTarget, load_target
-    from draftkit.target import kernels
-    from draftkit.target.kernels import DECODE_ATTENTION, pack_target_and_head
+    from draftkit.kernels import linears as kernels
+    from draftkit.kernels.decode_attention import DECODE_ATTENTION
+    from draftkit.kernels.option import use_kernels
 
     monkeypatch.chdir(REPO)
     override = tmp_path / "override.yaml"
@@ -107,8 +108,8 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
     # runs sdpa): the same acceptance, prompt by prompt
     own = model.config._attn_implementation  # eager for gemma2 (soft-capping) and gpt_oss (sinks)
     monkeypatch.setattr(kernels, "PACK_MIN_ELEMENTS", 0)  # pack even the tiny weights: fused q/k/v, gate/up
-    packed, packed_head = pack_target_and_head(target, head, "onednn" if kernels._onednn_available() else "auto")
-    with packed, packed_head:
+    with use_kernels("onednn" if kernels._onednn_available() else "auto", target, head) as applied:
+        packed = applied.target
         assert model.config._attn_implementation == (DECODE_ATTENTION if own == "sdpa" else own)
         # per layer: q/k/v and gate/up; MoE experts are no nn.Linear; DeepSeek's MLA has no q/k/v siblings
         assert packed.fused_groups == {"qwen3_moe": 8, "gpt_oss": 8, "deepseek_v3": 8}.get(family, 16)

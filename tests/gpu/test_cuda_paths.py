@@ -22,7 +22,7 @@ PROMPT = [256, 10, 72, 101, 108, 108, 111, 257, 10]
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t", [7, 300])
 def test_ttt_attention_on_cuda_equals_the_dense_reference(dtype, tol, t):
-    from draftkit.heads.eagle3_llama import ttt_attention, ttt_attention_eager
+    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager
 
     g = torch.Generator().manual_seed(0)
     b, heads, kv, d = 2, 4, 2, 64

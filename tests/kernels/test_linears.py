@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from draftkit.attention import grouped_query_attention
-from draftkit.target import kernels
-from draftkit.target.kernels import KernelChoice, auto_kernels, choose_kernels, pack_linears
+from draftkit.kernels import decode_attention as switch
+from draftkit.kernels import linears as kernels
+from draftkit.kernels.attention import grouped_query_attention
+from draftkit.kernels.linears import KernelChoice, auto_kernels, choose_kernels, pack_linears
 
 needs_onednn = pytest.mark.skipif(not kernels._onednn_available(), reason="torch without oneDNN")
 needs_bf16 = pytest.mark.skipif(not kernels._onednn_bf16(), reason="CPU without native oneDNN bf16")
@@ -55,7 +56,7 @@ def _greedy(model, ids, n):
 
 def test_choice_faked_both_ways(fake_probe, caplog):
     calls = fake_probe(0.5)
-    with caplog.at_level(logging.INFO, logger="draftkit.target.kernels"):
+    with caplog.at_level(logging.INFO, logger="draftkit.kernels.linears"):
         fast = auto_kernels("cpu", torch.float32)
         assert auto_kernels("cpu", "float32") is fast  # decided once per (device, dtype)
     assert (fast.kernel, fast.packed_ratio, calls) == ("onednn", 0.5, ["float32"])
@@ -267,10 +268,10 @@ def test_decode_attention_switches_folds_and_restores(tiny_target_dir, fake_prob
     target = FrozenTarget(model, aux_layer_ids=[1, 4, 6])
     want = _decode_logits(target)
     folded = []
-    monkeypatch.setattr(kernels, "grouped_query_attention",
+    monkeypatch.setattr(switch, "grouped_query_attention",
                         lambda *a, **kw: folded.append(a[0].shape) or grouped_query_attention(*a, **kw))
     with pack_linears(model, "auto") as handle:
-        assert not handle.active and model.config._attn_implementation == kernels.DECODE_ATTENTION
+        assert not handle.active and model.config._attn_implementation == switch.DECODE_ATTENTION
         assert handle.as_dict()["attention"] == "draftkit_gqa"
         got = _decode_logits(target)
     assert model.config._attn_implementation == "sdpa" and handle.as_dict()["attention"] is None
@@ -351,10 +352,10 @@ def test_decode_attention_leaves_long_masked_forwards_to_transformers(monkeypatc
     module = nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     folded = []
-    monkeypatch.setattr(kernels, "grouped_query_attention",
+    monkeypatch.setattr(switch, "grouped_query_attention",
                         lambda *a, **kw: folded.append(a[0].shape[2]) or grouped_query_attention(*a, **kw))
-    want, _ = kernels.decode_attention(module, q, k, v, mask, scaling=0.5)
-    monkeypatch.setattr(kernels, "FOLD_MAX_ROWS", 4)
-    got, _ = kernels.decode_attention(module, q, k, v, mask, scaling=0.5)
+    want, _ = switch.decode_attention(module, q, k, v, mask, scaling=0.5)
+    monkeypatch.setattr(switch, "FOLD_MAX_ROWS", 4)
+    got, _ = switch.decode_attention(module, q, k, v, mask, scaling=0.5)
     assert folded == [5] and got.shape == (2, 5, 4, 8)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

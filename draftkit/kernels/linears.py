@@ -31,8 +31,8 @@ weight (SmolLM2-135M: 538 MB in float32, 269 MB in bfloat16, its tied 49152 x 57
 :meth:`PackedLinears.release` (or leaving the ``with`` block) drops it and restores the stock forward.
 
 The same handle also switches a Hugging Face target's attention from transformers' ``sdpa`` to
-:data:`DECODE_ATTENTION` (:func:`decode_attention`: grouped-query attention without key/value copies,
-:mod:`draftkit.attention`) for every kernel option but ``stock``, on any device; release restores ``sdpa``.
+:data:`DECODE_ATTENTION` (:mod:`draftkit.kernels.decode_attention`: grouped-query attention without
+key/value copies) for every kernel option but ``stock``, on any device; release restores ``sdpa``.
 
 Shapes: M rows (tokens), K in features, N out features.
 """
@@ -49,24 +49,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftkit.attention import grouped_query_attention
+from draftkit.kernels.decode_attention import DECODE_ATTENTION, register_decode_attention
 
 __all__ = [
-    "CompiledTarget",
-    "DECODE_ATTENTION",
-    "DECODE_KERNELS",
     "FUSED_GROUPS",
     "KERNELS",
     "KernelChoice",
     "PackedLinears",
     "auto_kernels",
+    "check_kernels",
     "choose_kernels",
-    "compile_target",
-    "decode_attention",
     "pack_linears",
-    "pack_target_and_head",
     "probe_packed_ratio",
-    "register_decode_attention",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,6 +81,21 @@ PACK_MIN_ELEMENTS = 2**16
 """Weights with fewer elements stay stock: oneDNN's fixed cost per call (~18 us against ~5 us for ``F.linear``
 on one AVX512 core) outweighs the gain (the tiny test target's 8-layer forward took 1.5-1.7x its stock time
 packed). SmolLM2-135M's smallest, a 192 x 576 K/V projection, has 110592."""
+
+def check_kernels(kernels: str, options: tuple[str, ...] = KERNELS) -> None:
+    """The one check of a ``--kernels`` value.
+
+    Args:
+        kernels: the value given.
+        options: the values the caller takes (:data:`KERNELS`, or the decoding verbs'
+            :data:`~draftkit.kernels.option.DECODE_KERNELS`).
+
+    Raises:
+        ValueError: naming ``--kernels`` and its options when ``kernels`` is not one of them.
+    """
+    if kernels not in options:
+        raise ValueError(f"--kernels must be one of {', '.join(options)}, got {kernels!r}")
+
 
 _ATTR = "_draftkit_packed"
 """Attribute of a packed model holding its :class:`PackedLinears`."""
@@ -230,62 +239,6 @@ def auto_kernels(device: str | torch.device, dtype: str | torch.dtype) -> Kernel
         dtype: compute dtype (name or torch dtype).
     """
     return _decide(torch.device(device).type, _dtype_name(dtype))
-
-
-DECODE_ATTENTION = "draftkit_gqa"
-"""The name :func:`decode_attention` is registered under in transformers' ``AttentionInterface`` (its masks are
-``sdpa``'s)."""
-
-FOLD_MAX_ROWS = 128
-"""Forwards of more rows (a prefill with a padding mask) stay on transformers' ``sdpa``: folding repeats the
-(B, 1, T, S) mask g times, which for long prompts costs more than ``repeat_kv``'s key/value copies (g*B*T*S mask
-entries against 2*B*A*S*d key/value entries). Decoding's steps, verifies and trees are far below it."""
-
-_UNFOLDED = ("softcap", "s_aux", "position_bias")
-"""Attention kwargs that change the math (Gemma 2's logit soft-capping, GPT-OSS's sinks, T5-style biases):
-:func:`decode_attention` leaves those calls to transformers' ``sdpa``."""
-
-
-def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Transformers attention-interface function (registered as :data:`DECODE_ATTENTION`): SDPA with the query
-    groups folded into rows (:func:`draftkit.attention.grouped_query_attention`) wherever a forward has a mask
-    or one row and at most :data:`FOLD_MAX_ROWS` rows, i.e. every decode step, verify and tree verify;
-    transformers' own ``integrations.sdpa_attention.sdpa_attention_forward`` otherwise (a prefill without a mask
-    relies on its causal flag; a long masked prefill; no grouped-query heads; dropout; the kwargs in
-    ``_UNFOLDED``).
-
-    Args:
-        module: the attention layer.
-        query: (B, A, T, d); key: (B, A_kv, S, d); value: (B, A_kv, S, d_v).
-        attention_mask: None or (B|1, 1, T, S) bool or additive, from transformers' ``sdpa_mask`` or the caller.
-        dropout, scaling, is_causal: as transformers' ``sdpa_attention_forward``.
-
-    Returns:
-        ((B, T, A, d_v) attention output, None), as every transformers attention function.
-    """
-    t = query.shape[2]
-    mask = attention_mask
-    folded = (key.shape[1] < query.shape[1] and not dropout and (mask is not None or t == 1) and t <= FOLD_MAX_ROWS
-              and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[-1] == key.shape[2]))
-              and all(kwargs.get(name) is None for name in _UNFOLDED))
-    if not folded:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    return grouped_query_attention(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def register_decode_attention() -> None:
-    """Register :func:`decode_attention` in transformers' attention and mask interfaces as :data:`DECODE_ATTENTION`
-    (once per process), so that ``model.set_attn_implementation(DECODE_ATTENTION)`` selects it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
 @dataclass
@@ -453,8 +406,7 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
         ValueError: on another ``kernel``; when a linear weight or bias requires grad (packed weights have no
             backward: freeze the model first); on ``onednn`` for a CPU dtype oneDNN cannot pack here.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    check_kernels(kernel)
     existing = getattr(model, _ATTR, None)
     if existing is not None and existing.active:
         return existing
@@ -509,157 +461,3 @@ def pack_linears(model: nn.Module, kernel: str = "auto", min_elements: int | Non
     log.info("kernels: %d linear weights packed for oneDNN (%.1f MB copy; %s)",
              len(handle.modules), handle.packed_bytes / 1e6, choice.reason)
     return handle
-
-
-DECODE_KERNELS = KERNELS + ("compiled",)
-"""Kernel options of the decoding commands (``evaluate``, ``bench decode``): :data:`KERNELS` plus ``compiled``
-(:func:`compile_target`; never chosen by ``auto``)."""
-
-
-@dataclass
-class CompiledTarget:
-    """A target whose decoder stack runs ``torch.compile``'d for decoding (a handle, like :class:`PackedLinears`).
-
-    Attributes:
-        choice: the kernel record (``kernel`` = ``compiled``).
-        lm_head: the target's LM head packed by the ``auto`` decision (it runs outside the compiled graph); the
-            handle also holds the target's switch to :data:`DECODE_ATTENTION`.
-        compile_s: wall seconds the warm-up compile took (every graph decoding uses: prefill, one row, verify,
-            tree verify).
-        graphs: graphs compiled in the warm-up.
-    """
-
-    choice: KernelChoice
-    lm_head: PackedLinears
-    compile_s: float = 0.0
-    graphs: int = 0
-    target: nn.Module | None = field(default=None, repr=False)
-
-    @property
-    def active(self) -> bool:
-        """Whether the compiled forward is in use."""
-        return self.target is not None
-
-    def release(self) -> None:
-        """Back to the eager forward; drops the compiled graphs (``torch._dynamo.reset``, which also frees the
-        frozen weight copies Inductor holds) and the LM head's packed copy (idempotent)."""
-        if self.target is not None:
-            self.target.compiled_forward = None
-            self.target = None
-            torch._dynamo.reset()
-        self.lm_head.release()
-
-    def __enter__(self) -> CompiledTarget:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def as_dict(self) -> dict:
-        """The report entry: :meth:`PackedLinears.as_dict`'s keys (of the packed LM head) plus ``compile_s`` and
-        ``graphs``, ``kernel`` = ``compiled``."""
-        return {**self.lm_head.as_dict(), "kernel": "compiled", "reason": self.choice.reason,
-                "compile_s": self.compile_s, "graphs": self.graphs}
-
-
-def compile_target(target: nn.Module) -> CompiledTarget:
-    """Decode with the target's decoder stack compiled by ``torch.compile`` (Inductor), then warm it up.
-
-    The base model's ``forward`` is compiled with dynamic shapes (rows and cache length symbolic, one row
-    specialised) and, on a CPU, Inductor's ``freezing`` (the weights become constants that Inductor packs for
-    oneDNN itself: a second copy of the decoder weights while it is on). :class:`~draftkit.target.frozen.FrozenTarget`
-    then runs it in every forward under inference mode (decoding's :class:`~draftkit.target.session.TargetSession`
-    runs there), reading the aux states from the returned ``hidden_states`` (the same tensors its layer hooks
-    capture; hooks would recompile); any other forward (training's, under ``no_grad``) keeps the eager path, so
-    training never runs it. The LM head stays eager, packed by the ``auto`` decision (:func:`pack_linears`).
-
-    The warm-up decodes a few random tokens through every shape class decoding uses (a prefill on an empty
-    cache, one row, several rows, several rows with tree position ids and a 4-D mask), so that compiling
-    happens here, logged with its time, and not inside a timed run. The graphs are those of torch's thread
-    count at this call (Dynamo guards on it): set ``torch.set_num_threads`` first, as ``evaluate`` and
-    ``bench decode`` do; a later change recompiles every shape class. On SmolLM2-135M (2 AVX512 cores) the
-    compiled step took 0.69-0.80x the packed eager one on one loaded thread, but on two idle threads plain
-    decoding ran at 0.83x (bf16) / 0.62x (float32) the packed eager speed, and compiling took 2.5-10 minutes per
-    process and dtype (benchmarks/README.md, issue 35): measure before using it; ``auto`` never picks it.
-
-    Args:
-        target: a :class:`~draftkit.target.frozen.FrozenTarget`.
-
-    Returns:
-        :class:`CompiledTarget` (release it when decoding ends).
-
-    Raises:
-        ValueError: when a target parameter requires grad (the frozen constants would go stale under training).
-    """
-    from draftkit.target.session import TargetSession
-
-    trainable = next((name for name, p in target.model.named_parameters() if p.requires_grad), None)
-    if trainable is not None:
-        raise ValueError(f"kernels=compiled: target parameter {trainable} requires grad; compile only a frozen "
-                         "target for inference (model.requires_grad_(False))")
-    weight = target.input_embeddings()
-    device, dtype = weight.device.type, _dtype_name(weight.dtype)
-    lm_head = pack_linears(target.model.get_output_embeddings(), "auto")
-    lm_head.use_decode_attention(target.model)
-    options = {"freezing": True} if device == "cpu" else {}
-    target.compiled_forward = torch.compile(target.base.forward, dynamic=True, options=options)
-    choice = KernelChoice(device, dtype, "compiled", f"{device} {dtype}: kernels=compiled requested -> the decoder "
-                          f"stack compiled by torch.compile{' (freezing)' if options else ''}, LM head "
-                          f"{lm_head.choice.kernel}")
-    handle = CompiledTarget(choice, lm_head, target=target)
-    log.info("kernels compiled: compiling the target's decoder forward for decoding (once per process and dtype; "
-             "minutes on a CPU) ...")
-    graphs0 = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    t0 = time.perf_counter()
-    session = TargetSession(target)
-    dev = session.device
-    ids = torch.arange(12, device=dev) % min(int(target.vocab_size), 1000)
-    # a 3-node tree after 10 cached positions: root, its child, a sibling of the child
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=dev)
-    tree_mask = torch.cat([torch.ones(3, 10, dtype=torch.bool, device=dev), tree], 1)  # (3, 10+3)
-    # decoding's order: prefill, plain steps, a chain verify and its rollback, a tree verify and its accepted
-    # path; the rollbacks leave the cache as decoding does (contiguous inference tensors, TargetSession.crop/keep)
-    for what, run in (
-        ("prefill", lambda: session.forward(ids[:8], logits_to_keep=1)),
-        ("1 row", lambda: session.forward(ids[8:9])),
-        ("3 rows", lambda: (session.forward(ids[9:12]), session.crop(10))),
-        ("tree verify", lambda: (session.forward(
-            ids[:3], position_ids=torch.tensor([10, 11, 11], device=dev), attn_mask=tree_mask),
-            session.keep(torch.tensor([*range(10), 10, 12], device=dev)), session.forward(ids[3:6]))),
-    ):
-        t = time.perf_counter()
-        run()
-        log.info("kernels compiled: %s graph ready (%.1f s)", what, time.perf_counter() - t)
-    handle.compile_s = time.perf_counter() - t0
-    handle.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs0
-    log.info("kernels compiled: %d graphs in %.1f s (%s)", handle.graphs, handle.compile_s, choice.reason)
-    return handle
-
-
-def pack_target_and_head(target: nn.Module, head: nn.Module, kernel: str = "auto") -> tuple:
-    """The decoding kernels of a loaded target and a draft head, each by its own device and dtype (the head is
-    frozen first: ``requires_grad_(False)``): :func:`pack_linears` over both, or with ``kernel`` = ``compiled``
-    :func:`compile_target` for the target and the ``auto`` packing for the head.
-
-    A packed head costs 0.68-0.87x the eager draft round on an AVX512 CPU; ``torch.compile`` of the head step
-    saved at most 5 % there, so the head is never compiled (benchmarks/README.md, issue 35).
-
-    Args:
-        target: a :class:`~draftkit.target.frozen.FrozenTarget`.
-        head: the draft head.
-        kernel: one of :data:`DECODE_KERNELS`.
-
-    Returns:
-        (target handle, head handle): :class:`PackedLinears` or :class:`CompiledTarget`, and :class:`PackedLinears`;
-        release both when decoding ends (or use them as context managers).
-
-    Raises:
-        ValueError: on a ``kernel`` outside :data:`DECODE_KERNELS`; as :func:`pack_linears` and
-            :func:`compile_target` (a target weight that requires grad).
-    """
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernels must be one of {', '.join(DECODE_KERNELS)}, got {kernel!r}")
-    head = head.requires_grad_(False)
-    if kernel == "compiled":
-        return compile_target(target), pack_linears(head, "auto")
-    return pack_linears(target.model, kernel), pack_linears(head, kernel)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftkit.heads import eagle3_llama
-from draftkit.heads.eagle3_llama import CAUSAL_KERNELS, ttt_attention, ttt_attention_eager
+from draftkit.kernels import ttt_attention as ttt_kernels
+from draftkit.kernels.ttt_attention import CAUSAL_KERNELS, ttt_attention, ttt_attention_eager
 
 PADDINGS = ("none", "right", "left", "holes")
 
@@ -46,7 +46,7 @@ def _value_and_grads(attend, q, cache, mask, weight, scale):
 @pytest.mark.parametrize("t", [1, 7, 64, 200])
 def test_equals_dense_reference_in_value_and_gradient(kernel, padding, t, monkeypatch):
     """float32, B=2, 4 heads over 2 kv heads, every TTT step up to k = 3; 64-row query blocks (T=200: 4 blocks)."""
-    monkeypatch.setattr(eagle3_llama, "CAUSAL_CHUNK", 64)
+    monkeypatch.setattr(ttt_kernels, "CAUSAL_CHUNK", 64)
     b, heads, kv_heads, d = 2, 4, 2, 16
     mask = _mask(b, t, padding)
     if padding != "none" and t > 1:
@@ -66,7 +66,7 @@ def test_equals_dense_reference_in_value_and_gradient(kernel, padding, t, monkey
 @pytest.mark.parametrize("kernel", sorted(CAUSAL_KERNELS))
 def test_gradcheck_float64(kernel, monkeypatch):
     """Analytic gradients of the custom backward equal finite differences (float64, left padding, 3 blocks)."""
-    monkeypatch.setattr(eagle3_llama, "CAUSAL_CHUNK", 2)
+    monkeypatch.setattr(ttt_kernels, "CAUSAL_CHUNK", 2)
     b, heads, kv_heads, t, d = 2, 2, 1, 5, 3
     mask = _mask(b, t, "left")
     q, cache = _inputs(b, heads, kv_heads, t, d, 3, torch.float64)
@@ -119,4 +119,4 @@ def test_no_dense_scores_at_any_step(kernel):
             loss.backward()
         sizes[name] = mode.largest
     assert sizes["eager"] >= b * heads * t * t
-    assert sizes[kernel] <= b * heads * t * eagle3_llama.CAUSAL_CHUNK
+    assert sizes[kernel] <= b * heads * t * ttt_kernels.CAUSAL_CHUNK

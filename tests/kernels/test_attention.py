@@ -1,4 +1,4 @@
-"""draftkit.attention: grouped-query attention with the query groups folded into rows, against a plain
+"""draftkit.kernels.attention: grouped-query attention with the query groups folded into rows, against a plain
 reference (keys and values repeated per query head, softmax written out)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from draftkit.attention import grouped_query_attention
+from draftkit.kernels.attention import grouped_query_attention
 
 
 def _reference(q, k, v, allowed=None, additive=None, scale=None):

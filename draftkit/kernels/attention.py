@@ -1,5 +1,5 @@
 """Grouped-query attention for a few query rows without copying keys and values: the decode-time attention
-of the target (through transformers' attention interface, :mod:`draftkit.target.kernels`) and of the draft head.
+of the target (through transformers' attention interface, :mod:`draftkit.kernels.decode_attention`) and of the draft head.
 
 Grouped-query attention (GQA) shares each key/value head among g = A / A_kv query heads. Transformers' SDPA
 path either passes ``enable_gqa=True`` (no mask) or copies every key and value head g times (``repeat_kv``,
