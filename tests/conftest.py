@@ -14,23 +14,6 @@ from draftkit.testing import build_tiny_target, tiny_llama_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def benchmark_module():
-    """``load(name)`` imports ``benchmarks/<name>.py`` (not a package) as a module, registered in ``sys.modules``
-    (dataclasses resolve annotations through it)."""
-    import importlib.util
-    import sys
-
-    def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-    return load
-
-
 def pytest_report_header(config) -> str:
     """The precision policy's choice on this machine: the ``slow`` tests on the real SmolLM2 run in it."""
     choice = precision.auto_precision("cpu")

@@ -5,14 +5,8 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tiny_target_dir):
-    """The shared seeded tiny Llama of tests/conftest.py."""
-    return tiny_target_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tiny_llama_dir):
-    """(model fp32 eval, tokenizer) of :func:`tiny_llama_dir`."""
+def tiny_llama(tiny_target_dir):
+    """(model fp32 eval, tokenizer) of :func:`tiny_target_dir`."""
     from draftkit.target.frozen import load_target
 
-    return load_target(str(tiny_llama_dir), "float32")
+    return load_target(str(tiny_target_dir), "float32")

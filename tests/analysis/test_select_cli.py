@@ -37,9 +37,9 @@ def _args(target, data, out, *extra):
             "--batch_size", "4", "--max_length", "256", "--analysis.rerank_top", "4", *extra]
 
 
-def test_cli_writes_report_figures_and_tensorboard(tiny_llama_dir, chat_jsonl, tmp_path, capsys):
+def test_cli_writes_report_figures_and_tensorboard(tiny_target_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "run" / "layers.json"
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.entropy_quantile", "0.2", "--analysis.entropy_sweep", "[0.5]",
+    assert main(_args(tiny_target_dir, chat_jsonl, out, "--analysis.entropy_quantile", "0.2", "--analysis.entropy_sweep", "[0.5]",
                       "--extra_sets", "[[1,2,3]]")) == 0
     report = json.loads(out.read_text())
     assert REPORT_KEYS <= set(report)
@@ -63,10 +63,10 @@ def test_cli_writes_report_figures_and_tensorboard(tiny_llama_dir, chat_jsonl, t
     assert "select-layers: chosen" in capsys.readouterr().out
 
 
-def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl, tmp_path):
+def test_cli_recipe_supplies_target_data_and_options(tiny_target_dir, chat_jsonl, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
-        f"model:\n  target: {tiny_llama_dir}\n  target_dtype: float32\ndata:\n  path: {chat_jsonl}\n  max_length: 256\n"
+        f"model:\n  target: {tiny_target_dir}\n  target_dtype: float32\ndata:\n  path: {chat_jsonl}\n  max_length: 256\n"
         "trainer:\n  callbacks:\n    - class_path: draftkit.callbacks.layer_selection.LayerSelection\n"
         "      init_args: {num_tokens: 500, k: 2, options: {min_tokens: 16, cka: minibatch, cka_batch_size: 64}}\n"
     )
@@ -80,11 +80,11 @@ def test_cli_recipe_supplies_target_data_and_options(tiny_llama_dir, chat_jsonl,
     assert report["meta"]["precision"]["requested"] == "float32" and report["meta"]["precision"]["dtype"] == "float32"
 
 
-def test_cli_bad_input_writes_nothing(tiny_llama_dir, chat_jsonl, tmp_path, capsys):
+def test_cli_bad_input_writes_nothing(tiny_target_dir, chat_jsonl, tmp_path, capsys):
     out = tmp_path / "bad" / "layers.json"
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.entropy_threshold", "50", "--tensorboard", "false")) == 2
+    assert main(_args(tiny_target_dir, chat_jsonl, out, "--analysis.entropy_threshold", "50", "--tensorboard", "false")) == 2
     assert re.search(r"only \d+ rows are left after filtering.*lower entropy_threshold \(now 50.0", capsys.readouterr().err)
     assert not out.exists() and not out.with_name("layers_cka.png").exists()
-    assert main(_args(tiny_llama_dir, chat_jsonl, out, "--analysis.k", "8", "--tensorboard", "false")) == 2
+    assert main(_args(tiny_target_dir, chat_jsonl, out, "--analysis.k", "8", "--tensorboard", "false")) == 2
     assert "--analysis.k 8 exceeds the 7 candidate layers" in capsys.readouterr().err
     assert not out.exists()

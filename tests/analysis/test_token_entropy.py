@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from draftkit.analysis.token_entropy import entropy_filter_weights, quantile_threshold, shift_keys, token_entropy
+from draftkit.analysis.token_entropy import (
+    _check_filter_args,
+    entropy_filter_weights,
+    quantile_threshold,
+    shift_keys,
+    token_entropy,
+)
 
 H = torch.tensor([[0.1, 2.0, 0.3, 1.5, 0.05, 3.0]])
 MASK = torch.tensor([[0, 1, 1, 1, 1, 1]])
@@ -88,3 +94,14 @@ def test_filter_bad_arguments(kwargs, match):
 def test_filter_shape_mismatch():
     with pytest.raises(ValueError, match="matching mask"):
         entropy_filter_weights(torch.zeros(1, 5), MASK, "drop", threshold=1.0)
+
+
+# The quantile's closed lower bound (issue 36).
+
+
+def test_quantile_zero_is_allowed_and_one_is_not():
+    _check_filter_args("drop", None, 0.0)  # [0, 1): 0 keeps every position
+    with pytest.raises(ValueError, match=r"quantile must be in \[0, 1\)"):
+        _check_filter_args("drop", None, 1.0)
+    with pytest.raises(ValueError, match=r"quantile must be in \[0, 1\)"):
+        _check_filter_args("drop", None, -0.1)

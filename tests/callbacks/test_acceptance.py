@@ -12,14 +12,14 @@ from lightning.pytorch.loggers import CSVLogger
 from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import evaluate_head
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 
 
 @pytest.fixture(scope="module")
-def tiny_parts(tmp_path_factory):
+def tiny_parts(tiny_target_dir):
     from draftkit.target.frozen import FrozenTarget, load_target
-    from draftkit.testing import build_tiny_target
 
-    model, tokenizer = load_target(str(build_tiny_target(tmp_path_factory.mktemp("acc") / "tiny")), "float32")
+    model, tokenizer = load_target(str(tiny_target_dir), "float32")
     return FrozenTarget(model, None), tokenizer
 
 
@@ -105,3 +105,43 @@ def test_every_n_train_steps(tmp_path, tiny_parts, prompts):
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="AcceptanceLengthMonitor"):
         AcceptanceLengthMonitor(**kwargs)
+
+
+# AcceptanceLengthMonitor logs the per-position distribution metrics of its report; callback defaults (issue 36).
+
+
+def test_acceptance_monitor_logs_distribution_metrics_per_position(tmp_path, tiny_parts):
+    module = TinyModule(*tiny_parts)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc abc abc"}) + "\n")
+    monitor = AcceptanceLengthMonitor(every_n_train_steps=1, num_prompts=1, k=2, max_new_tokens=4, prompts=str(prompts))
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, limit_val_batches=0, logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[monitor])
+    trainer.fit(module)
+    expected = evaluate_head(module.head, module.target, module.tokenizer, load_prompts(str(prompts), 1), k=2,
+                             max_new_tokens=4, baseline=False, prompt_lookup=False, warmup=False)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/accept_len")]
+    assert len(rows) == 1
+    logged = {name: float(v) for name, v in rows[0].items() if v}
+    want = {f"val/{name}_pos{i}": x for name in DISTRIBUTION_METRICS
+            for i, x in enumerate(expected[f"{name}_per_position"], 1) if x is not None}
+    assert len(want) == 2 * len(DISTRIBUTION_METRICS)  # k = 2 positions, each metric measured at both
+    assert {name: logged[name] for name in want} == pytest.approx(want, abs=1e-6)
+
+
+def test_documented_defaults_and_the_k_boundary():
+    """``draftkit.callbacks.acceptance`` / ``draftkit.callbacks.export``: the defaults that change what is
+    measured or written, and k = 1 (the boundary of ``k < 1``) accepted, 0 refused."""
+    from draftkit.callbacks.export import ExportOnCheckpoint
+
+    m = AcceptanceLengthMonitor()
+    assert (m.every_n_validations, m.every_n_train_steps, m.num_prompts, m.k, m.max_new_tokens, m.temperature,
+            m.prompts, m.seed) == (1, None, 8, 5, 64, 0.0, "mt-bench", 0)
+    e = ExportOnCheckpoint()
+    assert (e.engines, e.dirpath, e.checkpoint, e.dtype, e.num_speculative_tokens, e.overwrite) == (
+        ["vllm"], None, "final", "bfloat16", 3, True)
+    assert ExportOnCheckpoint(num_speculative_tokens=1).num_speculative_tokens == 1
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+        ExportOnCheckpoint(num_speculative_tokens=0)

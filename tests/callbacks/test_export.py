@@ -11,20 +11,11 @@ from draftkit.callbacks.export import ExportOnCheckpoint
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig
 
 from draftkit.export import load_exported_head
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead, KVCache
 from draftkit.selection.vocab import VocabMap
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("target")
-    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
-    return str(path)
 
 
 class TinyHeadModule(LightningModule):
@@ -71,9 +62,9 @@ def _logits(head, seed=1):
         return head(ids, head.project(aux), torch.arange(5)[None], cache=KVCache())[0]
 
 
-def test_exports_final_weights_at_fit_end(tiny_target, tmp_path):
+def test_exports_final_weights_at_fit_end(tiny_target_dir, tmp_path):
     torch.set_num_threads(1)
-    module = TinyHeadModule(tiny_target)
+    module = TinyHeadModule(tiny_target_dir)
     before = module.head.fc.weight.detach().clone()
     cb = ExportOnCheckpoint(engines=["vllm", "sglang"], dtype="float32")
     trainer = Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_checkpointing=False,
@@ -91,9 +82,9 @@ def test_exports_final_weights_at_fit_end(tiny_target, tmp_path):
         torch.testing.assert_close(_logits(loaded), _logits(module.head.eval()), atol=1e-5, rtol=0)
 
 
-def test_exports_last_checkpoint_into_dirpath(tiny_target, tmp_path):
+def test_exports_last_checkpoint_into_dirpath(tiny_target_dir, tmp_path):
     torch.set_num_threads(1)
-    module = TinyHeadModule(tiny_target)
+    module = TinyHeadModule(tiny_target_dir)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     cb = ExportOnCheckpoint(engines=["speculators"], dirpath=str(tmp_path / "out"), checkpoint="last")
     trainer = Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,

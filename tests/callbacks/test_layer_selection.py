@@ -6,7 +6,7 @@ import random
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -20,13 +20,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from draftkit.testing import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("layer_selection") / "tiny-llama", seed=0)
 
 
 class StubModule(pl.LightningModule):
@@ -89,8 +82,8 @@ def _callback(**kw):
     return LayerSelection(num_tokens=kw.pop("num_tokens", 1500), k=kw.pop("k", 3), options=options, **kw)
 
 
-def test_chooses_before_the_head_is_built(tiny_dir, tmp_path):
-    module = StubModule(str(tiny_dir))
+def test_chooses_before_the_head_is_built(tiny_target_dir, tmp_path):
+    module = StubModule(str(tiny_target_dir))
     callback = _callback(entropy_quantile=0.25)
     _trainer(tmp_path, callback).fit(module, datamodule=RandomChat())
     report = json.loads((tmp_path / "analysis" / "layers.json").read_text())
@@ -104,7 +97,7 @@ def test_chooses_before_the_head_is_built(tiny_dir, tmp_path):
     assert sum(len(layer._forward_hooks) for layer in model.model.layers) == 0
 
 
-def test_resumed_run_reuses_the_report(tiny_dir, tmp_path, monkeypatch):
+def test_resumed_run_reuses_the_report(tiny_target_dir, tmp_path, monkeypatch):
     (tmp_path / "analysis").mkdir()
     (tmp_path / "analysis" / "layers.json").write_text(json.dumps({"chosen": [1, 3, 6]}))
 
@@ -112,23 +105,23 @@ def test_resumed_run_reuses_the_report(tiny_dir, tmp_path, monkeypatch):
         raise AssertionError("the analysis must not run again")
 
     monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", boom)
-    module = StubModule(str(tiny_dir), aux_layer_ids=[2, 4, 5])
+    module = StubModule(str(tiny_target_dir), aux_layer_ids=[2, 4, 5])
     _trainer(tmp_path, _callback()).fit(module, datamodule=RandomChat())
     assert module.built_with == [1, 3, 6]
 
 
-def test_bad_options_and_a_bad_report(tiny_dir, tmp_path):
+def test_bad_options_and_a_bad_report(tiny_target_dir, tmp_path):
     with pytest.raises(ValueError, match="at most one"):
         LayerSelection(entropy_quantile=0.5, entropy_threshold=1.0)
     (tmp_path / "analysis").mkdir()
     (tmp_path / "analysis" / "layers.json").write_text(json.dumps({"chosen": [2, 2, 5]}))
     with pytest.raises(ValueError, match="repeats a layer"):
-        _trainer(tmp_path, _callback()).fit(StubModule(str(tiny_dir)), datamodule=RandomChat())
+        _trainer(tmp_path, _callback()).fit(StubModule(str(tiny_target_dir)), datamodule=RandomChat())
     with pytest.raises(ValueError, match="k=8 exceeds the 7 candidate layers"):
-        _trainer(tmp_path / "other", _callback(k=8)).fit(StubModule(str(tiny_dir)), datamodule=RandomChat())
+        _trainer(tmp_path / "other", _callback(k=8)).fit(StubModule(str(tiny_target_dir)), datamodule=RandomChat())
 
 
-def test_with_the_eagle3_module_and_chat_datamodule(tiny_dir, tmp_path, monkeypatch):
+def test_with_the_eagle3_module_and_chat_datamodule(tiny_target_dir, tmp_path, monkeypatch):
     """Integration with the lead's Eagle3Module / ChatDataModule hook points (skipped if they are absent)."""
     eagle3 = pytest.importorskip("draftkit.models.eagle3")
     module_mod = pytest.importorskip("draftkit.data.datamodule")
@@ -139,12 +132,39 @@ def test_with_the_eagle3_module_and_chat_datamodule(tiny_dir, tmp_path, monkeypa
     data.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": " ".join(rng.choices(words, k=5))},
         {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 25)))}]}) + "\n" for _ in range(40)))
-    model = eagle3.Eagle3Module(target=str(tiny_dir), target_dtype="float32", draft_vocab_size=64,
+    model = eagle3.Eagle3Module(target=str(tiny_target_dir), target_dtype="float32", draft_vocab_size=64,
                                 ttt=eagle3.TTTConfig(steps=2))
-    dm = module_mod.ChatDataModule(path=str(data), tokenizer=str(tiny_dir), max_length=128, val_size=4, batch_size=4)
+    dm = module_mod.ChatDataModule(path=str(data), tokenizer=str(tiny_target_dir), max_length=128, val_size=4, batch_size=4)
     trainer = pl.Trainer(default_root_dir=tmp_path / "run", max_steps=1, accelerator="cpu", logger=False,
                          callbacks=[_callback(num_tokens=800)], enable_checkpointing=False, limit_val_batches=0,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, datamodule=dm)
     report = json.loads((tmp_path / "run" / "analysis" / "layers.json").read_text())
     assert list(model.head.config.aux_layer_ids) == report["chosen"]
+
+
+# LayerSelection hands the analysis a figure writer only when the logger has one (issue 36).
+
+
+@pytest.mark.parametrize("logger", ["tensorboard", "csv", "none"])
+def test_layer_selection_writer_only_from_a_logger_with_figures(logger, tiny_target_dir, tmp_path, monkeypatch):
+    seen = []
+
+    def analysis(model, batches, config, exclude, path, writer, meta, device):
+        seen.append(writer)
+        return {"chosen": [1, 3, 6]}
+
+    monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", analysis)
+    made = {"tensorboard": lambda: TensorBoardLogger(tmp_path, name="tb"), "csv": lambda: CSVLogger(tmp_path),
+            "none": lambda: False}[logger]()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=1, accelerator="cpu", logger=made,
+                         callbacks=[LayerSelection(k=3)], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = StubModule(str(tiny_target_dir))
+    trainer.fit(module, datamodule=RandomChat(num=2))
+    assert module.built_with == [1, 3, 6]
+    assert len(seen) == 1
+    if logger == "tensorboard":
+        assert seen[0] is trainer.logger.experiment and hasattr(seen[0], "add_figure")
+    else:  # CSVLogger's experiment has no add_figure: no writer, not a crash in log_figures
+        assert seen[0] is None

@@ -120,3 +120,13 @@ def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path
     off_train = {by_record[r] for r in off.train_set["record"]}
     assert not off_train & {by_record[r] for r in off.val_set["record"]}
     assert off.fingerprint() != dm.fingerprint()
+
+
+# PromptFilter at the default length bound (issue 36).
+
+
+def test_default_min_prompt_chars_is_8_inclusive():
+    f = PromptFilter()
+    assert f.min_prompt_chars == 8
+    assert f.why_dropped("abcdefgh", set()) is None  # exactly 8 characters: kept
+    assert f.why_dropped("abcdefg", set()) == "context-free prompt"

@@ -13,12 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decoding_stubs import make_head
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tiny_target_dir):
-    """The shared seeded tiny Llama of tests/conftest.py."""
-    return tiny_target_dir
-
-
 @pytest.fixture()
 def tiny_head(tiny):
     return make_head(tiny[0])

@@ -36,8 +36,8 @@ def write_ckpt(path, head, target_ref):
 
 
 @pytest.fixture()
-def ckpt(tmp_path, tiny, tiny_dir):
-    return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_dir)
+def ckpt(tmp_path, tiny, tiny_target_dir):
+    return write_ckpt(tmp_path / "head.ckpt", make_head(tiny[0]), tiny_target_dir)
 
 
 def test_main_writes_report(tmp_path, ckpt, prompts_file, capsys):
@@ -110,11 +110,11 @@ class LossyVerifyTarget(FrozenTarget):
         return out
 
 
-def test_greedy_equal_flags_a_lossy_decoder(tiny_dir, tiny_head):
+def test_greedy_equal_flags_a_lossy_decoder(tiny_target_dir, tiny_head):
     """Speculative output that differs from plain greedy at new token 3 of prompt 0 is reported as not
     equal, at position 3 with the plain top-2 gap there; prompt 1 never reaches the lossy position."""
     long, short = [256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8], [256, 1, 2, 3]
-    model, _ = load_target(str(tiny_dir), "float32")
+    model, _ = load_target(str(tiny_target_dir), "float32")
     plain = evaluate_head(tiny_head, FrozenTarget(model), None, [long], k=3, max_new_tokens=8, eos_token_ids=[],
                           prompt_lookup=False, warmup=False, collect_kl=False)
     assert plain["greedy_equal"] == 1
@@ -394,22 +394,22 @@ def test_main_device_option(tmp_path, ckpt, prompts_file, capsys, monkeypatch):
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err and not out.exists()
 
 
-def test_load_head_and_target_pairs_them(ckpt, tiny_dir):
+def test_load_head_and_target_pairs_them(ckpt, tiny_target_dir):
     from draftkit.export.head_target import load_head_and_target
 
     head, target, tokenizer, meta, ref = load_head_and_target(ckpt, None, "float32", "cpu", "bfloat16")
-    assert ref == str(tiny_dir) == meta["target"] and tokenizer is not None
+    assert ref == str(tiny_target_dir) == meta["target"] and tokenizer is not None
     assert target.aux_layer_ids == list(head.config.aux_layer_ids) == meta["aux_layer_ids"]
     assert next(head.parameters()).dtype == torch.bfloat16 and not head.training
     assert torch.equal(head.embed_tokens.weight, target.input_embeddings().to(torch.bfloat16))
     assert next(target.model.parameters()).dtype == torch.float32
-    fresh, t2, _, meta2, _ = load_head_and_target(None, str(tiny_dir), draft_vocab_size=32)
+    fresh, t2, _, meta2, _ = load_head_and_target(None, str(tiny_target_dir), draft_vocab_size=32)
     assert meta2 == {} and fresh.config.draft_vocab_size == 32 and list(fresh.config.aux_layer_ids) == t2.aux_layer_ids
     with pytest.raises(ValueError, match="no target given"):
         load_head_and_target(None, None)
 
 
-def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_dir, prompts_file, caplog):
+def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_target_dir, prompts_file, caplog):
     """A head trained on 20-token sequences: each prompt whose tokens + max_new_tokens exceed 20 is warned about
     (index, id, both lengths) and listed; the length survives export and re-export (the sidecar); a head without
     it is evaluated with a note and no list."""
@@ -419,7 +419,7 @@ def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_d
     from draftkit.target.tokens import encode_chat
 
     head = make_head(tiny[0])
-    ckpt = write_ckpt(tmp_path / "head.ckpt", head, tiny_dir)
+    ckpt = write_ckpt(tmp_path / "head.ckpt", head, tiny_target_dir)
     blob = torch.load(ckpt, weights_only=False)
     blob["draftkit"]["trained_length"] = 20
     torch.save(blob, ckpt)
@@ -440,7 +440,7 @@ def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_d
                          "trained length of 20 tokens" in caplog.text
     assert json.loads((again / "draftkit_export.json").read_text())["trained_length"] == 20
 
-    old = write_ckpt(tmp_path / "old.ckpt", head, tiny_dir)
+    old = write_ckpt(tmp_path / "old.ckpt", head, tiny_target_dir)
     assert main(["--checkpoint", str(old), "--output", str(tmp_path / "old.json"), *common]) == 0
     setup = json.loads((tmp_path / "old.json").read_text())["setup"]
     assert setup["trained_length"] is None and setup["prompts_over_trained_length"] == []

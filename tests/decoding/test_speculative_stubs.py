@@ -11,7 +11,7 @@ from decoding_stubs import (
 )
 
 from draftkit.decoding.drafters import PromptLookupDrafter
-from draftkit.decoding.verify import generate_plain, generate_speculative, greedy_verify, rejection_verify
+from draftkit.decoding.verify import _check_prompt, generate_plain, generate_speculative, greedy_verify, rejection_verify
 from draftkit.sampling import DecodeConfig
 
 V = 11
@@ -198,3 +198,12 @@ def test_sampled_speculative_distribution_with_bonus_tokens():
     p1 = p_table[2]
     exact = p1[:, None, None, None] * p_table[:, :, None, None] * p_table[None, :, :, None] * p_table[None, None, :, :]
     assert chi2_pvalue(counts.flatten(), n * exact.flatten()) > 1e-3
+
+
+# draftkit.decoding.verify's prompt check: each of its conditions alone (issue 36).
+
+
+@pytest.mark.parametrize("prompt", [torch.zeros(0, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)])
+def test_empty_or_2d_prompt_is_refused(prompt):
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        _check_prompt(prompt, DecodeConfig(max_new_tokens=2), 1, 64)

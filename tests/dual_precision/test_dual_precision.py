@@ -283,19 +283,12 @@ def test_sampled_evaluation_verified_is_exact_in_distribution():
 
 
 @pytest.fixture(scope="module")
-def dp_tiny_dir(tmp_path_factory):
-    from draftkit.testing import build_tiny_target
-
-    return build_tiny_target(tmp_path_factory.mktemp("dual_precision") / "tiny-llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_lm(dp_tiny_dir):
+def tiny_lm(tiny_target_dir):
     """The tiny Llama's session with a precision switch, in float64 (exact enough that kernel numerics never flip
     a tie)."""
     from draftkit.target.frozen import load_target
 
-    model, _ = load_target(str(dp_tiny_dir), "float64")
+    model, _ = load_target(str(tiny_target_dir), "float64")
     return TargetSession.with_precision_switch(model)
 
 
@@ -385,10 +378,10 @@ def test_config_bad_input():
     assert DualPrecisionConfig(margin_threshold=0.1).budget is None
 
 
-def test_no_quantizable_linears(dp_tiny_dir):
+def test_no_quantizable_linears(tiny_target_dir):
     from draftkit.target.frozen import load_target
 
-    model, _ = load_target(str(dp_tiny_dir), "float32")
+    model, _ = load_target(str(tiny_target_dir), "float32")
     with pytest.raises(ValueError, match="no quantizable linears"):
         TargetSession.with_precision_switch(model, QuantConfig(include=("*.does_not_exist.*",)))
 
@@ -430,13 +423,13 @@ def _write_prompts(path, texts):
     return str(path)
 
 
-def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
+def test_cli_end_to_end(tiny_target_dir, tmp_path, fake_precision):
     from draftkit.commands import main
 
     choice = fake_precision("float32", 30.0)
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(6)])
     out, tb = tmp_path / "report.json", tmp_path / "tb"
-    rc = main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+    rc = main(["evaluate-dual-precision", "--target", str(tiny_target_dir), "--prompts", prompts,
                "--calibration_prompts", "2", "--num_prompts", "3", "--max_new_tokens", "6", "--k", "2",
                "--bootstrap_samples", "10", "--output", str(out), "--tensorboard", str(tb)])
     assert rc == 0
@@ -464,22 +457,22 @@ def test_cli_end_to_end(dp_tiny_dir, tmp_path, fake_precision):
         (["--num_prompts", "50"], "only 4 prompts remain"),
     ],
 )
-def test_cli_bad_options(dp_tiny_dir, tmp_path, capsys, extra, message):
+def test_cli_bad_options(tiny_target_dir, tmp_path, capsys, extra, message):
     from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
-    assert main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts,
+    assert main(["evaluate-dual-precision", "--target", str(tiny_target_dir), "--prompts", prompts,
                  "--calibration_prompts", "2", *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
 
 
-def test_cli_plain_template_sampling_groups_and_resume(dp_tiny_dir, tmp_path, caplog, capsys):
+def test_cli_plain_template_sampling_groups_and_resume(tiny_target_dir, tmp_path, caplog, capsys):
     from draftkit.commands import main
 
     prompts = _write_prompts(tmp_path / "p.jsonl", [f"question number {i}?" for i in range(5)])
     out = tmp_path / "r.json"
-    argv = ["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts",
+    argv = ["evaluate-dual-precision", "--target", str(tiny_target_dir), "--prompts", prompts, "--calibration_prompts",
             "2", "--max_new_tokens", "5", "--k", "2", "--bootstrap_samples", "0", "--template", "plain",
             "--group_size", "32", "--temperature", "0.8", "--top_p", "0.9", "--output", str(out)]
     assert main(argv) == 0
@@ -497,7 +490,7 @@ def test_cli_plain_template_sampling_groups_and_resume(dp_tiny_dir, tmp_path, ca
     assert "r.prompts.jsonl: a record of a different run" in capsys.readouterr().err
 
 
-def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
+def test_cli_overlap_warning_and_bad_records(tiny_target_dir, tmp_path, caplog):
     from draftkit.data.prompts import load_prompts, split_prompts
     from draftkit.commands import main
 
@@ -506,7 +499,7 @@ def test_cli_overlap_warning_and_bad_records(dp_tiny_dir, tmp_path, caplog):
     _, evaluation, overlap = split_prompts(load_prompts(prompts), load_prompts(calib), None)
     assert overlap == 2 and len(evaluation) == 5
     with caplog.at_level(logging.WARNING):
-        rc = main(["evaluate-dual-precision", "--target", str(dp_tiny_dir), "--prompts", prompts, "--calibration_prompts", calib,
+        rc = main(["evaluate-dual-precision", "--target", str(tiny_target_dir), "--prompts", prompts, "--calibration_prompts", calib,
                    "--max_new_tokens", "2", "--bootstrap_samples", "0", "--output", str(tmp_path / "r.json")])
     assert rc == 0
     assert "2 of 5 evaluation prompts also appear in the calibration prompts" in caplog.text

@@ -1,4 +1,4 @@
-"""Helpers for export tests: a tiny seeded Llama target saved with save_pretrained, and a writer for minimal
+"""Helpers for export tests: the tiny seeded Llama target (``draftkit.testing.build_tiny_target``), and a writer for minimal
 draftkit training checkpoints with the layout ``draftkit fit`` writes (no trainer needed)."""
 
 from __future__ import annotations
@@ -6,20 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.selection.vocab import VocabMap
-
-TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 50000.0, "rms_norm_eps": 1e-5}  # non-default theta/eps: a config slip shows
+from draftkit.testing import build_tiny_target
 
 
 def save_tiny_target(path, **overrides):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**{**TINY, **overrides})
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    """The shared tiny Llama with a non-default RoPE theta (a config field an exporter forgets shows up)."""
+    return str(build_tiny_target(path, **{"rope_theta": 50000.0, **overrides}))
 
 
 def make_head(target_dir, aux_layer_ids=None, draft_vocab_size=96, norm_before_residual=False, seed=1):

@@ -3,6 +3,7 @@ an evaluate report (sidecar round trip), the chain default unchanged, and bad in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -233,3 +234,17 @@ def test_engine_without_tree_support_exports_chains_only(tiny_checkpoint, tmp_pa
                               speculation=Speculation.parse("5,4,16"))
     finally:
         del ENGINES["chain-only"]
+
+
+# The default k and a frozen shape (issue 36).
+
+
+def test_resolve_without_a_shape_defaults_to_3_or_the_given_k():
+    assert resolve_speculation(None) == (3, None)
+    assert resolve_speculation(num_speculative_tokens=5) == (5, None)
+
+
+def test_speculation_is_frozen():
+    shape = Speculation.parse("2,3,4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shape.tree = None

@@ -111,3 +111,12 @@ def test_ttt_step_on_nested_row_subsets_equals_all_rows():
         torch.testing.assert_close(part_h, full_h.reshape(b * t, -1)[rows], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="step 0"):
         head.ttt_step(ids, head.project(aux).reshape(b * t, -1)[:3], pos, [], mask, None, torch.arange(3))
+
+
+# Eagle3Config defaults that change the head's output (issue 36).
+
+
+def test_config_defaults():
+    cfg = Eagle3Config(target_hidden_size=8, hidden_size=8, num_aux_layers=3, intermediate_size=16, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, vocab_size=32, draft_vocab_size=16)
+    assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.rope) == (1e-5, 8192, {"rope_theta": 10000.0})

@@ -213,3 +213,15 @@ def test_asymmetric_nibble_identity_and_slice_per_group(slicing):
         torch.testing.assert_close(quant.dequantize(low, torch.float64)[:, cols], expected, rtol=0, atol=0)
     if slicing == "round":  # nearest point of the lattice {0, 16, ..., 240}: at most half a 4-bit step off
         assert (low - quant.codes.to(torch.int16)).abs().max() <= 8 and low.max() <= 240
+
+
+# quantize_int8 of a weight that requires grad (a module's parameter) (issue 36).
+
+
+def test_quantize_a_parameter_detaches_it():
+    w = torch.nn.Parameter(torch.tensor([[0.5, -1.0, 0.25, 1.0]]))
+    q = quantize_int8(w, "symmetric")
+    tensors = [v for v in vars(q).values() if isinstance(v, torch.Tensor)]
+    assert tensors and not any(t.requires_grad for t in tensors)
+    plain = quantize_int8(w.detach().clone(), "symmetric")
+    assert all(torch.equal(a, b) for a, b in zip(tensors, [v for v in vars(plain).values() if isinstance(v, torch.Tensor)]))

@@ -12,23 +12,21 @@ from draftkit.target.session import TargetSession
 IDS = [5, 9, 3, 7, 11, 2]
 
 
-def _session(dtype: str, tmp_path_factory) -> TargetSession:
+def _session(dtype: str, path) -> TargetSession:
     from draftkit.target.frozen import load_target
-    from draftkit.testing import build_tiny_target
 
-    path = build_tiny_target(tmp_path_factory.mktemp("session") / "tiny-llama", seed=0)
     model, _ = load_target(str(path), dtype)
     return TargetSession.with_precision_switch(model)
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    return _session("float64", tmp_path_factory)
+def lm(tiny_target_dir):
+    return _session("float64", tiny_target_dir)
 
 
 @pytest.fixture(scope="module", params=["float32", "float64"])
-def lm_exact(request, tmp_path_factory):
-    return _session(request.param, tmp_path_factory)
+def lm_exact(request, tiny_target_dir):
+    return _session(request.param, tiny_target_dir)
 
 
 def test_logits_to_keep_one_returns_last_position_only(lm):

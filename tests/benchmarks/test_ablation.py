@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "ablation.py"
 
 
 
