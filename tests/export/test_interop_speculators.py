@@ -1,12 +1,12 @@
 """speculators loads draftkit's speculators export and computes the same draft logits (opt-in: ``pytest -m interop``).
 
-Needs speculators' own environment (``$DRAFTKIT_SPECULATORS_PYTHON`` or ``/work/speculators-venv/bin/python``);
+Needs speculators' own environment (``$DRAFTKIT_SPECULATORS_PYTHON`` or ``.venv-speculators/bin/python``);
 skips cleanly without it. speculators 0.9.0 pins transformers <= 5.19, so it cannot share draftkit's venv::
 
-    python3 -m venv /work/speculators-venv
-    /work/speculators-venv/bin/pip install torch==2.13.0 'transformers>=5.0,<=5.19.0' 'datasets>=4.0,<=5.1.0' \\
+    python3 -m venv .venv-speculators
+    .venv-speculators/bin/pip install torch==2.13.0 'transformers>=5.0,<=5.19.0' 'datasets>=4.0,<=5.1.0' \\
         pydantic pydantic-settings 'loguru>=0.7.2,<=0.7.3' safetensors huggingface-hub numpy openai hs-connectors==0.9.0
-    /work/speculators-venv/bin/pip install --no-deps speculators==0.9.0   # its torchaudio/torchvision go unused
+    .venv-speculators/bin/pip install --no-deps speculators==0.9.0   # its torchaudio/torchvision go unused
 
 Each case exports a head with ``draftkit export ... --to speculators --verifier <target dir>`` (speculators reads
 the verifier's config and embedding at load time), runs ``speculators_logits.py`` there (speculators'
@@ -46,9 +46,9 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def speculators_py():
-    path = os.environ.get("DRAFTKIT_SPECULATORS_PYTHON") or "/work/speculators-venv/bin/python"
+    path = os.environ.get("DRAFTKIT_SPECULATORS_PYTHON") or ".venv-speculators/bin/python"
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        pytest.skip("no speculators environment (set DRAFTKIT_SPECULATORS_PYTHON or create /work/speculators-venv)")
+        pytest.skip("no speculators environment (set DRAFTKIT_SPECULATORS_PYTHON or create .venv-speculators)")
     return path
 
 

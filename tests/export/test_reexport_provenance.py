@@ -32,7 +32,7 @@ def test_re_export_keeps_the_recorded_target_name(tmp_path, caplog):
                 assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
                 assert side["launch"] == f"vllm serve {tmp_path / engine}"
             else:
-                assert "org/tiny-llama" in side["launch"] and side["target_path"] not in side["launch"], engine
+                assert "org/tiny-llama" in side["launch"] and str(resolve_model_dir("tiny:llama")) not in side["launch"]
     assert "local cache path" not in caplog.text
     # --target_name still wins; a re-export of a directory that only had the cache path warns again
     _, side = _read(export_checkpoint(shipped, "sglang", tmp_path / "named", target_name="other/name"))

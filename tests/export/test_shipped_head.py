@@ -25,6 +25,7 @@ def test_shipped_head_is_the_default_recipes_head():
     assert meta["ttt"]["steps"] == recipe["model"]["ttt"]["steps"]
     sidecar = json.loads((SHIPPED / "draftkit_export.json").read_text())
     assert sidecar["source_checkpoint"].endswith("best-step=3250.ckpt")  # the distinct-data run (MADE_BY.md)
+    assert not any(Path(sidecar[k]).is_absolute() for k in ("source_checkpoint", "target_path"))  # named, no machine path
     assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) <= 25 * 2**20  # issue 13: <= 25 MB
     training = sorted(f.name for f in (SHIPPED / "training").iterdir())  # its recipe and TensorBoard events
     assert training[0] == "config.yaml" and len(training) == 3 and all(n.startswith("events.out.tfevents.")
@@ -42,7 +43,7 @@ def test_shipped_head_is_the_default_recipes_head():
 
 
 @pytest.mark.slow
-def test_shipped_head_evaluates_and_re_exports(tmp_path):
+def test_shipped_head_evaluates_and_re_exports(tmp_path, monkeypatch):
     from draftkit.commands import main as draftkit_main
 
     out = tmp_path / "report.json"
@@ -51,5 +52,7 @@ def test_shipped_head_evaluates_and_re_exports(tmp_path):
                           "--output", str(out)]) in (0, None)
     report = json.loads(out.read_text())
     assert report["greedy_equal"] == 2 and report["tau"] >= 1.0
+    monkeypatch.chdir(REPO)
     sglang = export_checkpoint(SHIPPED, "sglang", tmp_path / "sglang")
-    assert json.loads((sglang / "draftkit_export.json").read_text())["source_checkpoint"] == str(SHIPPED)
+    assert json.loads((sglang / "draftkit_export.json").read_text())["source_checkpoint"] == (
+        "checkpoints/smollm2-135m-eagle3-head")

@@ -24,8 +24,10 @@ def test_tiny_target_exports_with_a_warning_and_target_name_overrides_it(tmp_pat
     cache_path = resolve_model_dir("tiny:llama")
     with caplog.at_level(logging.WARNING, logger="draftkit.export.exporter"):
         config, sidecar = _export(tmp_path / "a", "tiny:llama", "speculators")
-    assert config["speculators_config"]["verifier"]["name_or_path"] == cache_path == sidecar["target_name"]
-    assert "names its target by the local cache path" in caplog.text and "--target_name" in caplog.text
+    name = Path(cache_path).name  # the cache folder's name: no path of this machine in the export
+    assert config["speculators_config"]["verifier"]["name_or_path"] == name == sidecar["target_name"]
+    assert sidecar["target_path"] == name
+    assert "the name of its local cache path" in caplog.text and "--target_name" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="draftkit.export.exporter"):
         config, sidecar = _export(tmp_path / "b", "tiny:llama", "speculators", target_name="org/tiny-llama")
