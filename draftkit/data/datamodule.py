@@ -171,6 +171,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.stats: dict = {}
         self.train_lengths = None
         self.hidden_states = None  # HiddenStateCache in offline mode
+        self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (write_auto_cache)
         self._offline: dict = {}
 
     # -- tokenizer --------------------------------------------------------------------------------------
@@ -464,7 +465,9 @@ class ChatDataModule(pl.LightningDataModule):
         self.val_set = ds.select(val_idx).select_columns(cols)
         self.train_lengths = _lengths(self.train_set)
         if hp.hidden_states_cache == AUTO:
-            self._write_auto_cache()
+            # written by write_auto_cache() when the module builds its head: after every callback's setup (where
+            # LayerSelection chooses the aux layers), so the cache holds the layers the head reads
+            self.auto_cache_pending = True
         elif hp.hidden_states_cache:
             self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
@@ -478,10 +481,11 @@ class ChatDataModule(pl.LightningDataModule):
             len(self.stats["prompt_rule"]), _count_reasons(self.stats["prompt_rule"]) or "none",
         )
 
-    def _write_auto_cache(self) -> None:
+    def write_auto_cache(self) -> None:
         """``hidden_states_cache: auto``: every rank writes its share of (or finishes, or finds complete) the cache
-        of this run's target and data with the trainer's module, precision and its own device; rank 0 merges the
-        index; every rank then trains from it.
+        of this run's target, data and aux layers with the trainer's module, precision and its own device; rank 0
+        merges the index; every rank then trains from it. The module calls it when it builds its head
+        (``Eagle3Module.build``), once the aux layers are final.
 
         Raises:
             ValueError: outside a trainer (the cache needs the module's target).
@@ -499,6 +503,7 @@ class ChatDataModule(pl.LightningDataModule):
             trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
             rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
         )["output"])
+        self.auto_cache_pending = False
 
     def open_hidden_states(self, path: str) -> None:
         """Train and validate from the hidden-state cache at ``path`` (after :meth:`setup`).

@@ -143,6 +143,35 @@ def test_with_the_eagle3_module_and_chat_datamodule(tiny_target_dir, tmp_path, m
     assert list(model.head.config.aux_layer_ids) == report["chosen"]
 
 
+def test_auto_hidden_state_cache_is_written_for_the_chosen_layers(tiny_target_dir, tmp_path, monkeypatch):
+    """``hidden_states_cache: auto`` with LayerSelection: the cache is written after the choice, for the chosen aux
+    layers, and the head trains offline from it (it used to be written for the default [2, 4, 5] in the
+    datamodule's setup, before any callback ran, and the head's build refused it)."""
+    from draftkit.data.datamodule import ChatDataModule
+    from draftkit.models.eagle3 import Eagle3Module, TTTConfig
+    from draftkit.target.lm_head import TargetLMHead
+
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", lambda *a, **kw: {"chosen": [1, 3, 6]})
+    rng = random.Random(0)
+    data = tmp_path / "chat.jsonl"
+    words = ["the", "draft", "head", "reads", "aux", "states", "and", "predicts", "next", "token"]
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(rng.choices(words, k=5))},
+        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 25)))}]}) + "\n" for _ in range(40)))
+    model = Eagle3Module(target=str(tiny_target_dir), target_dtype="float32", draft_vocab_size=64,
+                         ttt=TTTConfig(steps=2))
+    dm = ChatDataModule(path=str(data), tokenizer=str(tiny_target_dir), max_length=128, val_size=4, batch_size=4,
+                        hidden_states_cache="auto")
+    trainer = pl.Trainer(default_root_dir=tmp_path / "run", max_steps=1, accelerator="cpu", logger=False,
+                         callbacks=[_callback(num_tokens=800)], enable_checkpointing=False, limit_val_batches=0,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=dm)
+    assert list(model.head.config.aux_layer_ids) == [1, 3, 6]
+    assert dm.hidden_states.fingerprint["aux_layer_ids"] == [1, 3, 6] and not dm.auto_cache_pending
+    assert isinstance(model.target, TargetLMHead)  # trained offline, from the cache
+
+
 # LayerSelection hands the analysis a figure writer only when the logger has one (issue 36).
 
 
