@@ -1,7 +1,7 @@
 """Token sampling for decoding: temperature, top-k and top-p (nucleus) warping of logits, and
 :class:`DecodeConfig` (what to generate and how to pick tokens).
 
-Floor 1 (architecture.md "Floors"): decoding, dual precision and data regeneration (``draftkit.data.regenerate``)
+Floor 1 (architecture.md "Floors"): decoding, dual precision and data regeneration (``draftkit.generation.regenerate``)
 all pick tokens here, so none of them imports another for it.
 
 Temperature 0 means greedy (argmax); :func:`probs_from_logits` then returns the one-hot distribution of

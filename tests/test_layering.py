@@ -6,7 +6,7 @@ on one floor or not:
 
 1. selection, quant, jsonio, artifacts, testing, precision, strategy, sampling, kernels, heads/eagle3_llama,
    analysis/{cka, entropy, moments, subsets, token_entropy, plots}
-2. target, heads/checkpoint, data, kernels/{compile, option}
+2. target, heads/checkpoint, data, kernels/{compile, option}, generation
 3. decoding, dual_precision, export, analysis/{collect, report}
 4. models
 5. cli, callbacks (callbacks may import any of 1-4)
@@ -29,7 +29,7 @@ FLOORS = {
         "draftkit.analysis", "draftkit.analysis.cka", "draftkit.analysis.entropy", "draftkit.analysis.moments",
         "draftkit.analysis.subsets", "draftkit.analysis.token_entropy", "draftkit.analysis.plots"],
     2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data", "draftkit.kernels.compile",
-        "draftkit.kernels.option"],
+        "draftkit.kernels.option", "draftkit.generation"],
     3: ["draftkit.decoding", "draftkit.dual_precision", "draftkit.export", "draftkit.analysis.collect",
         "draftkit.analysis.report"],
     4: ["draftkit.models"],

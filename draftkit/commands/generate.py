@@ -9,7 +9,7 @@ Examples::
         --output regen.jsonl --turns all --temperature 0.7 --top_p 0.9
 
 Rerunning the same command resumes an interrupted run (the shards in ``<output>.parts`` are kept); the
-library is ``draftkit.data.regenerate``. Point a recipe's ``data.path`` at the output.
+library is ``draftkit.generation.regenerate``. Point a recipe's ``data.path`` at the output.
 
 Shapes: none (a command).
 """
@@ -75,9 +75,9 @@ def generate(
 
     Raises:
         ValueError: without a source or a target, or on bad settings.
-        FileExistsError: see ``draftkit.data.regenerate.regenerate``.
+        FileExistsError: see ``draftkit.generation.regenerate.regenerate``.
     """
-    from draftkit.data.regenerate import RegenerateConfig, regenerate
+    from draftkit.generation.regenerate import RegenerateConfig, regenerate
 
     if recipe:
         from draftkit.cli import load_recipe

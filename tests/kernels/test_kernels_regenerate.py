@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from draftkit.data.regenerate import RegenerateConfig, regenerate
+from draftkit.generation.regenerate import RegenerateConfig, regenerate
 from draftkit.kernels import linears as kernels
 
 needs_onednn = pytest.mark.skipif(not kernels._onednn_available(), reason="torch without oneDNN")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftkit.data.chat import read_conversations
-from draftkit.data.regenerate import FORMAT, RegenerateConfig, _read_output, generate_batch, regenerate
+from draftkit.generation.regenerate import FORMAT, RegenerateConfig, _read_output, generate_batch, regenerate
 from draftkit.decoding.verify import generate_plain
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -140,7 +140,7 @@ def test_regenerating_a_regenerated_file_names_its_source(tmp_path, tiny_target_
     cfg = RegenerateConfig(max_new_tokens=2, max_prompt_tokens=200)
     first = tmp_path / "regen.jsonl"
     regenerate(str(src), str(first), str(tiny_target_dir), cfg, dtype="float32")
-    with caplog.at_level(logging.WARNING, logger="draftkit.data.regenerate"):
+    with caplog.at_level(logging.WARNING, logger="draftkit.generation.regenerate"):
         regenerate(str(first), str(tmp_path / "again.jsonl"), str(tiny_target_dir), cfg, dtype="float32")
     assert caplog.text.rstrip().endswith(f"To regenerate more of the original, pass --source {src}")
     assert "already regenerated" in caplog.text and "holds 2 of that source's conversations" in caplog.text

@@ -5,10 +5,10 @@ from collections import namedtuple
 
 import pytest
 
-from draftkit.data.regenerate import RegenerateConfig, _read_output, regenerate
+from draftkit.generation.regenerate import RegenerateConfig, _read_output, regenerate
 from draftkit.jsonio import InsufficientSpaceError
 
-from tests.data.test_regenerate import _write_source
+from tests.generation.test_regenerate import _write_source
 
 
 def _interrupted(tmp_path, tiny_target_dir, kw):
