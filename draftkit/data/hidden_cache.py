@@ -54,10 +54,11 @@ from safetensors.torch import save_file
 
 from draftkit.data.collate import collate
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
+from draftkit.target.frozen import config_fingerprint
 
 __all__ = [
     "AUTO", "FORMAT", "FINGERPRINT_FIELDS", "HiddenStateCache", "OfflineDataset", "bytes_per_token", "cache_key", "collate_offline",
-    "complete_cache_result", "config_fingerprint", "plan_shards", "write_hidden_states", "write_recipe_cache",
+    "complete_cache_result", "plan_shards", "write_hidden_states", "write_recipe_cache",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,6 @@ REBUILD = "rebuild it with `python -m draftkit cache-hidden-states --recipe ...`
 def cache_key(fingerprint: dict) -> str:
     """16 hex digits naming a fingerprint (the default cache directory name)."""
     return short_hash(fingerprint)
-
-
-def config_fingerprint(config) -> str:
-    """Hash of a target's ``PretrainedConfig`` without paths, versions and dtype (16 hex digits)."""
-    d = config.to_dict()
-    return short_hash({k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")})
 
 
 def bytes_per_token(target_hidden_size: int, num_aux_layers: int) -> int:

@@ -360,11 +360,10 @@ def regenerate(
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
     from draftkit.data.chat import read_conversations
-    from draftkit.data.hidden_cache import config_fingerprint
-    from draftkit.precision import default_device, resolve_dtype
-    from draftkit.target.frozen import load_target
     from draftkit.kernels.linears import KERNELS
     from draftkit.kernels.option import use_kernels
+    from draftkit.precision import default_device, resolve_dtype
+    from draftkit.target.frozen import config_fingerprint, load_target
     from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_identity
 
     if batch_size < 1 or shard_size < 1:

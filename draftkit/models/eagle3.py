@@ -282,7 +282,7 @@ class Eagle3Module(pl.LightningModule):
             dm.write_auto_cache()
         cache = getattr(dm, "hidden_states", None) if dm is not None else None
         if cache is not None:
-            from draftkit.data.hidden_cache import config_fingerprint
+            from draftkit.target.frozen import config_fingerprint
             from draftkit.target.lm_head import load_target_lm_head
 
             self.target = load_target_lm_head(self.hparams.target, self.resolve_target_dtype(), self.hparams.aux_layer_ids)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from draftkit.jsonio import short_hash
 from draftkit.selection.layers import validate_aux_layer_ids
 
 __all__ = [
@@ -27,12 +28,19 @@ __all__ = [
     "TargetOutput",
     "cache_kwarg",
     "capture_hidden_states",
+    "config_fingerprint",
     "load_target",
     "logit_softcap",
     "rms_norm_scale",
     "target_logits",
     "text_config",
 ]
+
+
+def config_fingerprint(config) -> str:
+    """Hash of a target's ``PretrainedConfig`` without paths, versions and dtype (16 hex digits)."""
+    d = config.to_dict()
+    return short_hash({k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")})
 
 
 def text_config(config):
