@@ -2,19 +2,23 @@
 (:func:`draftkit.kernels.attention.grouped_query_attention`), registered in transformers' attention interface as
 :data:`DECODE_ATTENTION`.
 
-:func:`draftkit.kernels.linears.pack_linears` switches a target's ``sdpa`` attention to it for every kernel option
-but ``stock``, on any device (its handle restores ``sdpa`` on release).
+:func:`switch_attention` switches a model's ``sdpa`` attention to it and returns the switch as its own handle
+(:class:`AttentionSwitch`, released to ``sdpa``); :func:`draftkit.kernels.linears.pack_linears` holds one for every
+kernel option but ``stock``, on any device.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from draftkit.kernels.attention import grouped_query_attention
 
-__all__ = ["DECODE_ATTENTION", "FOLD_MAX_ROWS", "decode_attention", "register_decode_attention"]
+__all__ = ["DECODE_ATTENTION", "FOLD_MAX_ROWS", "AttentionSwitch", "decode_attention", "register_decode_attention",
+           "switch_attention"]
 
 DECODE_ATTENTION = "draftkit_gqa"
 """The name :func:`decode_attention` is registered under in transformers' ``AttentionInterface`` (its masks are
@@ -71,3 +75,51 @@ def register_decode_attention() -> None:
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
     AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
+
+@dataclass
+class AttentionSwitch:
+    """A transformers model's ``sdpa`` attention switched to :data:`DECODE_ATTENTION` (a handle: use it as a context
+    manager or call :meth:`release`); inactive (``model`` None) when the model's attention was left as it was.
+
+    Attributes:
+        model: the switched model, or None.
+        previous: the attention it ran before (``sdpa``), restored by :meth:`release`.
+    """
+
+    model: nn.Module | None = field(default=None, repr=False)
+    previous: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the model runs :data:`DECODE_ATTENTION` through this switch."""
+        return self.model is not None
+
+    def release(self) -> None:
+        """Restore the model's attention (idempotent)."""
+        if self.model is not None:
+            self.model.set_attn_implementation(self.previous)
+            self.model = None
+
+    def __enter__(self) -> AttentionSwitch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def switch_attention(model: nn.Module) -> AttentionSwitch:
+    """Switch a transformers ``model`` running ``sdpa`` to :data:`DECODE_ATTENTION` (registered first).
+
+    Args:
+        model: a transformers model, or any module (a draft head: left as it is).
+
+    Returns:
+        :class:`AttentionSwitch`: active when the model ran ``sdpa``; inactive for another attention (``eager``,
+        ...) or a module without a transformers config.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return AttentionSwitch()
+    register_decode_attention()
+    model.set_attn_implementation(DECODE_ATTENTION)
+    return AttentionSwitch(model, "sdpa")

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftkit.kernels.decode_attention import DECODE_ATTENTION, register_decode_attention
+from draftkit.kernels.decode_attention import DECODE_ATTENTION, AttentionSwitch, switch_attention
 
 __all__ = [
     "FUSED_GROUPS",
@@ -251,8 +251,10 @@ class PackedLinears:
         fused_groups: groups of sibling linears packed as one weight (:data:`FUSED_GROUPS`).
         packed_bytes: bytes of the packed copy (0 when nothing is packed).
         weight_bytes: bytes of those modules' own weights (what the copy duplicates).
-        attention: the attention implementation the model ran before :data:`DECODE_ATTENTION` replaced it
-            (``sdpa``; restored by :meth:`release`), or None when its attention was left as it was.
+        attention: the switch of the model's attention to
+            :data:`~draftkit.kernels.decode_attention.DECODE_ATTENTION` (its own handle,
+            :class:`~draftkit.kernels.decode_attention.AttentionSwitch`; inactive when the attention was left as
+            it was), released with the packed copy.
     """
 
     choice: KernelChoice
@@ -261,8 +263,7 @@ class PackedLinears:
     packed_bytes: int = 0
     weight_bytes: int = 0
     model: nn.Module | None = field(default=None, repr=False)
-    attention: str | None = None
-    attention_model: nn.Module | None = field(default=None, repr=False)
+    attention: AttentionSwitch = field(default_factory=AttentionSwitch)
 
     @property
     def active(self) -> bool:
@@ -270,14 +271,9 @@ class PackedLinears:
         return bool(self.modules)
 
     def use_decode_attention(self, model: nn.Module) -> None:
-        """Switch a transformers ``model`` running ``sdpa`` to :data:`DECODE_ATTENTION` until :meth:`release`; a
-        no-op for another attention (``eager``, ...) or a module without a transformers config (a draft head)."""
-        config = getattr(model, "config", None)
-        if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
-            return
-        register_decode_attention()
-        model.set_attn_implementation(DECODE_ATTENTION)
-        self.attention, self.attention_model = "sdpa", model
+        """Hold :func:`~draftkit.kernels.decode_attention.switch_attention` of ``model`` until :meth:`release`."""
+        self.attention.release()
+        self.attention = switch_attention(model)
 
     def release(self) -> None:
         """Drop the packed copy, restore every module's stock forward and the model's attention (idempotent)."""
@@ -288,9 +284,7 @@ class PackedLinears:
         if self.model is not None and getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
         self.model = None
-        if self.attention_model is not None:
-            self.attention_model.set_attn_implementation(self.attention)
-            self.attention_model = None
+        self.attention.release()
 
     def __enter__(self) -> PackedLinears:
         return self
@@ -309,7 +303,7 @@ class PackedLinears:
             "fused_groups": self.fused_groups,
             "packed_bytes": self.packed_bytes,
             "weight_bytes": self.weight_bytes,
-            "attention": DECODE_ATTENTION if self.attention_model is not None else None,
+            "attention": DECODE_ATTENTION if self.attention.active else None,
         }
 
 

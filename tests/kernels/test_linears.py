@@ -286,6 +286,18 @@ def test_decode_attention_switches_folds_and_restores(tiny_target_dir, fake_prob
         assert model.config._attn_implementation == "eager"  # another attention is left as it is
 
 
+
+def test_attention_switch_is_its_own_handle(tiny_target_dir):
+    model = _frozen_tiny(tiny_target_dir)
+    with switch.switch_attention(model) as handle:
+        assert handle.active and model.config._attn_implementation == switch.DECODE_ATTENTION
+    assert not handle.active and model.config._attn_implementation == "sdpa"
+    handle.release()  # idempotent
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    assert not switch.switch_attention(model).active and model.config._attn_implementation == "eager"
+    assert not switch.switch_attention(nn.Linear(2, 2)).active  # no transformers config: a draft head
+
 class _Attn(nn.Module):
     def __init__(self, bias: bool) -> None:
         super().__init__()
