@@ -121,17 +121,23 @@ def test_bad_options_and_a_bad_report(tiny_target_dir, tmp_path):
         _trainer(tmp_path / "other", _callback(k=8)).fit(StubModule(str(tiny_target_dir)), datamodule=RandomChat())
 
 
-def test_with_the_eagle3_module_and_chat_datamodule(tiny_target_dir, tmp_path, monkeypatch):
-    """Integration with the lead's Eagle3Module / ChatDataModule hook points (skipped if they are absent)."""
-    eagle3 = pytest.importorskip("draftkit.models.eagle3")
-    module_mod = pytest.importorskip("draftkit.data.datamodule")
-    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+def _chat_file(tmp_path):
+    """40 random two-turn conversations of a 10-word vocabulary (seeded)."""
     rng = random.Random(0)
     data = tmp_path / "chat.jsonl"
     words = ["the", "draft", "head", "reads", "aux", "states", "and", "predicts", "next", "token"]
     data.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": " ".join(rng.choices(words, k=5))},
         {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 25)))}]}) + "\n" for _ in range(40)))
+    return data
+
+
+def test_with_the_eagle3_module_and_chat_datamodule(tiny_target_dir, tmp_path, monkeypatch):
+    """Integration with the lead's Eagle3Module / ChatDataModule hook points (skipped if they are absent)."""
+    eagle3 = pytest.importorskip("draftkit.models.eagle3")
+    module_mod = pytest.importorskip("draftkit.data.datamodule")
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    data = _chat_file(tmp_path)
     model = eagle3.Eagle3Module(target=str(tiny_target_dir), target_dtype="float32", draft_vocab_size=64,
                                 ttt=eagle3.TTTConfig(steps=2))
     dm = module_mod.ChatDataModule(path=str(data), tokenizer=str(tiny_target_dir), max_length=128, val_size=4, batch_size=4)
@@ -153,12 +159,7 @@ def test_auto_hidden_state_cache_is_written_for_the_chosen_layers(tiny_target_di
 
     monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("draftkit.analysis.report.run_layer_analysis", lambda *a, **kw: {"chosen": [1, 3, 6]})
-    rng = random.Random(0)
-    data = tmp_path / "chat.jsonl"
-    words = ["the", "draft", "head", "reads", "aux", "states", "and", "predicts", "next", "token"]
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(rng.choices(words, k=5))},
-        {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 25)))}]}) + "\n" for _ in range(40)))
+    data = _chat_file(tmp_path)
     model = Eagle3Module(target=str(tiny_target_dir), target_dtype="float32", draft_vocab_size=64,
                          ttt=TTTConfig(steps=2))
     dm = ChatDataModule(path=str(data), tokenizer=str(tiny_target_dir), max_length=128, val_size=4, batch_size=4,
