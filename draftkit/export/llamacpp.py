@@ -18,9 +18,10 @@ release predates the ``eagle3`` constants, so the key and tensor names are writt
 - the target's tokenizer (every ``tokenizer.*`` key, copied from the target's own GGUF: llama.cpp compares the
   draft's vocabulary with the target's).
 
+Llama 3 scaled RoPE is written as llama.cpp's ``rope_freqs.weight`` (float32 divisors of the plain frequencies).
 llama.cpp lacks, and so this module refuses: EAGLE-3.1 ``fc_norm`` (per-layer norms before fc) and ``norm_output``
-(eagle3.cpp always feeds the pre-norm state to the next step), a head fusing other than 3 target layers, and scaled
-RoPE (not written here).
+(eagle3.cpp always feeds the pre-norm state to the next step), a head fusing other than 3 target layers, and other
+scaled RoPE types (not written here).
 
 Weights: 2-D matrices in the export dtype (``bfloat16`` default, ``float16``, ``float32``, or ``q8_0``: blocks of 32
 with an fp16 scale, the gguf library's own quantizer), 1-D norms in float32 (as llama.cpp's converter stores them).
@@ -45,8 +46,8 @@ from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 
 __all__ = ["ENGINE", "ENGINE_VERSION", "EXTRA_DTYPES", "GGUF_FILE", "LAYER_PREFIX", "build_files", "check_supported",
-           "from_engine_ids", "gguf_tensor_name", "launch_command", "read_files", "read_view", "round_weights",
-           "target_gguf_path"]
+           "from_engine_ids", "gguf_tensor_name", "launch_command", "read_files", "read_view", "rope_freq_factors",
+           "round_weights", "target_gguf_path"]
 
 ENGINE = "llamacpp"
 ENGINE_VERSION = "b11434"
@@ -89,7 +90,7 @@ def check_supported(cfg: Eagle3Config) -> None:
     """Refuse a head llama.cpp b11434 cannot serve, naming what it lacks.
 
     Raises:
-        ValueError: for ``fc_norm``, ``norm_output``, other than 3 aux layers, or scaled RoPE.
+        ValueError: for ``fc_norm``, ``norm_output``, other than 3 aux layers, or scaled RoPE other than Llama 3's.
     """
     lacks = []
     if cfg.fc_norm:
@@ -99,8 +100,9 @@ def check_supported(cfg: Eagle3Config) -> None:
         lacks.append("norm_output (eagle3.cpp feeds the pre-norm state to the next draft step)")
     if cfg.num_aux_layers != 3:
         lacks.append(f"{cfg.num_aux_layers} target layers (eagle3.cpp requires exactly 3 in eagle3.target_layers)")
-    if rope_legacy_fields(cfg.rope)[1] is not None:
-        lacks.append(f"scaled RoPE {rope_legacy_fields(cfg.rope)[1]} (this exporter writes plain RoPE only)")
+    scaling = rope_legacy_fields(cfg.rope)[1]
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        lacks.append(f"scaled RoPE {scaling} (this exporter writes plain RoPE and Llama 3's rope_freqs only)")
     if lacks:
         raise ValueError(f"--to {ENGINE}: llama.cpp {ENGINE_VERSION} cannot serve this head: it lacks "
                          + "; ".join(lacks) + ". Export it for vllm, sglang or trtllm instead")
@@ -142,6 +144,20 @@ def launch_command(source: HeadSource, out_dir: str, k: int, target_gguf: str | 
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
+
+
+def rope_freq_factors(cfg: Eagle3Config) -> torch.Tensor | None:
+    """llama.cpp's ``rope_freqs.weight`` for a Llama 3 scaled RoPE: (d/2,) float32 divisors of the plain
+    frequencies (ggml_rope_ext's freq_factors), from transformers' own ``llama3`` RoPE; None for plain RoPE."""
+    theta, scaling = rope_legacy_fields(cfg.rope)
+    if scaling is None:
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg.llama_config())  # (d/2,)
+    d = cfg.head_dim
+    plain = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # (d/2,)
+    return (plain / scaled).float()
 
 
 def _rope_rows(w: torch.Tensor, heads: int, to_gguf: bool) -> torch.Tensor:
@@ -304,7 +320,9 @@ def _write_gguf(path: Path, tensors: dict[str, torch.Tensor], cfg: Eagle3Config,
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value, kind, sub in _tokenizer_fields(target_gguf, cfg.vocab_size):
         writer.add_key_value(key, value, kind, sub_type=sub)
-    for tname, value in _gguf_tensors(tensors, cfg).items():
+    factors = rope_freq_factors(cfg)
+    extra = {} if factors is None else {"rope_freqs.weight": factors}
+    for tname, value in {**_gguf_tensors(tensors, cfg), **extra}.items():
         kind = _ggml_type(tname, tuple(value.shape), dtype_name)
         writer.add_tensor(tname, _to_numpy(value, kind), raw_dtype=kind)
     writer.write_header_to_file()
@@ -383,8 +401,11 @@ def read_files(directory: str | Path, sidecar: dict) -> tuple[dict, dict[str, to
     heads, kv_heads = _field(reader, f"{a}.attention.head_count"), _field(reader, f"{a}.attention.head_count_kv")
     names = {gguf_tensor_name(n): n for n in (*(LAYER_PREFIX + k for k in _LAYER_NAMES), *_TOP_NAMES)}
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, torch.float32)
-    tensors = {}
+    tensors, factors = {}, None
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight" and t.tensor_type == gguf.GGMLQuantizationType.F32:
+            factors = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
         if t.name not in names:
             raise ValueError(f"{path}: unexpected tensor {t.name!r}")
         name = names[t.name]
@@ -422,6 +443,9 @@ def read_files(directory: str | Path, sidecar: dict) -> tuple[dict, dict[str, to
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[absolute] = True
         tensors["t2d"] = t2d  # (V,)
+    rope = {"rope_theta": _field(reader, f"{a}.rope.freq_base")}
+    if factors is not None:  # Llama 3 RoPE: the sidecar's fields, when they give exactly these factors
+        rope = (sidecar.get("head_config") or {}).get("rope") or rope
     cfg = Eagle3Config(
         hidden_size=_field(reader, f"{a}.embedding_length"),
         target_hidden_size=_field(reader, f"{a}.target_hidden_size"),
@@ -434,8 +458,12 @@ def read_files(directory: str | Path, sidecar: dict) -> tuple[dict, dict[str, to
         draft_vocab_size=tensors["lm_head.weight"].shape[0],
         rms_norm_eps=eps,
         max_position_embeddings=_field(reader, f"{a}.context_length"),
-        rope={"rope_theta": _field(reader, f"{a}.rope.freq_base")},
+        rope=rope,
     )
+    expected = rope_freq_factors(cfg) if factors is not None else None
+    if factors is not None and (expected is None or not torch.equal(expected, factors)):
+        raise ValueError(f"{path}: rope_freqs.weight does not match the Llama 3 RoPE recorded in the sidecar "
+                         f"({(sidecar.get('head_config') or {}).get('rope')})")
     config = llama_config_fields(cfg, str(torch_dtype).removeprefix("torch."))
     config.update({
         "norm_before_residual": bool(_field(reader, f"{a}.norm_before_residual")),

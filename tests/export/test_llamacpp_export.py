@@ -12,6 +12,7 @@ import torch
 from export_helpers import make_flagged_head, make_head, write_checkpoint
 
 from draftkit.export import export_checkpoint, load_exported_head
+from draftkit.export.common import rope_legacy_fields
 from draftkit.export.llamacpp import GGUF_FILE, round_weights
 
 T = gguf.GGMLQuantizationType
@@ -26,15 +27,13 @@ NORMS = {"blk.0.attn_norm.weight": "midlayer.input_layernorm.weight",
          "blk.0.ffn_norm.weight": "midlayer.post_attention_layernorm.weight", "output_norm.weight": "norm.weight"}
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """A tokenizer-only GGUF for the tiny target (V = 320), as a target GGUF carries one."""
-    path = tmp_path_factory.mktemp("tgt") / "tiny.gguf"
+def _tokenizer_gguf(path, n=320):
+    """A tokenizer-only GGUF of n tokens, as a target GGUF carries one."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
-    w.add_token_list([f"tok{i}" for i in range(320)])
-    w.add_token_types([1] * 320)
+    w.add_token_list([f"tok{i}" for i in range(n)])
+    w.add_token_types([1] * n)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template("{{ messages }}")
@@ -43,6 +42,12 @@ def tiny_gguf(tmp_path_factory):
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """The tiny target's (V = 320) tokenizer GGUF."""
+    return _tokenizer_gguf(tmp_path_factory.mktemp("tgt") / "tiny.gguf")
 
 
 def _read(out):
@@ -130,8 +135,26 @@ def test_q8_0_matrices_and_self_check(tiny_target_dir, tiny_gguf, tmp_path):
         assert torch.equal(value, rounded[name]), name
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+
+
+def test_llama3_rope_is_written_as_rope_freqs(tiny_target_dir, tiny_gguf, tmp_path):
+    head, _, out = _export(tmp_path, tiny_target_dir, tiny_gguf, {"rope": {"rope_parameters": LLAMA3}})
+    _, tensors = _read(out)
+    factors = torch.from_numpy(tensors["rope_freqs.weight"].data.copy())
+    assert tensors["rope_freqs.weight"].tensor_type == T.F32 and factors.shape == (8,)
+    # d = 16, theta 5e4, 64 original positions: the fastest pair keeps its frequency, the slowest is divided by 8
+    assert factors[0] == 1.0 and factors[-1] == pytest.approx(8.0)
+    back, _ = load_exported_head(out)
+    assert rope_legacy_fields(back.config.rope) == rope_legacy_fields(head.config.rope) == (50000.0, LLAMA3_SCALING)
+
+
 @pytest.mark.parametrize("flags, lacks", [({"fc_norm": True}, "lacks fc_norm"),
-                                          ({"norm_output": True}, "lacks norm_output")])
+                                          ({"norm_output": True}, "lacks norm_output"),
+                                          ({"rope": {"rope_parameters": {**LLAMA3, "rope_type": "yarn"}}},
+                                           "lacks scaled RoPE")])
 def test_heads_llamacpp_cannot_serve_are_refused(flags, lacks, tiny_target_dir, tiny_gguf, tmp_path):
     with pytest.raises(ValueError, match=f"llama.cpp b11434 cannot serve this head: it {lacks}"):
         _export(tmp_path, tiny_target_dir, tiny_gguf, flags)
@@ -143,6 +166,9 @@ def test_target_without_gguf_is_refused(tiny_target_dir, tmp_path):
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids)
     with pytest.raises(ValueError, match="pass --target_gguf with the target GGUF"):
         export_checkpoint(ckpt, "llamacpp", tmp_path / "lc")
+    other = _tokenizer_gguf(tmp_path / "other.gguf", 100)
+    with pytest.raises(ValueError, match="other.gguf has 100 tokens but the head was trained for a target vocabulary of 320"):
+        export_checkpoint(ckpt, "llamacpp", tmp_path / "lc", target_gguf=other)
     with pytest.raises(ValueError, match="unknown dtype 'q8_0' for vllm"):
         export_checkpoint(ckpt, "vllm", tmp_path / "v", dtype="q8_0")
     assert not (tmp_path / "lc").exists()
