@@ -1,4 +1,5 @@
-"""llama.cpp export: one EAGLE-3 ``.gguf`` that ``llama-server --spec-type draft-eagle3`` loads beside the target GGUF.
+"""llama.cpp export: one EAGLE-3 ``.gguf`` that ``llama-server --spec-type draft-eagle3`` loads beside the target GGUF
+(eagle3-format.md §7.8).
 
 What llama.cpp b11434 reads (``src/models/eagle3.cpp``, ``src/llama-arch.cpp``, ``conversion/llama.py`` of its
 converter, ``common/speculative.cpp``), and so what this module writes with the ``gguf`` library (whose PyPI 0.19
