@@ -12,8 +12,8 @@ the target's tokenizer; 3. for each configuration start one llama-server (``--th
 prompts greedily, read tokens/s from the server's ``timings`` and draft counters from ``/metrics``: plain;
 ``draft-eagle3`` at each k; ``ngram-mod`` and ``draft-eagle3,ngram-mod``; ``draft-eagle3`` with ``--spec-synth-len``
 tau at each k (llama.cpp still runs the head, then accepts each draft token at random so that the mean accepted
-length is tau: the speed a head of that tau would give); plain again at the end (drift of the shared machine);
-4. write one JSON: speed ratios against the mean of the two plain runs, the accepted length llama.cpp measured, and
+length is tau: the speed a head of that tau would give); plain also in the middle and at the end (drift of the shared
+machine); 4. write one JSON: speed ratios against the mean of the three plain runs, the accepted length llama.cpp measured, and
 per k the break-even tau (linear interpolation of the synthetic speed ratios to 1.0).
 
 Shapes: none (a script).
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ks", default="1,3", help="k values for the real head")
-    p.add_argument("--synth", default="1:1.0,1.5,2.0;3:1.0,2.0,3.0,4.0;5:1.0,3.0,6.0",
+    p.add_argument("--synth", default="1:1.0,1.5,2.0;2:1.0,2.0,3.0;3:1.0,2.0,3.0,4.0;5:1.0,3.0,4.5,6.0",
                    help="k:tau,tau;... for --spec-synth-len")
     p.add_argument("--budget-s", type=float, default=120.0, help="time budget per configuration")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     configs.append(("ngram-mod", ["--spec-type", "ngram-mod"]))
     configs.append(("eagle3,ngram-mod k=3", ["-md", head_gguf, "--spec-type", "draft-eagle3,ngram-mod",
                                              "--spec-draft-n-max", "3"]))
+    configs.append(("plain (mid)", []))
     synth = []
     for part in args.synth.split(";"):
         k, taus = part.split(":")
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[name]
         print(f"{name:28s} {r['tokens_per_s'] or 0:7.2f} tok/s  tau {r['tau'] or 1.0:.3f}  "
               f"({r['prompts_run']} prompts, {time.perf_counter() - t:.0f} s)", flush=True)
-    plain = (runs["plain"]["tokens_per_s"] + runs["plain (again)"]["tokens_per_s"]) / 2
+    plain_runs = [runs[n]["tokens_per_s"] for n in ("plain", "plain (mid)", "plain (again)")]
+    plain = sum(plain_runs) / len(plain_runs)
     for r in runs.values():
         r["speed_vs_plain"] = r["tokens_per_s"] / plain if r["tokens_per_s"] else None
     n_plain = runs["plain"]["prompts_run"]
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores_note": f"{os.cpu_count()} cores shared with other jobs; llama-server -t {args.threads}",
         "head": str(args.head), "head_gguf": head_gguf, "target_gguf": target, "num_prompts": len(prompts),
         "max_tokens": args.max_tokens, "temperature": 0.0, "plain_tokens_per_s_mean": plain,
+        "plain_tokens_per_s_runs": plain_runs,
         "texts_equal_to_plain": equal,
         "runs": {name: {k: v for k, v in r.items() if k != "texts"} for name, r in runs.items()},
         "synthetic": {str(k): {"points": table[k], "break_even_tau": break_even(table[k])} for k in ks},

@@ -80,14 +80,20 @@ def test_llama_server_serves_the_exported_head(server_binary, exported):
     print(f"draft-eagle3,ngram-mod: accepted length {chain['tau']:.3f}, {chain['tokens_per_s']:.1f} tok/s")
 
 
-def test_export_equals_llama_cpp_converter(exported, tmp_path):
-    import gguf
-    import numpy as np
-
+@pytest.fixture(scope="module")
+def llama_cpp_tree():
+    """The llama.cpp source tree in the user's cache (module scope: the per-test isolated cache is not set yet)."""
     from draftkit.artifacts import cache_dir
     from llamacpp_spec import LLAMA_CPP
 
-    tree = cache_dir() / LLAMA_CPP
+    return cache_dir() / LLAMA_CPP
+
+
+def test_export_equals_llama_cpp_converter(exported, llama_cpp_tree, tmp_path):
+    import gguf
+    import numpy as np
+
+    tree = llama_cpp_tree
     if not (tree / "convert_hf_to_gguf.py").is_file() or importlib.util.find_spec("sentencepiece") is None:
         pytest.skip("llama.cpp's converter or sentencepiece (its import) not present")
     head_gguf, _, _ = exported
