@@ -10,6 +10,7 @@ import gguf
 import pytest
 import torch
 from export_helpers import make_flagged_head, make_head, write_checkpoint
+from safetensors.torch import load_file
 
 from draftkit.export import export_checkpoint, load_exported_head
 from draftkit.export.common import rope_legacy_fields
@@ -104,6 +105,10 @@ def test_gguf_holds_what_llamacpp_reads(tiny_target_dir, tiny_gguf, tmp_path):
     for name, value in back.export_state_dict().items():
         want = state[name].to(torch.bfloat16).float() if state[name].is_floating_point() else state[name]
         assert torch.equal(value, want), name
+    # the GGUF export re-exports for another engine: the same bf16 tensors as exporting the checkpoint directly
+    again = load_file(str(export_checkpoint(out, "vllm", tmp_path / "v") / "model.safetensors"))
+    direct = load_file(str(export_checkpoint(tmp_path / "h.ckpt", "vllm", tmp_path / "d") / "model.safetensors"))
+    assert again.keys() == direct.keys() and all(torch.equal(again[k], direct[k]) for k in direct)
 
 
 def test_eagle31_norm_before_fc_and_residual_flags(tiny_target_dir, tiny_gguf, tmp_path):
