@@ -27,14 +27,15 @@ def export(
     sglang_aux_rule: Optional[str] = None,
     verifier: Optional[str] = None,
     target_name: Optional[str] = None,
+    target_gguf: Optional[str] = None,
 ) -> str:
     """Export a training checkpoint as a directory a serving engine loads (config.json, model.safetensors, sidecar).
 
     Args:
         checkpoint: a .ckpt written by `draftkit fit`, or an export directory (e.g. checkpoints/smollm2-135m-eagle3-head) to re-export for another engine.
         out_dir: export directory to create (refused if it exists, unless --overwrite true).
-        to: engine layout, one of draftkit.export.ENGINES (vllm, speculators, sglang, trtllm, ...).
-        dtype: weight dtype: bfloat16 (default), float16 or float32.
+        to: engine layout, one of draftkit.export.ENGINES (vllm, speculators, sglang, trtllm, llamacpp: one .gguf, ...).
+        dtype: weight dtype: bfloat16 (default), float16 or float32; for --to llamacpp also q8_0.
         overwrite: replace an existing out_dir.
         target: target reference overriding the checkpoint's (local dir, hub id, pypi:..., .gguf).
         num_speculative_tokens: chain of k draft tokens per round written into speculators/TensorRT-LLM configs and the launch line (default 3; old spelling -k).
@@ -43,6 +44,7 @@ def export(
         sglang_version: SGLang release the export targets (selects the aux-id rule; default the newest verified).
         sglang_aux_rule: explicit SGLang aux-id rule (plus_one or plus_one_if_first_is_one) for newer releases.
         verifier: speculators verifier name_or_path (default: the target name).
+        target_gguf: for --to llamacpp, the target's GGUF (its tokenizer goes into the head's GGUF; llama-server -m loads it); default: the checkpoint's target when it is a .gguf.
         target_name: name the serving host loads the target by (hub id or its path there), for the launch line, the speculators verifier and the sidecar; default: the checkpoint's target reference as given, or (with a warning) the local cache path when that reference is tiny:, pypi: or a cache path.
 
     Returns:
@@ -62,7 +64,8 @@ def export(
     if to is None:
         raise ValueError(f"give the engine layout with --to, one of {', '.join(ENGINES)}")
     k, speculation = resolve_speculation(num_speculative_tokens, tree, from_report)
-    options = {"sglang_version": sglang_version, "sglang_aux_rule": sglang_aux_rule, "verifier": verifier}
+    options = {"sglang_version": sglang_version, "sglang_aux_rule": sglang_aux_rule, "verifier": verifier,
+               "target_gguf": target_gguf}
     path = export_checkpoint(
         checkpoint, to, out_dir, dtype=dtype, overwrite=overwrite, target=target, target_name=target_name,
         num_speculative_tokens=k, speculation=speculation, **{n: v for n, v in options.items() if v is not None},

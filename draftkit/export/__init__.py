@@ -1,4 +1,4 @@
-"""Export trained EAGLE3 heads for serving engines: vLLM, speculators (vLLM), SGLang, TensorRT-LLM.
+"""Export trained EAGLE3 heads for serving engines: vLLM, speculators (vLLM), SGLang, TensorRT-LLM, llama.cpp.
 
 This package is the only place where aux-layer ids leave draftkit's HF ``hidden_states`` convention: each
 engine module has one conversion function that states its rule. Engines are a registry, :data:`ENGINES`
@@ -15,6 +15,11 @@ engine module has one conversion function that states its rule. Engines are a re
 - ``launch_command(source, out_dir, k[, tree]) -> str``; an engine without the ``tree`` keyword exports chains
   only.
 
+An engine with its own weight file (llama.cpp's one GGUF) also has ``read_files(directory, sidecar) -> (config
+view, tensors by draftkit name)``, returns ``config`` None, ``write_weights(tensors, tmp_dir)`` and ``launch`` from
+``build_files``, and may add ``EXTRA_DTYPES`` (``q8_0``) and ``round_weights(state, dtype)`` (what the export
+self-check compares against).
+
 ``speculation`` holds the speculation shape (chain k, or tree depth/top-k/N, by hand or from an evaluate
 report) that ``draftkit export --tree`` / ``--from_report`` give the exporter.
 
@@ -25,10 +30,10 @@ Shapes: H draft hidden, H_t target hidden, V target vocab, V_d draft vocab, N ta
 
 from types import ModuleType
 
-from draftkit.export import sglang, speculators, trtllm, vllm
+from draftkit.export import llamacpp, sglang, speculators, trtllm, vllm
 from draftkit.export.common import EXPORT_DTYPES
 
-ENGINES: dict[str, ModuleType] = {m.ENGINE: m for m in (vllm, speculators, sglang, trtllm)}
+ENGINES: dict[str, ModuleType] = {m.ENGINE: m for m in (vllm, speculators, sglang, trtllm, llamacpp)}
 """The engine registry: name -> engine module."""
 
 

@@ -70,6 +70,10 @@ ENGINE_TARGET_FAMILIES: dict[str, frozenset[str]] = {
     # TensorRT-LLM (source, tensorrt_llm/_torch/models/modeling_<family>.py): the decoder layers hand their output to
     # spec_metadata.maybe_capture_hidden_states; modeling_gemma3.py and modeling_gemma2.py do not
     "trtllm": _CAPTURE_EVERYWHERE,
+    # llama.cpp b11434: the target's graph (src/models/<file>.cpp) records its layer inputs (res->t_layer_inp), which
+    # draft-eagle3 extracts: llama.cpp (llama, mistral), qwen3.cpp, qwen3moe.cpp, openai-moe.cpp (gpt_oss); qwen2.cpp,
+    # deepseek2.cpp, gemma2.cpp and gemma3.cpp do not (llama-server aborts: "layer input tensor is null")
+    "llamacpp": frozenset({"llama", "mistral", "qwen3", "qwen3_moe", "gpt_oss"}),
 }
 """Engine -> the target ``model_type`` values whose target model captures EAGLE3 aux hidden states in that
 engine, as read in each engine's code (the table, files and versions: eagle3-format.md §7.7). Only the families of
@@ -270,16 +274,19 @@ def write_directory(
     text_files: dict[str, str],
     overwrite: bool,
     check,
+    write_weights=None,
 ) -> Path:
     """Write an export directory atomically: build it in a temporary sibling, check it, then rename.
 
     Args:
         out_dir: the final directory.
-        tensors: written to ``model.safetensors`` (with ``{"format": "pt"}`` metadata).
+        tensors: written to ``model.safetensors`` (with ``{"format": "pt"}`` metadata), or by ``write_weights``.
         json_files: file name -> JSON object (``config.json``, the sidecar, ...).
         text_files: file name -> text.
         overwrite: replace an existing ``out_dir``.
         check: ``check(tmp_dir)`` runs on the finished temporary directory before the rename; it raises to abort.
+        write_weights: ``write_weights(tensors, tmp_dir)`` writes the weights in an engine's own format (llama.cpp:
+            one GGUF) instead of ``model.safetensors``.
 
     Returns:
         The final directory path.
@@ -300,7 +307,10 @@ def write_directory(
     check_free_space(out_dir.parent, nbytes, f"export to {out_dir}")
     with atomic_path(out_dir, directory=True) as tmp:
         try:
-            _write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+            if write_weights is None:
+                _write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+            else:
+                write_weights(tensors, tmp)
             for name, text in json_text.items():
                 (tmp / name).write_text(text)
             for name, text in text_files.items():

@@ -105,8 +105,9 @@ def export_checkpoint(
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
+    dtypes = _engine_dtypes(ENGINES[engine])
+    if dtype not in dtypes:
+        raise ValueError(f"unknown dtype {dtype!r} for {engine}; choose one of {', '.join(dtypes)}")
     k = _draft_tokens(num_speculative_tokens, speculation)
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
@@ -119,6 +120,12 @@ def export_checkpoint(
         source, engine, out_dir, dtype=dtype, overwrite=overwrite, num_speculative_tokens=k,
         target_name=target_name, speculation=speculation, **engine_options,
     )
+
+
+def _engine_dtypes(module) -> dict[str, torch.dtype]:
+    """Export dtype name -> dtype of the serving tensors: :data:`EXPORT_DTYPES` plus the engine's
+    ``EXTRA_DTYPES`` (llama.cpp's ``q8_0``, quantized when written)."""
+    return {**EXPORT_DTYPES, **getattr(module, "EXTRA_DTYPES", {})}
 
 
 def _draft_tokens(num_speculative_tokens: int | None, speculation: Speculation | None) -> int:
@@ -207,7 +214,7 @@ def export_head_source(
     family_note = engine_family_warning(engine, model_type)
     if family_note:
         log.warning("%s", family_note)
-    torch_dtype = EXPORT_DTYPES[dtype]
+    torch_dtype = _engine_dtypes(module)[dtype]
     if dtype == "float16":
         log.warning("exporting fp16 weights: fp16 drafts have overflowed to NaN logits in engines; prefer bfloat16")
 
@@ -215,7 +222,7 @@ def export_head_source(
     validate_tensors(tensors, cfg, torch_dtype, module.LAYER_PREFIX, where=f"{source.path} -> {engine}")
 
     files = module.build_files(source, str(out_dir), dtype, k, engine_options)
-    launch = _launch_command(module, source, str(out_dir), k, speculation)
+    launch = files.get("launch") or _launch_command(module, source, str(out_dir), k, speculation)
     config, written = files["config"], files["engine_aux_layer_ids"]
     engine_version = files.get("engine_version", module.ENGINE_VERSION)
 
@@ -263,8 +270,9 @@ def export_head_source(
     def check(tmp: Path) -> None:
         verify_export(tmp, source)
 
-    path = write_directory(out_dir, tensors, {"config.json": config, SIDECAR: sidecar}, files.get("text_files", {}),
-                           overwrite, check)
+    json_files = {SIDECAR: sidecar} if config is None else {"config.json": config, SIDECAR: sidecar}
+    path = write_directory(out_dir, tensors, json_files, files.get("text_files", {}), overwrite, check,
+                           write_weights=files.get("write_weights"))
     log.info("exported %s for %s into %s", source.path, engine, path)
     return path
 
@@ -314,13 +322,19 @@ def verify_export(directory: str | Path, source: HeadSource, seed: int = 0) -> f
     Raises:
         ValueError: when a check fails (names the directory, the step and the difference).
     """
+    from draftkit.export import ENGINES
+
     directory = Path(directory)
     loaded, _ = load_exported_head(directory)
     cfg = source.config
-    config, _, tensors = read_export(directory)
+    config, sidecar, tensors = read_export(directory)
     dtype = tensors["fc.weight"].dtype
     original = Eagle3LlamaHead(cfg)
-    rounded = {k: (v.to(dtype).float() if v.is_floating_point() else v) for k, v in source.state.items()}
+    round_weights = getattr(ENGINES[sidecar["engine"]], "round_weights", None)  # an engine that quantizes (q8_0)
+    if round_weights is not None:
+        rounded = round_weights(source.state, sidecar["dtype"])
+    else:
+        rounded = {k: (v.to(dtype).float() if v.is_floating_point() else v) for k, v in source.state.items()}
     original.load_state_dict(rounded, strict=False)
     original.eval()
 

@@ -34,26 +34,35 @@ _STRUCTURAL = (
 
 
 def read_export(directory: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """Read the three files of an export directory.
+    """Read the files of an export directory.
 
     Args:
         directory: an export directory.
 
     Returns:
-        (config.json dict, sidecar dict, tensors by name as stored).
+        (config.json dict, sidecar dict, tensors by name as stored). An engine with its own weight format
+        (``read_files``, e.g. llama.cpp's GGUF) gives its config view and the tensors under draftkit names.
 
     Raises:
         FileNotFoundError: if the directory or one of ``config.json``, ``model.safetensors``,
-            ``draftkit_export.json`` is missing.
+            ``draftkit_export.json`` (or the engine's own file) is missing.
     """
     from safetensors.torch import load_file
 
+    from draftkit.export import ENGINES
+
     directory = Path(directory)
-    for name in ("config.json", "model.safetensors", SIDECAR):
+    if not (directory / SIDECAR).is_file():
+        raise FileNotFoundError(f"{directory} is not a draftkit export directory: {SIDECAR} is missing")
+    sidecar = json.loads((directory / SIDECAR).read_text())
+    read_files = getattr(ENGINES.get(sidecar.get("engine")), "read_files", None)
+    if read_files is not None:
+        config, tensors = read_files(directory, sidecar)
+        return config, sidecar, tensors
+    for name in ("config.json", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory} is not a draftkit export directory: {name} is missing")
     config = json.loads((directory / "config.json").read_text())
-    sidecar = json.loads((directory / SIDECAR).read_text())
     tensors = load_file(str(directory / "model.safetensors"))
     return config, sidecar, tensors
 

@@ -150,4 +150,4 @@ def test_registered_engine_is_offered_by_the_cli_and_the_callback(tmp_path, monk
     with pytest.raises(ValueError, match="lacks"):
         export.register_engine(types.ModuleType("broken"))
     assert main(["export", str(ckpt), str(tmp_path / "o2"), "--to", "nope"]) == 2
-    assert "unknown engine 'nope'; choose one of vllm, speculators, sglang, trtllm, fake" in capsys.readouterr().err
+    assert "unknown engine 'nope'; choose one of vllm, speculators, sglang, trtllm, llamacpp, fake" in capsys.readouterr().err

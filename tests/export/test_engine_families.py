@@ -20,7 +20,7 @@ LOGGER = "draftkit.export.exporter"
 
 
 def test_the_table_covers_every_engine_and_every_supported_family():
-    assert set(ENGINE_TARGET_FAMILIES) == set(ENGINES) == {"vllm", "speculators", "sglang", "trtllm"}
+    assert set(ENGINE_TARGET_FAMILIES) == set(ENGINES) == {"vllm", "speculators", "sglang", "trtllm", "llamacpp"}
     assert set(SUPPORTED_MODEL_TYPES) <= CHECKED_TARGET_FAMILIES
     for engine, families in ENGINE_TARGET_FAMILIES.items():
         assert families <= CHECKED_TARGET_FAMILIES, engine
@@ -28,7 +28,10 @@ def test_the_table_covers_every_engine_and_every_supported_family():
     assert {e for e, f in ENGINE_TARGET_FAMILIES.items() if "gemma3_text" in f} == {"sglang"}
     assert not any("gemma2" in f for f in ENGINE_TARGET_FAMILIES.values())
     for family in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "deepseek_v3"):
-        assert all(family in f for f in ENGINE_TARGET_FAMILIES.values()), family
+        assert all(family in f for e, f in ENGINE_TARGET_FAMILIES.items() if e != "llamacpp"), family
+    # llama.cpp b11434 records target layer inputs only in some graphs (src/models/*.cpp: res->t_layer_inp)
+    assert ENGINE_TARGET_FAMILIES["llamacpp"] == {"llama", "mistral", "qwen3", "qwen3_moe", "gpt_oss"}
+    assert "engines that serve it: sglang." in engine_family_warning("llamacpp", "gemma3_text")
 
 
 def test_warning_text_per_case():

@@ -120,7 +120,7 @@ def test_fit_evaluate_export(family, family_dirs, tmp_path, monkeypatch):
         (r["rounds"], r["new_tokens"]) for r in report["per_prompt"]]
 
     state = head.export_state_dict()
-    for engine in ENGINES:
+    for engine in (e for e in ENGINES if e != "llamacpp"):  # needs the target's GGUF: test_llamacpp_export.py
         out = export_checkpoint(ckpt, engine, tmp_path / engine, dtype="float32")
         back, _ = load_exported_head(out)
         for name, value in back.export_state_dict().items():
