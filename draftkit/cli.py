@@ -13,7 +13,9 @@ explicit value wins. The choice and its reason go to the logger's hparams and th
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -219,6 +221,12 @@ class _RunStart(Callback):
     checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""
 
     step = 0
+    ctrl_c = False
+    """Whether a Ctrl-C asked this run to stop."""
+    stopped: BaseException | None = None
+    """The exception that stopped a fit after training started (``SIGTERMException`` for Ctrl-C/SIGTERM)."""
+    saved_last: str = ""
+    """``last.ckpt`` written at the step a SIGTERM/Ctrl-C stopped at ("" when none was)."""
     trainer_options: dict | None = None
     """The run's trainer options (``_trainer_record``), stored in every checkpoint for resume checks."""
 
@@ -226,12 +234,14 @@ class _RunStart(Callback):
         """Read the start step; install the Ctrl-C handler (after Lightning's own signal set-up, which restores
         the handlers it found when fit ends)."""
         self.step = trainer.global_step
+        self._started = True
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return  # SIGINT ignored (a background job) or handled by the caller: leave it so
 
         def first_ctrl_c(signum, frame):
+            self.ctrl_c = True
             signal.signal(signal.SIGINT, signal.default_int_handler)
             rank_zero_info("Ctrl-C: stopping at the next step boundary (Ctrl-C again to interrupt at once)")
             os.kill(os.getpid(), signal.SIGTERM)
@@ -255,7 +265,77 @@ class _RunStart(Callback):
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Restore the Ctrl-C handler; after a SIGTERM or Ctrl-C stop during training (raised at a step boundary,
+        so the state is consistent) write ``last.ckpt`` at the current step (``_save_final_last``), so that no step
+        is lost even without an ``InterruptCheckpoint``."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         self._restore()
+        if trainer.state.fn != "fit" or not hasattr(self, "_started"):
+            return
+        self.stopped = exception
+        if isinstance(exception, SIGTERMException):
+            try:
+                self.saved_last = _save_final_last(trainer, trainer.checkpoint_callback)
+            except Exception as exc:  # noqa: BLE001 - e.g. NaN weights: reported, the stop itself is what counts
+                rank_zero_info(f"fit stopped: last.ckpt not written at step {trainer.global_step}: {exc}")
+
+
+
+def _resume_command(args: list[str], path: str) -> str:
+    """The shell-safe ``python -m draftkit fit ...`` command line that resumes ``path``: ``args`` (the fit's
+    arguments) with any ``--ckpt_path`` replaced."""
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--ckpt_path":
+            skip = True
+        elif not a.startswith("--ckpt_path="):
+            kept.append(a)
+    if not kept or kept[0] != "fit":
+        kept.insert(0, "fit")
+    return shlex.join(["python", "-m", "draftkit", *kept, "--ckpt_path", str(path)])
+
+
+def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
+    """Refuse a ``fit`` without ``--ckpt_path`` that would resume implicitly or overwrite a stopped run's state.
+
+    Lightning turns ``fit(ckpt_path=None)`` into ``"last"`` (its newest ``OnExceptionCheckpoint`` or ``last.ckpt``)
+    whenever an ``OnExceptionCheckpoint`` is registered, past draftkit's resume-option check; and an
+    ``InterruptCheckpoint`` file of a stopped run would be overwritten by this run's stop (or deleted at its end).
+    A resume goes through ``--ckpt_path`` only (checked by ``_check_resume_options``).
+
+    Raises:
+        ValueError: naming the callback or the stopped run's checkpoint (its step and run directory) and the
+            command that resumes it; raised before the target is loaded or anything is written.
+    """
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from draftkit.callbacks.interrupt import InterruptCheckpoint
+
+    if ckpt_path:
+        return
+    for cb in trainer.callbacks:
+        if isinstance(cb, OnExceptionCheckpoint):
+            raise ValueError(
+                "trainer.callbacks: lightning's OnExceptionCheckpoint makes a fit without --ckpt_path resume "
+                "silently from its file or a last.ckpt, past the resume-option check; use "
+                "draftkit.callbacks.interrupt.InterruptCheckpoint (same init_args) and resume with --ckpt_path"
+            )
+        if isinstance(cb, InterruptCheckpoint) and os.path.isfile(cb.ckpt_path):
+            import torch
+
+            try:
+                ckpt = torch.load(cb.ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+                what = f"the state of a stopped run at step {ckpt.get('global_step')} (run directory {ckpt.get(RUN_DIR_KEY)})"
+            except Exception:  # noqa: BLE001 - an unreadable file is still someone's; name it
+                what = "a file this run's InterruptCheckpoint would overwrite"
+            raise ValueError(
+                f"{cb.ckpt_path} holds {what}: this fit has no --ckpt_path, so it would start a new run and "
+                f"overwrite that state. Resume it (the options are checked against it): "
+                f"{_resume_command(args, cb.ckpt_path)} ; or move that file away to start a new run"
+            )
 
 
 class DraftkitCLI(LightningCLI):
@@ -272,6 +352,7 @@ class DraftkitCLI(LightningCLI):
         from draftkit.models.eagle3 import Eagle3Module
 
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        self._argv = [str(a) for a in (kwargs.get("args") if isinstance(kwargs.get("args"), list) else sys.argv[1:])]
         super().__init__(Eagle3Module, ChatDataModule, *args, **kwargs)
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
@@ -312,7 +393,43 @@ class DraftkitCLI(LightningCLI):
             "auto": auto_precision(device).as_dict(),
         }
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the verb; a ``fit`` stopped during training (Ctrl-C, SIGTERM, a second Ctrl-C) says what it wrote
+        and how to resume, and exits non-zero (130 after Ctrl-C, 143 after SIGTERM; Lightning exits 0 on SIGTERM)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            run = getattr(self, "_run_start", None)
+            if subcommand != "fit" or run is None or run.stopped is None:
+                raise
+            raise SystemExit(self._report_stop(run)) from exc
+
+    def _report_stop(self, run: _RunStart) -> int:
+        """Log where a stopped fit's state went and the command that resumes it; return the exit code."""
+        from draftkit.callbacks.interrupt import InterruptCheckpoint
+
+        trainer = self.trainer
+        written = [cb.ckpt_path for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint) and cb.written]
+        written += [run.saved_last] if run.saved_last and run.saved_last not in written else []
+        how = "Ctrl-C" if run.ctrl_c else "SIGTERM" if type(run.stopped).__name__ == "SIGTERMException" else \
+            "an immediate interrupt (second Ctrl-C)"
+        lines = [f"\ndraftkit fit stopped by {how} at optimizer step {trainer.global_step} "
+                 f"({trainer.global_step - run.step} in this run)."]
+        if written:
+            lines.append("  state written: " + ", ".join(_with_step(p) for p in written))
+            lines.append(f"  resume (the options are checked against it): {_resume_command(self._argv, written[0])}")
+        else:
+            ckpt = trainer.checkpoint_callback
+            last = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt else ""
+            lines.append("  no checkpoint written at the stop (add draftkit.callbacks.interrupt.InterruptCheckpoint, "
+                         "or ModelCheckpoint save_last: true); latest checkpoint: " + _with_step(last))
+            if last:
+                lines.append(f"  resume from it: {_resume_command(self._argv, last)}")
+        rank_zero_info("\n".join(lines))
+        return 130 if run.ctrl_c or isinstance(run.stopped, KeyboardInterrupt) else 143
+
     def before_fit(self) -> None:
+        _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()
         self._run_start.trainer_options = _trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
@@ -342,7 +459,7 @@ class DraftkitCLI(LightningCLI):
             f"auto on this machine: {auto['reason']})\n"
             f"  time budget: {budget}\n"
             f"  best checkpoint: {_with_step(best)}\n  last checkpoint: {_with_step(last)}\n"
-            f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
+            f"  TensorBoard logs: {logdir}  ({shlex.join(['tensorboard', '--logdir', str(logdir)])})\n"
             f"  validation: {metrics}"
         )
 
