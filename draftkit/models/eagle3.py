@@ -30,13 +30,16 @@ from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.heads.checkpoint import HEAD_PREFIX
 from draftkit.models import schedule
 from draftkit.models.schedule import RESUME_KEY
-from draftkit.models.ttt import later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
+from draftkit.models.ttt import draft_accuracy, later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
 __all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError"]
 
 log = logging.getLogger(__name__)
+
+LOW_DRAFT_COVERAGE = 0.5
+"""``val/draft_coverage`` below this warns: most drafts are then rejected whatever the head learns."""
 
 
 
@@ -328,7 +331,8 @@ class Eagle3Module(pl.LightningModule):
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
             self.target.aux_layer_ids, cfg.draft_vocab_size, vocab_size,
-            f" (covers {coverage:.1%} of assistant tokens)" if coverage is not None else "",
+            f" (covers {coverage:.1%} of the data's assistant tokens; of the target's own top tokens: "
+            "val/draft_coverage)" if coverage is not None else "",
         )
 
     def _check_filter_keeps_tokens(self, vocab_size: int) -> None:
@@ -481,7 +485,11 @@ class Eagle3Module(pl.LightningModule):
             batch_idx: the training batch index (seeds :meth:`aux_noise`; unused without noise).
 
         Returns:
-            (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
+            (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum, scored_sum)]): ``weight_sum``
+            Σ w over the supervised rows (the loss's normaliser: the target's top token is a draft id);
+            ``scored_sum`` Σ m_{p+2+k} (with the entropy filter's weight) over every row with a token to
+            predict, whatever the target's top token: decoding rejects a draft wherever the target's top token
+            is not a draft id, so accuracy is ``correct_sum / scored_sum`` (``ttt.draft_accuracy``).
         """
         input_ids, attn = batch["input_ids"], batch["attention_mask"]
         aux, last, lm_head = self._teacher(batch)  # (B, T, n*H_t), (B, T, H_t)
@@ -535,7 +543,8 @@ class Eagle3Module(pl.LightningModule):
             )
             denom = w_sum.detach() if global_w is None else global_w[k]
             total = total + (self.ttt.decay ** k) * loss_sum / denom.clamp_min(1.0)
-            stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
+            scored = shift(weights, 2 + k).sum()  # rows with a token to predict, in the draft vocab or not
+            stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach(), scored.detach()))
         return total, stats
 
     # -- non-finite guard ------------------------------------------------------------------------------
@@ -638,8 +647,8 @@ class Eagle3Module(pl.LightningModule):
         self._last_batch = (batch_idx, batch.get("source"))
         self._check_finite_loss(total, batch, batch_idx, "train")
         # one host copy for every step's (correct, supervised) count: the loop below reads host floats only
-        counts = torch.stack([torch.stack([c.float(), w.float()]) for _, c, w in stats]).tolist()  # [[c_k, w_k], ...]
-        supervised = sum(w for _, w in counts)
+        counts = torch.stack([torch.stack([c.float(), w.float(), n.float()]) for _, c, w, n in stats]).tolist()
+        supervised = sum(w for _, w, _ in counts)  # counts: [[c_k, w_k, scored_k], ...]
         self._batch_empty = supervised == 0 and self.trainer.world_size == 1
         self._epoch_batches[self._batch_empty] += 1
         if self._batch_empty:
@@ -649,13 +658,15 @@ class Eagle3Module(pl.LightningModule):
         bs = batch["input_ids"].shape[0]
         self.tokens_trained += int(batch["attention_mask"].sum())
         self.trained_length = max(self.trained_length, int(batch["input_ids"].shape[1]))
-        for k, ((loss_sum, correct_sum, w_sum), (_, w)) in enumerate(zip(stats, counts)):
+        for k, ((loss_sum, correct_sum, w_sum, _), (c, w, n)) in enumerate(zip(stats, counts)):
+            if n > 0:
+                self.log(f"train/acc_{k}", draft_accuracy(c, n), on_step=True, batch_size=bs)
             if w > 0:
-                self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)
                 self.log(f"train/loss_{k}", loss_sum / w_sum, on_step=True, batch_size=bs)
         self.log("train/loss", total, on_step=True, prog_bar=True, batch_size=bs)
-        if all(w > 0 for _, w in counts):
-            self.log("train/tau_sim", tau_sim([c / w for c, w in counts]), on_step=True, prog_bar=True, batch_size=bs)
+        if all(n > 0 for _, _, n in counts):
+            self.log("train/tau_sim", tau_sim([draft_accuracy(c, n) for c, _, n in counts]), on_step=True,
+                     prog_bar=True, batch_size=bs)
         self.log("train/supervised_tokens", counts[0][1], on_step=True, reduce_fx="sum", batch_size=bs)
         # x axis of learning curves (benchmarks/learning_curve.py): real tokens trained so far, all ranks
         self.log("train/tokens_trained", float(self.tokens_trained), on_step=True, reduce_fx="sum", sync_dist=True,
@@ -687,7 +698,8 @@ class Eagle3Module(pl.LightningModule):
             raise self._no_signal(f"every one of the {empty} training batches of epoch {self.current_epoch}")
 
     def on_validation_epoch_start(self) -> None:
-        self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)
+        self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)  # (K,) supervised
+        self._val_scored = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)  # (K,) scored rows
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate the batch's per-step accuracy and loss.
@@ -698,11 +710,13 @@ class Eagle3Module(pl.LightningModule):
         """
         total, stats = self.ttt_loss(batch)
         self._check_finite_loss(total, batch, batch_idx, "validation")
-        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
+        for k, (loss_sum, correct_sum, w_sum, scored) in enumerate(stats):
+            if float(scored) > 0:  # rows whose target top token is no draft id count as misses, as in decoding
+                self.val_acc[k].update(draft_accuracy(correct_sum, scored), weight=scored)
             if float(w_sum) > 0:
-                self.val_acc[k].update(correct_sum / w_sum, weight=w_sum)
                 self.val_step_loss[k].update(loss_sum / w_sum, weight=w_sum)
             self._val_weight[k] += float(w_sum)
+            self._val_scored[k] += float(scored)
         if float(stats[0][2]) > 0:
             self.val_loss.update(total)
 
@@ -720,13 +734,16 @@ class Eagle3Module(pl.LightningModule):
                 naming ``data.val_size``, ``data.path`` and what to change (:meth:`_nothing_to_measure`).
         """
         weight = self.trainer.strategy.reduce(self._val_weight, reduce_op="sum")  # (K,) over ranks
+        scored = self.trainer.strategy.reduce(self._val_scored, reduce_op="sum")  # (K,)
+        if scored[0] > 0:
+            self._log_draft_coverage(float(weight[0] / scored[0]))
         fitting = self.trainer.state.fn == "fit" and not self.trainer.sanity_checking
         if fitting and self.trainer.global_step == 0 and self.empty_batches:
             raise self._no_signal(f"every one of the {self.empty_batches} training batches before validation")
         accs = []
         for k in range(self.ttt.steps):
-            if weight[k] > 0:
-                accs.append(float(self.val_acc[k].compute()))
+            if weight[k] > 0:  # measured: some row's target top token is a draft id
+                accs.append(float(self.val_acc[k].compute()))  # over every scored row (draft_accuracy)
                 self.log(f"val/acc_{k}", accs[-1])
                 self.log(f"val/loss_{k}", self.val_step_loss[k].compute())
             self.val_acc[k].reset()
@@ -748,6 +765,17 @@ class Eagle3Module(pl.LightningModule):
             if monitors and complete and self.trainer.state.fn == "fit":
                 raise self._nothing_to_measure(empty, monitors)
             log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation", empty)
+
+    def _log_draft_coverage(self, coverage: float) -> None:
+        """Log ``val/draft_coverage``, the fraction of scored validation rows whose target top token is a draft id
+        (the most ``val/acc_0`` can reach), and warn below :data:`LOW_DRAFT_COVERAGE` (sanity check included)."""
+        self.log("val/draft_coverage", coverage)
+        if coverage < LOW_DRAFT_COVERAGE:
+            log.warning(
+                "validation: the target's top token is a draft id at only %.1f%% of the scored positions; "
+                "val/acc_k and val/tau_sim count the others as misses (as decoding rejects them): raise "
+                "model.draft_vocab_size (now %d) or train on data the target answers like", 100 * coverage,
+                self.hparams.draft_vocab_size)
 
     def _nothing_to_measure(self, empty: list[int], monitors: list[str]) -> ValueError:
         """The error for a validation split without a supervised row at some TTT step while a callback
