@@ -27,7 +27,7 @@ from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-from draftkit.heads.checkpoint import HEAD_PREFIX
+from draftkit.heads.checkpoint import HEAD_PREFIX, target_architecture
 from draftkit.models import schedule
 from draftkit.models.schedule import RESUME_KEY
 from draftkit.models.ttt import draft_accuracy, later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
@@ -389,6 +389,7 @@ class Eagle3Module(pl.LightningModule):
         checkpoint["draftkit"] = {
             "head_config": dataclasses.asdict(self.head.config),
             "target": self.hparams.target,
+            "target_architecture": target_architecture(self.target.config),  # evaluate/export refuse another
             "target_dtype": self.hparams.target_dtype,
             "chat_template": self.chat_template,
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
