@@ -298,6 +298,62 @@ def _resume_command(args: list[str], path: str) -> str:
     return shlex.join(["python", "-m", "draftkit", *kept, "--ckpt_path", str(path)])
 
 
+def _check_context_window(config) -> None:
+    """Refuse a ``data.max_length`` past the target's context window (``max_position_embeddings``): the target's
+    states and logits there are not what it serves (RoPE past its trained range), and ``evaluate`` refuses such
+    lengths. Reads only the target's config, before the data is tokenized.
+
+    Raises:
+        ValueError: naming both numbers and ``model.target``.
+    """
+    from transformers import AutoConfig
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.target.frozen import text_config
+
+    target, max_length = config.model.target, config.data.max_length
+    window = getattr(text_config(AutoConfig.from_pretrained(resolve_model_dir(target, "model.target"))),
+                     "max_position_embeddings", None)
+    if window and max_length > window:
+        raise ValueError(
+            f"data.max_length={max_length} exceeds the context window of model.target {target} "
+            f"(max_position_embeddings={window}): the target's states past {window} tokens are not the ones it "
+            f"serves; set data.max_length to at most {window}"
+        )
+
+
+def _claim_run_dir(logger) -> list[str]:
+    """Create a new run's ``version_N`` directory at once, so that two fits started together with the same
+    ``trainer.default_root_dir`` get one each (Lightning picks the next free number when it first writes, so both
+    took ``version_0``): ``mkdir`` is atomic, a number another run took is skipped. Applies to a local
+    TensorBoard or CSV logger without a ``version``; others are left as configured.
+
+    Returns:
+        the directories created, deepest first (the version directory and any parent that did not exist), for
+        :meth:`DraftkitCLI._remove_run_dir`; empty when nothing was claimed.
+    """
+    if logger is None or getattr(logger, "_version", 0) is not None or not hasattr(logger, "_get_next_version"):
+        return []
+    root = str(logger.root_dir)
+    if "://" in root:
+        return []
+    missing, parent = [], Path(root)
+    while not parent.exists():
+        missing.append(str(parent))
+        parent = parent.parent
+    os.makedirs(root, exist_ok=True)
+    n = logger._get_next_version()
+    while True:
+        path = os.path.join(root, f"version_{n}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            n += 1
+            continue
+        logger._version = n
+        return [path, *missing]
+
+
 def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
     """Refuse a ``fit`` without ``--ckpt_path`` that would resume implicitly or overwrite a stopped run's state.
 
@@ -398,11 +454,34 @@ class DraftkitCLI(LightningCLI):
         and how to resume, and exits non-zero (130 after Ctrl-C, 143 after SIGTERM; Lightning exits 0 on SIGTERM)."""
         try:
             super()._run_subcommand(subcommand)
-        except (SystemExit, KeyboardInterrupt) as exc:
+        except BaseException as exc:
             run = getattr(self, "_run_start", None)
-            if subcommand != "fit" or run is None or run.stopped is None:
+            if subcommand == "fit" and run is not None and not hasattr(run, "_started"):
+                self._remove_run_dir()  # stopped during set-up: nothing to resume, nothing to keep
+            if isinstance(exc, ValueError) and "`val_check_interval`" in str(exc):
+                raise ValueError(
+                    f"trainer.val_check_interval={self.trainer.val_check_interval} exceeds the "
+                    f"{self.trainer.num_training_batches} training batches of an epoch; set "
+                    "trainer.check_val_every_n_epoch null (validation every trainer.val_check_interval batches "
+                    "across epochs) or lower trainer.val_check_interval") from exc
+            if not isinstance(exc, (SystemExit, KeyboardInterrupt)) or subcommand != "fit" or run is None \
+                    or run.stopped is None:
                 raise
             raise SystemExit(self._report_stop(run)) from exc
+
+    def _remove_run_dir(self) -> None:
+        """Remove the run directory :func:`_claim_run_dir` created (config, hparams, event files, skip list), and
+        the parents it created when they are empty, after a fit stopped before training started."""
+        import shutil
+
+        created = getattr(self, "_created_dirs", [])
+        if created and self.trainer.is_global_zero:
+            shutil.rmtree(created[0], ignore_errors=True)
+            for parent in created[1:]:
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break  # another run wrote there meanwhile
 
     def _report_stop(self, run: _RunStart) -> int:
         """Log where a stopped fit's state went and the command that resumes it; return the exit code."""
@@ -428,8 +507,13 @@ class DraftkitCLI(LightningCLI):
         rank_zero_info("\n".join(lines))
         return 130 if run.ctrl_c or isinstance(run.stopped, KeyboardInterrupt) else 143
 
+    def before_validate(self) -> None:
+        _check_context_window(self.config[self.subcommand])
+
     def before_fit(self) -> None:
         _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        _check_context_window(self.config[self.subcommand])
+        self._created_dirs = _claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()
         self._run_start.trainer_options = _trainer_record(self.config[self.subcommand] if self.subcommand else self.config)

@@ -313,8 +313,6 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
     if not target_ref:
         raise ValueError(f"checkpoint {path} names no target (meta['target']); pass --target")
     target_path, tcfg = _load_target_config(target_ref)
-    if target is not None:
-        _check_architecture(path, meta, target_ref, tcfg)
     t_hidden, t_vocab = int(tcfg.hidden_size), int(tcfg.vocab_size)
     if t_hidden != cfg.target_hidden_size or t_vocab != cfg.vocab_size:
         raise ValueError(
@@ -322,6 +320,8 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
             f"{cfg.vocab_size}, but target {target_ref!r} ({target_path}) has hidden_size {t_hidden} and "
             f"vocab_size {t_vocab}; export against the target the head was trained on (--target)"
         )
+    if target is not None:
+        _check_architecture(path, meta, target_ref, tcfg)
     check_tokenizer(meta, target_path, f"checkpoint {path}")
     num_layers = int(tcfg.num_hidden_layers)
     aux = validate_aux_layer_ids(cfg.aux_layer_ids, num_layers, option=f"{path}: aux_layer_ids")

@@ -590,12 +590,32 @@ class Eagle3Module(pl.LightningModule):
             if rows:
                 return ("; ".join(rows) + "; delete that shard file and rerun `python -m draftkit cache-hidden-states` "
                         "with the same recipe and --output to rewrite it")
+        elif hasattr(self.target, "lm_logits"):  # online: the target's own outputs, recomputed on this error path
+            target = self._nonfinite_target_outputs(batch)
+            if target:
+                return target
         bad = [k for k, p in self.head.named_parameters() if not bool(torch.isfinite(p).all())]
         listed = ", ".join(name(i) for i in range(n)) if sources else "its records are not named"
         if bad:
             return f"the head's {', '.join(bad)} are already NaN/inf (batch: {listed})"
         return (f"its inputs are finite ({listed}), the loss overflowed: lower model.optim.lr, set "
                 "trainer.gradient_clip_val or train in trainer.precision 32-true")
+
+    def _nonfinite_target_outputs(self, batch: dict) -> str | None:
+        """The error detail when the frozen target's own outputs on ``batch`` (aux and last hidden states, logits,
+        at the real tokens) hold NaN/inf, e.g. a target that overflows in float16; None when they are finite."""
+        mask = batch["attention_mask"].bool()  # (B, T)
+        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], compute_logits=False)
+        parts = {"aux hidden states": out.aux_hidden_states[mask], "last hidden state": out.last_hidden_state[mask]}
+        with torch.no_grad():
+            parts["logits"] = self.target.lm_logits(parts["last hidden state"])  # (n, V)
+        counts = [f"{int((~torch.isfinite(t)).sum())} NaN/inf values in its {what}" for what, t in parts.items()
+                  if not bool(torch.isfinite(t).all())]
+        if not counts:
+            return None
+        return (f"the target's own outputs are non-finite ({', '.join(counts)}) with model.target_dtype="
+                f"{self.hparams.target_dtype}: the target overflows in that dtype, whatever the head or the learning "
+                "rate; set model.target_dtype to float32 (or bfloat16, whose range is float32's)")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Refuse NaN/inf gradients before the optimizer step (one ``isfinite`` per parameter, one sync), so
