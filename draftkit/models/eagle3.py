@@ -150,6 +150,10 @@ class Eagle3Module(pl.LightningModule):
             draws nothing. The noise comes from a generator seeded by (the run's seed, global step, rank,
             batch index), so a resumed run draws the same noise as an uninterrupted one.
         serving_k: draft length at serving, for ``tau_sim_k{serving_k}``.
+        init_head: a trained head (``.ckpt`` from ``fit`` or an export directory) to start this run from: its
+            weights and draft vocab map (``draftkit.models.init_head``), to continue a head on new data. It must
+            match this run's target architecture, tokenizer, aux layers, ``draft_vocab_size`` and head options;
+            the optimizer, schedule and step count start fresh (``--ckpt_path`` resumes a run instead).
 
     Heavy work (loading the target, building the vocab map from the datamodule's counts and the head) runs
     in :meth:`setup`, so recipes instantiate in milliseconds.
@@ -172,6 +176,7 @@ class Eagle3Module(pl.LightningModule):
         freeze_lm_head: bool = False,
         hidden_state_noise: float = 0.0,
         serving_k: int = 5,
+        init_head: str | None = None,
     ) -> None:
         super().__init__()
         if draft_vocab_size < 1:
@@ -309,10 +314,17 @@ class Eagle3Module(pl.LightningModule):
                 from draftkit.target.tokens import tokenizer_identity
 
                 self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
-        elif self.hparams.draft_vocab_size == vocab_size:
+        elif self.hparams.draft_vocab_size == vocab_size or self.hparams.init_head:
             vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
         else:
             raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
+        init = None
+        if self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
+            from draftkit.models.init_head import read_init_head
+
+            init, _ = read_init_head(self.hparams.init_head, self.hparams.target, self.target.aux_layer_ids,
+                                     self.hparams.draft_vocab_size)
+            vocab = VocabMap(d2t=init.d2t.clone(), t2d=init.t2d.clone())
         vocab.validate()
         self._check_filter_keeps_tokens(vocab_size)
         cfg = Eagle3Config.from_target_config(
@@ -326,6 +338,12 @@ class Eagle3Module(pl.LightningModule):
         if self.hparams.init_from_target:
             norm = self.target.final_norm_weight()
             self.head.init_from_target(self.target.lm_head_weight().float(), None if norm is None else norm.float())
+        if init is not None:
+            from draftkit.models.init_head import check_same_head_shape, load_into
+
+            check_same_head_shape(init.config, cfg, self.hparams.init_head)
+            load_into(self.head, init)
+            log.info("model.init_head: starting from the weights and draft vocab of %s", self.hparams.init_head)
         self.head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
         coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
