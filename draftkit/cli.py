@@ -153,7 +153,8 @@ def _check_resume_options(config, ckpt: dict, path: str) -> None:
         raise ValueError(
             f"--ckpt_path {path}: {'; '.join(refused)}. Resuming continues the checkpoint's run, so these options "
             "cannot change: drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a "
-            "new run without --ckpt_path to train with the new values. Options that may change on resume: "
+            f"new run without --ckpt_path to train with the new values (--model.init_head {path} starts it from this "
+            "head's weights and draft vocab, e.g. to continue it on new data). Options that may change on resume: "
             + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
         )
 

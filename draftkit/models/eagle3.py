@@ -807,9 +807,10 @@ class Eagle3Module(pl.LightningModule):
 
     def _log_draft_coverage(self, coverage: float) -> None:
         """Log ``val/draft_coverage``, the fraction of scored validation rows whose target top token is a draft id
-        (the most ``val/acc_0`` can reach), and warn below :data:`LOW_DRAFT_COVERAGE` (sanity check included)."""
+        (the most ``val/acc_0`` can reach), and warn once below :data:`LOW_DRAFT_COVERAGE` (sanity check included)."""
         self.log("val/draft_coverage", coverage)
-        if coverage < LOW_DRAFT_COVERAGE:
+        if coverage < LOW_DRAFT_COVERAGE and not getattr(self, "_coverage_warned", False):
+            self._coverage_warned = True
             log.warning(
                 "validation: the target's top token is a draft id at only %.1f%% of the scored positions; "
                 "val/acc_k and val/tau_sim count the others as misses (as decoding rejects them): raise "
