@@ -40,6 +40,9 @@ class InterruptCheckpoint(Callback):
     """
 
     FILE_EXTENSION = ".ckpt"
+    STOPPED_STATE = True
+    """Marks a writer of a stopped run's state for ``draftkit.cli`` (which may not import ``draftkit.callbacks``):
+    it reports :attr:`ckpt_path` when :attr:`written`, and refuses a fresh ``fit`` that would overwrite it."""
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
         if not filename:

@@ -355,6 +355,12 @@ def _claim_run_dir(logger) -> list[str]:
         return [path, *missing]
 
 
+def _writes_stopped_state(callback) -> bool:
+    """Whether ``callback`` writes a stopped run's state for ``--ckpt_path`` (``STOPPED_STATE`` set, as
+    ``draftkit.callbacks.interrupt.InterruptCheckpoint`` does; its ``ckpt_path`` and ``written`` are read)."""
+    return bool(getattr(callback, "STOPPED_STATE", False))
+
+
 def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
     """Refuse a ``fit`` without ``--ckpt_path`` that would resume implicitly or overwrite a stopped run's state.
 
@@ -369,8 +375,6 @@ def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
     """
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
-    from draftkit.callbacks.interrupt import InterruptCheckpoint
-
     if ckpt_path:
         return
     for cb in trainer.callbacks:
@@ -380,7 +384,7 @@ def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
                 "silently from its file or a last.ckpt, past the resume-option check; use "
                 "draftkit.callbacks.interrupt.InterruptCheckpoint (same init_args) and resume with --ckpt_path"
             )
-        if isinstance(cb, InterruptCheckpoint) and os.path.isfile(cb.ckpt_path):
+        if _writes_stopped_state(cb) and os.path.isfile(cb.ckpt_path):
             import torch
 
             try:
@@ -486,10 +490,8 @@ class DraftkitCLI(LightningCLI):
 
     def _report_stop(self, run: _RunStart) -> int:
         """Log where a stopped fit's state went and the command that resumes it; return the exit code."""
-        from draftkit.callbacks.interrupt import InterruptCheckpoint
-
         trainer = self.trainer
-        written = [cb.ckpt_path for cb in trainer.callbacks if isinstance(cb, InterruptCheckpoint) and cb.written]
+        written = [cb.ckpt_path for cb in trainer.callbacks if _writes_stopped_state(cb) and cb.written]
         written += [run.saved_last] if run.saved_last and run.saved_last not in written else []
         how = "Ctrl-C" if run.ctrl_c else "SIGTERM" if type(run.stopped).__name__ == "SIGTERMException" else \
             "an immediate interrupt (second Ctrl-C)"
