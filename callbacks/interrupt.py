@@ -3,36 +3,60 @@
 Lightning's ``OnExceptionCheckpoint`` writes on any exception in any stage and deletes its file at every clean
 teardown. Run beside a stopped training run's recipe, that loses the run: ``draftkit validate`` with the same
 recipe deleted the file on success, and an error raised before the head exists (a bad ``data.*`` option) made
-the write itself fail, hiding the real error under an ``AttributeError``. This subclass acts only inside
-``fit`` once training has started (an error before that leaves nothing to resume) and removes the file only
-when a ``fit`` ends cleanly (its ``last.ckpt`` then supersedes it).
+the write itself fail, hiding the real error under an ``AttributeError``. Its mere presence also makes Lightning
+turn ``fit(ckpt_path=None)`` into ``"last"``: the same ``fit`` command run again *without* ``--ckpt_path``
+silently restored the stopped state, past draftkit's resume-option check (changed options then trained on from
+the restored step). So this callback is not an ``OnExceptionCheckpoint``: it acts only inside ``fit`` once
+training has started (an error before that leaves nothing to resume), removes the file only when a ``fit`` ends
+cleanly (its ``last.ckpt`` then supersedes it), and a ``fit`` resumes from it only through ``--ckpt_path``
+(``draftkit.cli`` refuses a fresh ``fit`` while the file holds a stopped run's state, printing the command that
+resumes it).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["InterruptCheckpoint"]
 
 
-class InterruptCheckpoint(OnExceptionCheckpoint):
-    """``OnExceptionCheckpoint`` for training only: writes ``<dirpath>/<filename>.ckpt`` when a ``fit`` that has
-    started training stops on an exception (SIGTERM, Ctrl-C as fit turns it into SIGTERM, an error), and
-    deletes it when a ``fit`` ends cleanly; ``validate``/``test``/``predict`` and errors raised during set-up
-    leave an existing file alone. Nothing is written from NaN/inf weights.
+class InterruptCheckpoint(Callback):
+    """Writes ``<dirpath>/<filename>.ckpt`` when a ``fit`` that has started training stops on an exception
+    (SIGTERM, Ctrl-C as fit turns it into SIGTERM, an error), and deletes it when a ``fit`` ends cleanly;
+    ``validate``/``test``/``predict`` and errors raised during set-up leave an existing file alone. Nothing is
+    written from NaN/inf weights. Resume with ``fit ... --ckpt_path <dirpath>/<filename>.ckpt``.
 
     Args:
         dirpath: directory of the checkpoint (created on write).
         filename: file name without ``.ckpt`` (default ``on_exception``).
 
     Raises:
-        ValueError: ``filename`` is empty (Lightning's check).
+        ValueError: ``filename`` is empty.
     """
 
-    _started = False
+    FILE_EXTENSION = ".ckpt"
+    STOPPED_STATE = True
+    """Marks a writer of a stopped run's state for ``draftkit.cli`` (which may not import ``draftkit.callbacks``):
+    it reports :attr:`ckpt_path` when :attr:`written`, and refuses a fresh ``fit`` that would overwrite it."""
+
+    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+        if not filename:
+            raise ValueError("InterruptCheckpoint: filename cannot be empty")
+        self.dirpath = dirpath
+        self.filename = filename
+        self.written = False
+        """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.cli`` to report an interrupted fit)."""
+        self._started = False
+
+    @property
+    def ckpt_path(self) -> str:
+        """``<dirpath>/<filename>.ckpt``."""
+        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = True
@@ -49,8 +73,9 @@ class InterruptCheckpoint(OnExceptionCheckpoint):
         if not ok:
             rank_zero_warn(f"InterruptCheckpoint: not writing {self.ckpt_path}: the weights hold NaN/inf")
             return
-        super().on_exception(trainer, pl_module, exception)
+        trainer.save_checkpoint(self.ckpt_path)
+        self.written = True
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit" and self._started:
-            super().teardown(trainer, pl_module, stage)
+        if stage == "fit" and self._started:  # Lightning calls teardown hooks only after a clean fit
+            trainer.strategy.remove_checkpoint(self.ckpt_path)

@@ -13,7 +13,9 @@ explicit value wins. The choice and its reason go to the logger's hparams and th
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -151,7 +153,8 @@ def _check_resume_options(config, ckpt: dict, path: str) -> None:
         raise ValueError(
             f"--ckpt_path {path}: {'; '.join(refused)}. Resuming continues the checkpoint's run, so these options "
             "cannot change: drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a "
-            "new run without --ckpt_path to train with the new values. Options that may change on resume: "
+            f"new run without --ckpt_path to train with the new values (--model.init_head {path} starts it from this "
+            "head's weights and draft vocab, e.g. to continue it on new data). Options that may change on resume: "
             + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
         )
 
@@ -219,6 +222,12 @@ class _RunStart(Callback):
     checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""
 
     step = 0
+    ctrl_c = False
+    """Whether a Ctrl-C asked this run to stop."""
+    stopped: BaseException | None = None
+    """The exception that stopped a fit after training started (``SIGTERMException`` for Ctrl-C/SIGTERM)."""
+    saved_last: str = ""
+    """``last.ckpt`` written at the step a SIGTERM/Ctrl-C stopped at ("" when none was)."""
     trainer_options: dict | None = None
     """The run's trainer options (``_trainer_record``), stored in every checkpoint for resume checks."""
 
@@ -226,12 +235,14 @@ class _RunStart(Callback):
         """Read the start step; install the Ctrl-C handler (after Lightning's own signal set-up, which restores
         the handlers it found when fit ends)."""
         self.step = trainer.global_step
+        self._started = True
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return  # SIGINT ignored (a background job) or handled by the caller: leave it so
 
         def first_ctrl_c(signum, frame):
+            self.ctrl_c = True
             signal.signal(signal.SIGINT, signal.default_int_handler)
             rank_zero_info("Ctrl-C: stopping at the next step boundary (Ctrl-C again to interrupt at once)")
             os.kill(os.getpid(), signal.SIGTERM)
@@ -255,7 +266,137 @@ class _RunStart(Callback):
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Restore the Ctrl-C handler; after a SIGTERM or Ctrl-C stop during training (raised at a step boundary,
+        so the state is consistent) write ``last.ckpt`` at the current step (``_save_final_last``), so that no step
+        is lost even without an ``InterruptCheckpoint``."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         self._restore()
+        if trainer.state.fn != "fit" or not hasattr(self, "_started"):
+            return
+        self.stopped = exception
+        if isinstance(exception, SIGTERMException):
+            try:
+                self.saved_last = _save_final_last(trainer, trainer.checkpoint_callback)
+            except Exception as exc:  # noqa: BLE001 - e.g. NaN weights: reported, the stop itself is what counts
+                rank_zero_info(f"fit stopped: last.ckpt not written at step {trainer.global_step}: {exc}")
+
+
+
+def _resume_command(args: list[str], path: str) -> str:
+    """The shell-safe ``python -m draftkit fit ...`` command line that resumes ``path``: ``args`` (the fit's
+    arguments) with any ``--ckpt_path`` replaced."""
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--ckpt_path":
+            skip = True
+        elif not a.startswith("--ckpt_path="):
+            kept.append(a)
+    if not kept or kept[0] != "fit":
+        kept.insert(0, "fit")
+    return shlex.join(["python", "-m", "draftkit", *kept, "--ckpt_path", str(path)])
+
+
+def _check_context_window(config) -> None:
+    """Refuse a ``data.max_length`` past the target's context window (``max_position_embeddings``): the target's
+    states and logits there are not what it serves (RoPE past its trained range), and ``evaluate`` refuses such
+    lengths. Reads only the target's config, before the data is tokenized.
+
+    Raises:
+        ValueError: naming both numbers and ``model.target``.
+    """
+    from transformers import AutoConfig
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.target.frozen import text_config
+
+    target, max_length = config.model.target, config.data.max_length
+    window = getattr(text_config(AutoConfig.from_pretrained(resolve_model_dir(target, "model.target"))),
+                     "max_position_embeddings", None)
+    if window and max_length > window:
+        raise ValueError(
+            f"data.max_length={max_length} exceeds the context window of model.target {target} "
+            f"(max_position_embeddings={window}): the target's states past {window} tokens are not the ones it "
+            f"serves; set data.max_length to at most {window}"
+        )
+
+
+def _claim_run_dir(logger) -> list[str]:
+    """Create a new run's ``version_N`` directory at once, so that two fits started together with the same
+    ``trainer.default_root_dir`` get one each (Lightning picks the next free number when it first writes, so both
+    took ``version_0``): ``mkdir`` is atomic, a number another run took is skipped. Applies to a local
+    TensorBoard or CSV logger without a ``version``; others are left as configured.
+
+    Returns:
+        the directories created, deepest first (the version directory and any parent that did not exist), for
+        :meth:`DraftkitCLI._remove_run_dir`; empty when nothing was claimed.
+    """
+    if logger is None or getattr(logger, "_version", 0) is not None or not hasattr(logger, "_get_next_version"):
+        return []
+    root = str(logger.root_dir)
+    if "://" in root:
+        return []
+    missing, parent = [], Path(root)
+    while not parent.exists():
+        missing.append(str(parent))
+        parent = parent.parent
+    os.makedirs(root, exist_ok=True)
+    n = logger._get_next_version()
+    while True:
+        path = os.path.join(root, f"version_{n}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            n += 1
+            continue
+        logger._version = n
+        return [path, *missing]
+
+
+def _writes_stopped_state(callback) -> bool:
+    """Whether ``callback`` writes a stopped run's state for ``--ckpt_path`` (``STOPPED_STATE`` set, as
+    ``draftkit.callbacks.interrupt.InterruptCheckpoint`` does; its ``ckpt_path`` and ``written`` are read)."""
+    return bool(getattr(callback, "STOPPED_STATE", False))
+
+
+def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
+    """Refuse a ``fit`` without ``--ckpt_path`` that would resume implicitly or overwrite a stopped run's state.
+
+    Lightning turns ``fit(ckpt_path=None)`` into ``"last"`` (its newest ``OnExceptionCheckpoint`` or ``last.ckpt``)
+    whenever an ``OnExceptionCheckpoint`` is registered, past draftkit's resume-option check; and an
+    ``InterruptCheckpoint`` file of a stopped run would be overwritten by this run's stop (or deleted at its end).
+    A resume goes through ``--ckpt_path`` only (checked by ``_check_resume_options``).
+
+    Raises:
+        ValueError: naming the callback or the stopped run's checkpoint (its step and run directory) and the
+            command that resumes it; raised before the target is loaded or anything is written.
+    """
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    if ckpt_path:
+        return
+    for cb in trainer.callbacks:
+        if isinstance(cb, OnExceptionCheckpoint):
+            raise ValueError(
+                "trainer.callbacks: lightning's OnExceptionCheckpoint makes a fit without --ckpt_path resume "
+                "silently from its file or a last.ckpt, past the resume-option check; use "
+                "draftkit.callbacks.interrupt.InterruptCheckpoint (same init_args) and resume with --ckpt_path"
+            )
+        if _writes_stopped_state(cb) and os.path.isfile(cb.ckpt_path):
+            import torch
+
+            try:
+                ckpt = torch.load(cb.ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+                what = f"the state of a stopped run at step {ckpt.get('global_step')} (run directory {ckpt.get(RUN_DIR_KEY)})"
+            except Exception:  # noqa: BLE001 - an unreadable file is still someone's; name it
+                what = "a file this run's InterruptCheckpoint would overwrite"
+            raise ValueError(
+                f"{cb.ckpt_path} holds {what}: this fit has no --ckpt_path, so it would start a new run and "
+                f"overwrite that state. Resume it (the options are checked against it): "
+                f"{_resume_command(args, cb.ckpt_path)} ; or move that file away to start a new run"
+            )
 
 
 class DraftkitCLI(LightningCLI):
@@ -272,6 +413,7 @@ class DraftkitCLI(LightningCLI):
         from draftkit.models.eagle3 import Eagle3Module
 
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        self._argv = [str(a) for a in (kwargs.get("args") if isinstance(kwargs.get("args"), list) else sys.argv[1:])]
         super().__init__(Eagle3Module, ChatDataModule, *args, **kwargs)
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
@@ -312,7 +454,69 @@ class DraftkitCLI(LightningCLI):
             "auto": auto_precision(device).as_dict(),
         }
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the verb; a ``fit`` stopped during training (Ctrl-C, SIGTERM, a second Ctrl-C) says what it wrote
+        and how to resume, and exits non-zero (130 after Ctrl-C, 143 after SIGTERM; Lightning exits 0 on SIGTERM)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException as exc:
+            run = getattr(self, "_run_start", None)
+            if subcommand == "fit" and run is not None and not hasattr(run, "_started"):
+                self._remove_run_dir()  # stopped during set-up: nothing to resume, nothing to keep
+            if isinstance(exc, ValueError) and "`val_check_interval`" in str(exc):
+                raise ValueError(
+                    f"trainer.val_check_interval={self.trainer.val_check_interval} exceeds the "
+                    f"{self.trainer.num_training_batches} training batches of an epoch; set "
+                    "trainer.check_val_every_n_epoch null (validation every trainer.val_check_interval batches "
+                    "across epochs) or lower trainer.val_check_interval") from exc
+            if not isinstance(exc, (SystemExit, KeyboardInterrupt)) or subcommand != "fit" or run is None \
+                    or run.stopped is None:
+                raise
+            raise SystemExit(self._report_stop(run)) from exc
+
+    def _remove_run_dir(self) -> None:
+        """Remove the run directory :func:`_claim_run_dir` created (config, hparams, event files, skip list), and
+        the parents it created when they are empty, after a fit stopped before training started."""
+        import shutil
+
+        created = getattr(self, "_created_dirs", [])
+        if created and self.trainer.is_global_zero:
+            shutil.rmtree(created[0], ignore_errors=True)
+            for parent in created[1:]:
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break  # another run wrote there meanwhile
+
+    def _report_stop(self, run: _RunStart) -> int:
+        """Log where a stopped fit's state went and the command that resumes it; return the exit code."""
+        trainer = self.trainer
+        written = [cb.ckpt_path for cb in trainer.callbacks if _writes_stopped_state(cb) and cb.written]
+        written += [run.saved_last] if run.saved_last and run.saved_last not in written else []
+        how = "Ctrl-C" if run.ctrl_c else "SIGTERM" if type(run.stopped).__name__ == "SIGTERMException" else \
+            "an immediate interrupt (second Ctrl-C)"
+        lines = [f"\ndraftkit fit stopped by {how} at optimizer step {trainer.global_step} "
+                 f"({trainer.global_step - run.step} in this run)."]
+        if written:
+            lines.append("  state written: " + ", ".join(_with_step(p) for p in written))
+            lines.append(f"  resume (the options are checked against it): {_resume_command(self._argv, written[0])}")
+        else:
+            ckpt = trainer.checkpoint_callback
+            last = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt else ""
+            lines.append("  no checkpoint written at the stop (add draftkit.callbacks.interrupt.InterruptCheckpoint, "
+                         "or ModelCheckpoint save_last: true); latest checkpoint: " + _with_step(last))
+            if last:
+                lines.append(f"  resume from it: {_resume_command(self._argv, last)}")
+        rank_zero_info("\n".join(lines))
+        return 130 if run.ctrl_c or isinstance(run.stopped, KeyboardInterrupt) else 143
+
+    def before_validate(self) -> None:
+        _check_context_window(self.config[self.subcommand])
+
     def before_fit(self) -> None:
+        _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        _check_context_window(self.config[self.subcommand])
+        self._created_dirs = _claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()
         self._run_start.trainer_options = _trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
@@ -342,7 +546,7 @@ class DraftkitCLI(LightningCLI):
             f"auto on this machine: {auto['reason']})\n"
             f"  time budget: {budget}\n"
             f"  best checkpoint: {_with_step(best)}\n  last checkpoint: {_with_step(last)}\n"
-            f"  TensorBoard logs: {logdir}  (tensorboard --logdir {logdir})\n"
+            f"  TensorBoard logs: {logdir}  ({shlex.join(['tensorboard', '--logdir', str(logdir)])})\n"
             f"  validation: {metrics}"
         )
 

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
-    "InsufficientSpaceError", "ResumableRecord", "atomic_path", "bytes_needed", "check_free_space", "short_hash",
-    "write_json_atomic",
+    "InsufficientSpaceError", "ResumableRecord", "atomic_path", "bytes_needed", "check_free_space", "check_writable",
+    "short_hash", "write_json_atomic",
 ]
 
 SPACE_MARGIN = (1 << 20, 0.05)
@@ -53,6 +53,34 @@ def check_free_space(directory: str | Path, nbytes: int, what: str) -> None:
             f"{what}: not enough free space in {directory} (filesystem of {p}): {need} bytes needed "
             f"({nbytes} to write plus a margin), {free} free; free space or write somewhere else"
         )
+
+
+def check_writable(path: str | Path, option: str) -> None:
+    """Refuse, before the long work, an output file that could not be written at its end: an existing directory,
+    or a folder in which no file can be created (checked with a temporary file in the nearest existing folder,
+    removed at once; nothing is left behind).
+
+    Args:
+        path: the output file (need not exist, nor its folder).
+        option: the option that named it, as the user wrote it (``--output``).
+
+    Raises:
+        ValueError: when ``path`` is a directory.
+        OSError: when no file can be created there, naming the option, the path and the folder.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file path")
+    folder = p.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".draftkit-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{option} {path}: no file can be created in {folder} ({exc.strerror}); "
+                                 "choose another path") from exc
 
 
 def short_hash(obj) -> str:

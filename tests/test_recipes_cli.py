@@ -302,5 +302,8 @@ def test_interrupt_checkpoint_leaves_a_stopped_runs_state_to_other_verbs(tmp_pat
     assert kept.read_bytes() == b"a stopped run's state"
     with pytest.raises(ValueError, match="data.val_size=1000"):
         DraftkitCLI(args=["fit"] + args + ["--data.val_size", "1000"],
-                    trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
+                    trainer_defaults={"callbacks": [InterruptCheckpoint(tmp_path / "other")]})
+    # a fresh fit beside the stopped run's state is refused before set-up (it would overwrite the state)
+    with pytest.raises(ValueError, match="on_exception.ckpt holds a file this run's InterruptCheckpoint would overwrite"):
+        DraftkitCLI(args=["fit"] + args, trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
     assert kept.read_bytes() == b"a stopped run's state"

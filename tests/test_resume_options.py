@@ -47,7 +47,8 @@ def test_a_changed_model_or_data_option_is_refused_naming_both_values(two_steps,
     assert err.startswith(f"draftkit fit: error: --ckpt_path {ckpt}: {flag[2:]} is {new} in this run but {old} in "
                           "the checkpoint. Resuming continues the checkpoint's run, so these options cannot change: "
                           "drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a new "
-                          "run without --ckpt_path to train with the new values.")
+                          f"run without --ckpt_path to train with the new values (--model.init_head {ckpt} starts it "
+                          "from this head's weights and draft vocab, e.g. to continue it on new data).")
     assert _checkpoints(root) == before  # refused before anything ran
 
 

@@ -98,7 +98,7 @@ def evaluate(
     from draftkit.decoding.harness import Topology, evaluate_head
     from draftkit.decoding.report import format_summary, write_tensorboard
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.jsonio import write_json_atomic
+    from draftkit.jsonio import check_writable, write_json_atomic
     from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
     from draftkit.sampling import check_sampling
     from draftkit.decoding.tree import TreeConfig
@@ -106,6 +106,7 @@ def evaluate(
 
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
+    check_writable(output, "--output")  # before decoding, not after
     auto = "tree" if tree == "auto" else ("k" if k == "auto" else None)
     tree_config = TreeConfig.parse(tree) if tree not in (None, "auto") else None
     k = 5 if k == "auto" else k

@@ -119,6 +119,7 @@ def evaluate_dual_precision(
     from draftkit.dual_precision import METHODS, DualPrecisionConfig
     from draftkit.dual_precision import evaluate_dual_precision as run
     from draftkit.dual_precision import report as dp_report
+    from draftkit.jsonio import check_writable
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
     from draftkit.target.frozen import load_target
@@ -127,6 +128,8 @@ def evaluate_dual_precision(
     from draftkit.target.session import TargetSession
     from draftkit.target.tokens import stop_token_ids
 
+    if output:
+        check_writable(output, "--output")  # before the quantization and decoding, not after
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if template not in TEMPLATES:

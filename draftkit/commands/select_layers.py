@@ -91,10 +91,12 @@ def select_layers(
     import torch
 
     from draftkit.analysis.report import chat_batches, run_layer_analysis
+    from draftkit.jsonio import check_writable
     from draftkit.precision import precision_record, resolve_device
     from draftkit.target.frozen import load_target
     from draftkit.target.tokens import ids_to_skip
 
+    check_writable(output, "--output")  # before the target passes, not after
     given = {"target": target, "target_dtype": target_dtype, "data": data, "chat_template": chat_template,
              "max_length": max_length}
     values, options = _recipe_values(recipe) if recipe else ({}, {})

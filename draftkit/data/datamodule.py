@@ -68,6 +68,15 @@ def _count_reasons(rows: list[dict]) -> str:
     return ", ".join(f"{n} {reason}" for reason, n in _reason_counts(rows).items())
 
 
+PROMPT_RULE_HINTS = {
+    "empty prompt": "give every record a user turn",
+    "context-free prompt": "set data.min_prompt_chars 0 to keep prompts that need an earlier answer the record "
+                           "does not hold",
+    "duplicate conversation": "set data.dedup_prompts false to train exact copies several times per epoch",
+}
+"""What to do about each reason of the prompt rule (``splits.PromptFilter``) when its drops stop set-up."""
+
+
 def _log_plan(plan: dict) -> None:
     log.info(
         "hidden-state cache %s: %.3f GB to write (%d bytes/token x %d tokens, %d shards; %d already complete), "
@@ -95,8 +104,9 @@ class ChatDataModule(pl.LightningDataModule):
         batch_size: sequences per device per step.
         num_workers: DataLoader workers.
         seed: seed of the train/validation split.
-        dedup_prompts: keep only the first conversation of each normalised first prompt (later copies would
-            train the same prompt several times per epoch).
+        dedup_prompts: drop a conversation whose normalised first prompt and tokens both repeat an earlier one
+            (an exact copy would train twice per epoch); several different answers to one prompt (sampled
+            regeneration) all train, on one side of the split.
         min_prompt_chars: drop conversations whose normalised first prompt is shorter than this many
             characters, or made only of continuation/filler words ("continue", "please go on"), or opening with
             a request to go on: such a turn only makes sense after an answer the record does not hold (0 = keep
@@ -114,8 +124,10 @@ class ChatDataModule(pl.LightningDataModule):
             Validation always scores the assistant tokens, so ``val/*`` stays comparable; under ``all`` a
             conversation whose answers all lie past ``max_length`` still trains on its prompt (never validates).
         max_skip_fraction: the largest fraction (0..1) of the source's records that may be skipped (read
-            errors, template errors, no trainable token); more stops set-up naming the main reason, since it
-            usually means the data has another format than the reader expects. 1.0 = never stop.
+            errors, template errors, no trainable token, and the prompt rule's drops: ``data.min_prompt_chars``,
+            ``data.dedup_prompts``); more stops set-up naming the main reason and the option that controls it,
+            since it usually means the data has another format or shape than the reader expects. 1.0 = never
+            stop.
 
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
@@ -236,7 +248,7 @@ class ChatDataModule(pl.LightningDataModule):
         """
         ds, stats = self._load_or_build()
         self._check_signal(stats)
-        self._split(ds)
+        self._split(ds, stats)
 
     def _load_or_build(self):
         import datasets
@@ -363,9 +375,8 @@ class ChatDataModule(pl.LightningDataModule):
                 f"no trainable tokens in {hp.path}: {every} {stats['kept']} conversations read, "
                 + "; ".join(causes) + (f" (read: {stats['read']})" if stats["skipped"] else "")
             )
-        self._check_skip_fraction(stats)
 
-    def _split(self, ds) -> tuple[list[int], list[int], list[dict]]:
+    def _split(self, ds, stats: dict) -> tuple[list[int], list[int], list[dict]]:
         """The train and validation rows of the tokenized data and the rows the prompt rule drops.
 
         The rule and the grouped split are ``draftkit.data.splits``'s (options ``data.dedup_prompts``,
@@ -377,17 +388,22 @@ class ChatDataModule(pl.LightningDataModule):
             "detail"}`` per dropped row.
 
         Raises:
-            ValueError: when ``data.val_size`` holds out more sequences than it leaves for training, or more
-                than the data has with an assistant token.
+            ValueError: when the records skipped (``stats["skips"]``) and dropped by the prompt rule exceed
+                ``data.max_skip_fraction`` (:meth:`_check_skip_fraction`), or ``data.val_size`` holds out more
+                sequences than it leaves for training, or more than the data has with an assistant token.
         """
         hp = self.hparams
         rule = PromptFilter(min_prompt_chars=hp.min_prompt_chars, drop_fillers=hp.min_prompt_chars > 0,
                             dedup=hp.dedup_prompts)
         keys = ds["prompt_key"]
-        kept, _, dropped_rows = rule.keep(keys)
+        # a row's answers: a digest of its supervised tokens (several answers to one prompt all train)
+        answers = [short_hash([t for t, m in zip(ids, mask) if m]) for ids, mask in zip(ds["input_ids"], ds["loss_mask"])
+                   ] if hp.dedup_prompts else None
+        kept, _, dropped_rows = rule.keep(keys, answers)
         records = ds["record"]
         dropped = [{"record": records[i], "reason": reason, "detail": f"first prompt {keys[i][:60]!r}"}
                    for reason, rows in dropped_rows.items() for i in rows]
+        self._check_skip_fraction(stats, dropped)
         n = len(kept)
         if n - hp.val_size < hp.val_size:
             raise ValueError(
@@ -414,15 +430,16 @@ class ChatDataModule(pl.LightningDataModule):
             train_idx = train_idx[: hp.max_samples]
         return train_idx, val_idx, dropped
 
-    def _check_skip_fraction(self, stats: dict) -> None:
-        """Refuse a source of which more than ``data.max_skip_fraction`` of the records is skipped.
+    def _check_skip_fraction(self, stats: dict, dropped: list[dict]) -> None:
+        """Refuse a source of which more than ``data.max_skip_fraction`` of the records is skipped (read and
+        tokenization skips, ``stats["skips"]``) or dropped by the prompt rule (``dropped``).
 
         Raises:
             ValueError: naming the file, the skipped fraction, the most common reason (with an example
-                record's detail) and the option.
+                record's detail), the option that controls that reason and ``data.max_skip_fraction``.
         """
         hp = self.hparams
-        skips, total = stats["skips"], stats["records"]
+        skips, total = stats["skips"] + dropped, stats["records"]
         if not total or len(skips) <= hp.max_skip_fraction * total:
             return
         counts = _reason_counts(skips)
@@ -431,8 +448,10 @@ class ChatDataModule(pl.LightningDataModule):
         raise ValueError(
             f"{hp.path}: {len(skips)} of {total} records skipped ({len(skips) / total:.0%}), more than "
             f"data.max_skip_fraction={hp.max_skip_fraction:g}; main reason: {reason} ({counts[reason]} records; "
-            f"{example['record']}: {example['detail']}); convert the data to chat (messages) or ShareGPT "
-            f"(conversations) records, fix data.chat_template, or raise data.max_skip_fraction to train on the rest"
+            f"{example['record']}: {example['detail']}); "
+            + PROMPT_RULE_HINTS.get(reason, "convert the data to chat (messages) or ShareGPT (conversations) records, "
+                                    "fix data.chat_template")
+            + ", or raise data.max_skip_fraction to train on the rest"
         )
 
     def _write_skip_list(self) -> None:
@@ -459,7 +478,7 @@ class ChatDataModule(pl.LightningDataModule):
         ds, self.stats = self._load_or_build()
         self._check_signal(self.stats)
         hp = self.hparams
-        train_idx, val_idx, self.stats["prompt_rule"] = self._split(ds)
+        train_idx, val_idx, self.stats["prompt_rule"] = self._split(ds, self.stats)
         cols = ["input_ids", "loss_mask", "record"]  # record: batches name their rows in errors
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)
@@ -474,7 +493,7 @@ class ChatDataModule(pl.LightningDataModule):
         prompt_only = self.stats.get("prompt_only", 0)
         log.info(
             "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens%s, %d dropped with no "
-            "%s token, %d by the prompt rule: %s)",
+            "%s token, %d by the prompt rule of data.min_prompt_chars and data.dedup_prompts: %s)",
             len(self.train_set), len(self.val_set), self.stats["truncated"], hp.max_length,
             f", {prompt_only} with no assistant token train on their prompt (data.supervise: all)" if prompt_only else "",
             self.stats["no_supervised_token"], "trainable" if hp.supervise == "all" else "assistant",
@@ -543,7 +562,7 @@ class ChatDataModule(pl.LightningDataModule):
         the prompt rule and the sample cap."""
         key, _ = self._cache_key()
         hp = self.hparams
-        return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples, "grouped", hp.dedup_prompts,
+        return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples, "grouped", "dedup-conversations", hp.dedup_prompts,
                             hp.min_prompt_chars)
 
     # -- loaders ----------------------------------------------------------------------------------------

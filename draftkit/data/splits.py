@@ -12,8 +12,11 @@ ones, and checkpoint choice read the mix. The rule here is the one the data summ
    "please continue", "more", "ok thanks", ...), or opening with a request to go on (:data:`CONTINUATION_STARTS`:
    "continue writing please", "please continue from the last code snippet") — such a turn only makes sense after
    an earlier answer that the record does not hold;
-3. **duplicates** of a normalised prompt are dropped after its first occurrence (in file order), when asked;
-4. the rest is split by a seeded permutation of the distinct prompts: every row of a prompt goes to the same side.
+3. **duplicates** are dropped after their first occurrence (in file order), when asked: a row whose normalised
+   prompt *and* answers repeat an earlier row's. Several answers to one prompt (sampled regeneration, best-of-n)
+   are a supported shape of data: they all train, since each is a sample of the target's distribution;
+4. the rest is split by a seeded permutation of the distinct prompts: every row of a prompt goes to the same side
+   (all sampled answers of a prompt train, or all validate).
 
 Shapes: none (lists of strings and row indices).
 """
@@ -70,16 +73,16 @@ class PromptFilter:
     Args:
         min_prompt_chars: a normalised prompt shorter than this many characters is context-free (0 = off).
         drop_fillers: drop prompts made only of :data:`FILLER_WORDS`.
-        dedup: keep only the first row of each normalised prompt.
+        dedup: drop a row whose normalised prompt and answers both repeat an earlier row's.
     """
 
     min_prompt_chars: int = 8
     drop_fillers: bool = True
     dedup: bool = True
 
-    def why_dropped(self, key: str, seen: set[str]) -> str | None:
+    def why_dropped(self, key: str, seen: set, answers=None) -> str | None:
         """The reason a row with normalised prompt ``key`` is dropped ("empty prompt", "context-free prompt",
-        "duplicate prompt"), or None when it is kept; ``seen`` holds the keys kept so far."""
+        "duplicate conversation"), or None when it is kept; ``seen`` holds the ``(key, answers)`` kept so far."""
         if not key:
             return "empty prompt"
         if self.drop_fillers and (all(w in FILLER_WORDS for w in _WORD.findall(key))
@@ -87,15 +90,17 @@ class PromptFilter:
             return "context-free prompt"
         if len(key) < self.min_prompt_chars:
             return "context-free prompt"
-        if self.dedup and key in seen:
-            return "duplicate prompt"
+        if self.dedup and (key, answers) in seen:
+            return "duplicate conversation"
         return None
 
-    def keep(self, prompts: list[str]) -> tuple[list[int], list[str], dict[str, list[int]]]:
+    def keep(self, prompts: list[str], answers: list | None = None) -> tuple[list[int], list[str], dict[str, list[int]]]:
         """Apply the rule to rows in order.
 
         Args:
             prompts: the first prompt of each row (raw text), length N.
+            answers: a hashable key of the rest of each row (its answers, e.g. a digest of its tokens), length N;
+                None: every row of a prompt has the same answers (so only its first row is kept).
 
         Returns:
             ``(kept, keys, dropped)``: kept row indices (ascending), the normalised key of every row (length N),
@@ -104,10 +109,11 @@ class PromptFilter:
         keys = [normalize_prompt(p) for p in prompts]
         kept, seen, dropped = [], set(), {}
         for i, key in enumerate(keys):
-            why = self.why_dropped(key, seen)
+            row = (key, None if answers is None else answers[i])
+            why = self.why_dropped(key, seen, row[1])
             if why is None:
                 kept.append(i)
-                seen.add(key)
+                seen.add(row)
             else:
                 dropped.setdefault(why, []).append(i)
         return kept, keys, dropped

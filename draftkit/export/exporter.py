@@ -39,7 +39,7 @@ from draftkit.export.common import (
 )
 from draftkit.export.load import load_exported_head, read_export, read_export_source, reference_forward
 from draftkit.export.speculation import Speculation
-from draftkit.heads.checkpoint import HeadSource, read_checkpoint
+from draftkit.heads.checkpoint import HeadSource, read_checkpoint, target_architecture
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
 
 __all__ = ["export_checkpoint", "export_head_source", "verify_export"]
@@ -238,6 +238,9 @@ def export_head_source(
         "layer_prefix": module.LAYER_PREFIX,
         "source_checkpoint": portable_path(source.path),
         "target": source.target,
+        # the target the head was trained on (an export of an export keeps the first one) and its architecture
+        "trained_target": meta.get("trained_target") or meta.get("target"),
+        "target_architecture": meta.get("target_architecture") or target_architecture(source.target_config),
         "target_path": portable_path(source.target_path),
         "target_name": source.serving_name,
         "target_model_type": model_type,

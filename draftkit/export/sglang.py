@@ -22,6 +22,8 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
+import shlex
+
 from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
 from draftkit.heads.checkpoint import HeadSource
@@ -211,12 +213,12 @@ def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | 
     """The ``sglang.launch_server`` command for a chain of k draft tokens (topk 1, k + 1 draft tokens) or a tree
     (steps D, topk K, N + 1 draft tokens; :func:`speculation_settings`)."""
     s = speculation_settings(k, tree)
-    return (
-        f"python -m sglang.launch_server --model-path {source.serving_name} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path {out_dir} --speculative-num-steps {s['speculative_num_steps']} "
-        f"--speculative-eagle-topk {s['speculative_eagle_topk']} "
-        f"--speculative-num-draft-tokens {s['speculative_num_draft_tokens']}"
-    )
+    return shlex.join([
+        "python", "-m", "sglang.launch_server", "--model-path", source.serving_name, "--speculative-algorithm",
+        "EAGLE3", "--speculative-draft-model-path", str(out_dir), "--speculative-num-steps",
+        str(s["speculative_num_steps"]), "--speculative-eagle-topk", str(s["speculative_eagle_topk"]),
+        "--speculative-num-draft-tokens", str(s["speculative_num_draft_tokens"]),
+    ])
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

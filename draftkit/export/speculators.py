@@ -12,6 +12,8 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
+import shlex
+
 from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
 from draftkit.export.speculation import chain_only_note
@@ -106,7 +108,7 @@ def build_config(
 
 def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
     """``vllm serve <dir>``: verifier and k (a tree's depth) are read from the directory's ``speculators_config``."""
-    return f"vllm serve {out_dir}"
+    return shlex.join(["vllm", "serve", str(out_dir)])
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

@@ -21,6 +21,7 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from draftkit.decoding.tree import TreeConfig
@@ -169,7 +170,7 @@ def build_spec_yaml(
 
 def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | None = None) -> str:
     """The ``trtllm-serve`` command using the exported options file (which carries k or the tree)."""
-    return f"trtllm-serve {source.serving_name} --extra_llm_api_options {out_dir}/{SPEC_FILE}"
+    return shlex.join(["trtllm-serve", source.serving_name, "--extra_llm_api_options", f"{out_dir}/{SPEC_FILE}"])
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

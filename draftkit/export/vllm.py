@@ -16,6 +16,7 @@ Shapes: H draft hidden, H_t target hidden, N target layers.
 from __future__ import annotations
 
 import json
+import shlex
 
 from draftkit.decoding.tree import TreeConfig
 from draftkit.export.common import llama_config_fields, norm_flags
@@ -95,7 +96,7 @@ def launch_command(source: HeadSource, out_dir: str, k: int, tree: TreeConfig | 
     """The ``vllm serve`` command for this export: a chain of k draft tokens (for a tree, its depth)."""
     n = speculation_settings(k, tree)["num_speculative_tokens"]
     spec = json.dumps({"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": n})
-    return f"vllm serve {source.serving_name} --speculative-config '{spec}'"
+    return shlex.join(["vllm", "serve", source.serving_name, "--speculative-config", spec])
 
 
 def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, options: dict) -> dict:

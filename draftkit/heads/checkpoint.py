@@ -28,14 +28,55 @@ from draftkit.selection.layers import default_aux_layer_ids, validate_aux_layer_
 from draftkit.target.frozen import text_config
 
 __all__ = [
-    "HEAD_PREFIX", "HeadSource", "check_finite", "check_tokenizer", "expected_tensor_specs", "head_from_checkpoint",
-    "read_checkpoint",
+    "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_tokenizer", "expected_tensor_specs",
+    "head_from_checkpoint", "read_checkpoint", "target_architecture",
 ]
 
 log = logging.getLogger(__name__)
 
 HEAD_PREFIX = "head."
 """Prefix of the head's tensors in a training checkpoint's ``state_dict``."""
+
+ARCHITECTURE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "vocab_size")
+"""The target (text) config fields a head is tied to: its aux ids index the layers, ``fc`` reads the hidden
+states, and what the states mean depends on the model family. A fine-tune or a quantization of the training
+target keeps them all; another family or size changes some."""
+
+
+def target_architecture(config) -> dict:
+    """``{field: value}`` of :data:`ARCHITECTURE_FIELDS` of a target's (text) ``PretrainedConfig``; stored in
+    checkpoints (``draftkit.target_architecture``) and export sidecars."""
+    cfg = text_config(config)
+    return {f: getattr(cfg, f, None) for f in ARCHITECTURE_FIELDS}
+
+
+def _check_architecture(path: Path, meta: dict, target_ref: str, tcfg) -> None:
+    """Refuse a ``--target`` of another architecture than the head's training target (:data:`ARCHITECTURE_FIELDS`
+    as stored, or read from the training target's config for checkpoints written before they were stored; not
+    compared when neither is available).
+
+    Raises:
+        ValueError: naming the training target and ``--target`` with each differing field's two values.
+    """
+    trained, trained_ref = meta.get("target_architecture"), meta.get("trained_target") or meta.get("target")
+    if trained is None and trained_ref:
+        try:
+            trained = target_architecture(_load_target_config(str(trained_ref))[1])
+        except (OSError, ValueError):
+            log.info("%s: the training target %r is not available here; its architecture is not compared with "
+                     "--target %r", path, trained_ref, target_ref)
+            return
+    given = target_architecture(tcfg)
+    diff = [f"{f} {trained[f]!r} vs {given[f]!r}" for f in ARCHITECTURE_FIELDS
+            if trained.get(f) is not None and given[f] is not None and trained[f] != given[f]]
+    if diff:
+        raise ValueError(
+            f"{path} was trained on target {trained_ref!r}, but --target {target_ref!r} has another architecture "
+            f"({'; '.join(diff)}, training target vs --target): a head drafts only for the architecture it was "
+            "trained on; leave --target out (or give that target, a fine-tune or a quantization of it), or train a "
+            "head for this target"
+        )
 
 
 @dataclass
@@ -279,6 +320,8 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
             f"{cfg.vocab_size}, but target {target_ref!r} ({target_path}) has hidden_size {t_hidden} and "
             f"vocab_size {t_vocab}; export against the target the head was trained on (--target)"
         )
+    if target is not None:
+        _check_architecture(path, meta, target_ref, tcfg)
     check_tokenizer(meta, target_path, f"checkpoint {path}")
     num_layers = int(tcfg.num_hidden_layers)
     aux = validate_aux_layer_ids(cfg.aux_layer_ids, num_layers, option=f"{path}: aux_layer_ids")

@@ -27,16 +27,19 @@ from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-from draftkit.heads.checkpoint import HEAD_PREFIX
+from draftkit.heads.checkpoint import HEAD_PREFIX, target_architecture
 from draftkit.models import schedule
 from draftkit.models.schedule import RESUME_KEY
-from draftkit.models.ttt import later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
+from draftkit.models.ttt import draft_accuracy, later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
 from draftkit.precision import DTYPES, default_device, resolve_dtype
 from draftkit.selection.vocab import VocabMap
 
 __all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError"]
 
 log = logging.getLogger(__name__)
+
+LOW_DRAFT_COVERAGE = 0.5
+"""``val/draft_coverage`` below this warns: most drafts are then rejected whatever the head learns."""
 
 
 
@@ -147,6 +150,10 @@ class Eagle3Module(pl.LightningModule):
             draws nothing. The noise comes from a generator seeded by (the run's seed, global step, rank,
             batch index), so a resumed run draws the same noise as an uninterrupted one.
         serving_k: draft length at serving, for ``tau_sim_k{serving_k}``.
+        init_head: a trained head (``.ckpt`` from ``fit`` or an export directory) to start this run from: its
+            weights and draft vocab map (``draftkit.models.init_head``), to continue a head on new data. It must
+            match this run's target architecture, tokenizer, aux layers, ``draft_vocab_size`` and head options;
+            the optimizer, schedule and step count start fresh (``--ckpt_path`` resumes a run instead).
 
     Heavy work (loading the target, building the vocab map from the datamodule's counts and the head) runs
     in :meth:`setup`, so recipes instantiate in milliseconds.
@@ -169,6 +176,7 @@ class Eagle3Module(pl.LightningModule):
         freeze_lm_head: bool = False,
         hidden_state_noise: float = 0.0,
         serving_k: int = 5,
+        init_head: str | None = None,
     ) -> None:
         super().__init__()
         if draft_vocab_size < 1:
@@ -309,10 +317,17 @@ class Eagle3Module(pl.LightningModule):
                 from draftkit.target.tokens import tokenizer_identity
 
                 self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
-        elif self.hparams.draft_vocab_size == vocab_size:
+        elif self.hparams.draft_vocab_size == vocab_size or self.hparams.init_head:
             vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
         else:
             raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
+        init = None
+        if self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
+            from draftkit.models.init_head import read_init_head
+
+            init, _ = read_init_head(self.hparams.init_head, self.hparams.target, self.target.aux_layer_ids,
+                                     self.hparams.draft_vocab_size)
+            vocab = VocabMap(d2t=init.d2t.clone(), t2d=init.t2d.clone())
         vocab.validate()
         self._check_filter_keeps_tokens(vocab_size)
         cfg = Eagle3Config.from_target_config(
@@ -326,12 +341,19 @@ class Eagle3Module(pl.LightningModule):
         if self.hparams.init_from_target:
             norm = self.target.final_norm_weight()
             self.head.init_from_target(self.target.lm_head_weight().float(), None if norm is None else norm.float())
+        if init is not None:
+            from draftkit.models.init_head import check_same_head_shape, load_into
+
+            check_same_head_shape(init.config, cfg, self.hparams.init_head)
+            load_into(self.head, init)
+            log.info("model.init_head: starting from the weights and draft vocab of %s", self.hparams.init_head)
         self.head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
         coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
             self.target.aux_layer_ids, cfg.draft_vocab_size, vocab_size,
-            f" (covers {coverage:.1%} of assistant tokens)" if coverage is not None else "",
+            f" (covers {coverage:.1%} of the data's assistant tokens; of the target's own top tokens: "
+            "val/draft_coverage)" if coverage is not None else "",
         )
 
     def _check_filter_keeps_tokens(self, vocab_size: int) -> None:
@@ -388,6 +410,7 @@ class Eagle3Module(pl.LightningModule):
         checkpoint["draftkit"] = {
             "head_config": dataclasses.asdict(self.head.config),
             "target": self.hparams.target,
+            "target_architecture": target_architecture(self.target.config),  # evaluate/export refuse another
             "target_dtype": self.hparams.target_dtype,
             "chat_template": self.chat_template,
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
@@ -484,7 +507,11 @@ class Eagle3Module(pl.LightningModule):
             batch_idx: the training batch index (seeds :meth:`aux_noise`; unused without noise).
 
         Returns:
-            (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum)]).
+            (total loss Σ decay^k L_k, per-step [(loss_sum, correct_sum, weight_sum, scored_sum)]): ``weight_sum``
+            Σ w over the supervised rows (the loss's normaliser: the target's top token is a draft id);
+            ``scored_sum`` Σ m_{p+2+k} (with the entropy filter's weight) over every row with a token to
+            predict, whatever the target's top token: decoding rejects a draft wherever the target's top token
+            is not a draft id, so accuracy is ``correct_sum / scored_sum`` (``ttt.draft_accuracy``).
         """
         input_ids, attn = batch["input_ids"], batch["attention_mask"]
         aux, last, lm_head = self._teacher(batch)  # (B, T, n*H_t), (B, T, H_t)
@@ -538,7 +565,8 @@ class Eagle3Module(pl.LightningModule):
             )
             denom = w_sum.detach() if global_w is None else global_w[k]
             total = total + (self.ttt.decay ** k) * loss_sum / denom.clamp_min(1.0)
-            stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach()))
+            scored = shift(weights, 2 + k).sum()  # rows with a token to predict, in the draft vocab or not
+            stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach(), scored.detach()))
         return total, stats
 
     # -- non-finite guard ------------------------------------------------------------------------------
@@ -583,12 +611,32 @@ class Eagle3Module(pl.LightningModule):
             if rows:
                 return ("; ".join(rows) + "; delete that shard file and rerun `python -m draftkit cache-hidden-states` "
                         "with the same recipe and --output to rewrite it")
+        elif hasattr(self.target, "lm_logits"):  # online: the target's own outputs, recomputed on this error path
+            target = self._nonfinite_target_outputs(batch)
+            if target:
+                return target
         bad = [k for k, p in self.head.named_parameters() if not bool(torch.isfinite(p).all())]
         listed = ", ".join(name(i) for i in range(n)) if sources else "its records are not named"
         if bad:
             return f"the head's {', '.join(bad)} are already NaN/inf (batch: {listed})"
         return (f"its inputs are finite ({listed}), the loss overflowed: lower model.optim.lr, set "
                 "trainer.gradient_clip_val or train in trainer.precision 32-true")
+
+    def _nonfinite_target_outputs(self, batch: dict) -> str | None:
+        """The error detail when the frozen target's own outputs on ``batch`` (aux and last hidden states, logits,
+        at the real tokens) hold NaN/inf, e.g. a target that overflows in float16; None when they are finite."""
+        mask = batch["attention_mask"].bool()  # (B, T)
+        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], compute_logits=False)
+        parts = {"aux hidden states": out.aux_hidden_states[mask], "last hidden state": out.last_hidden_state[mask]}
+        with torch.no_grad():
+            parts["logits"] = self.target.lm_logits(parts["last hidden state"])  # (n, V)
+        counts = [f"{int((~torch.isfinite(t)).sum())} NaN/inf values in its {what}" for what, t in parts.items()
+                  if not bool(torch.isfinite(t).all())]
+        if not counts:
+            return None
+        return (f"the target's own outputs are non-finite ({', '.join(counts)}) with model.target_dtype="
+                f"{self.hparams.target_dtype}: the target overflows in that dtype, whatever the head or the learning "
+                "rate; set model.target_dtype to float32 (or bfloat16, whose range is float32's)")
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Refuse NaN/inf gradients before the optimizer step (one ``isfinite`` per parameter, one sync), so
@@ -641,8 +689,8 @@ class Eagle3Module(pl.LightningModule):
         self._last_batch = (batch_idx, batch.get("source"))
         self._check_finite_loss(total, batch, batch_idx, "train")
         # one host copy for every step's (correct, supervised) count: the loop below reads host floats only
-        counts = torch.stack([torch.stack([c.float(), w.float()]) for _, c, w in stats]).tolist()  # [[c_k, w_k], ...]
-        supervised = sum(w for _, w in counts)
+        counts = torch.stack([torch.stack([c.float(), w.float(), n.float()]) for _, c, w, n in stats]).tolist()
+        supervised = sum(w for _, w, _ in counts)  # counts: [[c_k, w_k, scored_k], ...]
         self._batch_empty = supervised == 0 and self.trainer.world_size == 1
         self._epoch_batches[self._batch_empty] += 1
         if self._batch_empty:
@@ -652,13 +700,15 @@ class Eagle3Module(pl.LightningModule):
         bs = batch["input_ids"].shape[0]
         self.tokens_trained += int(batch["attention_mask"].sum())
         self.trained_length = max(self.trained_length, int(batch["input_ids"].shape[1]))
-        for k, ((loss_sum, correct_sum, w_sum), (_, w)) in enumerate(zip(stats, counts)):
+        for k, ((loss_sum, correct_sum, w_sum, _), (c, w, n)) in enumerate(zip(stats, counts)):
+            if n > 0:
+                self.log(f"train/acc_{k}", draft_accuracy(c, n), on_step=True, batch_size=bs)
             if w > 0:
-                self.log(f"train/acc_{k}", correct_sum / w_sum, on_step=True, batch_size=bs)
                 self.log(f"train/loss_{k}", loss_sum / w_sum, on_step=True, batch_size=bs)
         self.log("train/loss", total, on_step=True, prog_bar=True, batch_size=bs)
-        if all(w > 0 for _, w in counts):
-            self.log("train/tau_sim", tau_sim([c / w for c, w in counts]), on_step=True, prog_bar=True, batch_size=bs)
+        if all(n > 0 for _, _, n in counts):
+            self.log("train/tau_sim", tau_sim([draft_accuracy(c, n) for c, _, n in counts]), on_step=True,
+                     prog_bar=True, batch_size=bs)
         self.log("train/supervised_tokens", counts[0][1], on_step=True, reduce_fx="sum", batch_size=bs)
         # x axis of learning curves (benchmarks/learning_curve.py): real tokens trained so far, all ranks
         self.log("train/tokens_trained", float(self.tokens_trained), on_step=True, reduce_fx="sum", sync_dist=True,
@@ -690,7 +740,8 @@ class Eagle3Module(pl.LightningModule):
             raise self._no_signal(f"every one of the {empty} training batches of epoch {self.current_epoch}")
 
     def on_validation_epoch_start(self) -> None:
-        self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)
+        self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)  # (K,) supervised
+        self._val_scored = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)  # (K,) scored rows
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate the batch's per-step accuracy and loss.
@@ -701,11 +752,13 @@ class Eagle3Module(pl.LightningModule):
         """
         total, stats = self.ttt_loss(batch)
         self._check_finite_loss(total, batch, batch_idx, "validation")
-        for k, (loss_sum, correct_sum, w_sum) in enumerate(stats):
+        for k, (loss_sum, correct_sum, w_sum, scored) in enumerate(stats):
+            if float(scored) > 0:  # rows whose target top token is no draft id count as misses, as in decoding
+                self.val_acc[k].update(draft_accuracy(correct_sum, scored), weight=scored)
             if float(w_sum) > 0:
-                self.val_acc[k].update(correct_sum / w_sum, weight=w_sum)
                 self.val_step_loss[k].update(loss_sum / w_sum, weight=w_sum)
             self._val_weight[k] += float(w_sum)
+            self._val_scored[k] += float(scored)
         if float(stats[0][2]) > 0:
             self.val_loss.update(total)
 
@@ -723,13 +776,16 @@ class Eagle3Module(pl.LightningModule):
                 naming ``data.val_size``, ``data.path`` and what to change (:meth:`_nothing_to_measure`).
         """
         weight = self.trainer.strategy.reduce(self._val_weight, reduce_op="sum")  # (K,) over ranks
+        scored = self.trainer.strategy.reduce(self._val_scored, reduce_op="sum")  # (K,)
+        if scored[0] > 0:
+            self._log_draft_coverage(float(weight[0] / scored[0]))
         fitting = self.trainer.state.fn == "fit" and not self.trainer.sanity_checking
         if fitting and self.trainer.global_step == 0 and self.empty_batches:
             raise self._no_signal(f"every one of the {self.empty_batches} training batches before validation")
         accs = []
         for k in range(self.ttt.steps):
-            if weight[k] > 0:
-                accs.append(float(self.val_acc[k].compute()))
+            if weight[k] > 0:  # measured: some row's target top token is a draft id
+                accs.append(float(self.val_acc[k].compute()))  # over every scored row (draft_accuracy)
                 self.log(f"val/acc_{k}", accs[-1])
                 self.log(f"val/loss_{k}", self.val_step_loss[k].compute())
             self.val_acc[k].reset()
@@ -751,6 +807,18 @@ class Eagle3Module(pl.LightningModule):
             if monitors and complete and self.trainer.state.fn == "fit":
                 raise self._nothing_to_measure(empty, monitors)
             log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation", empty)
+
+    def _log_draft_coverage(self, coverage: float) -> None:
+        """Log ``val/draft_coverage``, the fraction of scored validation rows whose target top token is a draft id
+        (the most ``val/acc_0`` can reach), and warn once below :data:`LOW_DRAFT_COVERAGE` (sanity check included)."""
+        self.log("val/draft_coverage", coverage)
+        if coverage < LOW_DRAFT_COVERAGE and not getattr(self, "_coverage_warned", False):
+            self._coverage_warned = True
+            log.warning(
+                "validation: the target's top token is a draft id at only %.1f%% of the scored positions; "
+                "val/acc_k and val/tau_sim count the others as misses (as decoding rejects them): raise "
+                "model.draft_vocab_size (now %d) or train on data the target answers like", 100 * coverage,
+                self.hparams.draft_vocab_size)
 
     def _nothing_to_measure(self, empty: list[int], monitors: list[str]) -> ValueError:
         """The error for a validation split without a supervised row at some TTT step while a callback

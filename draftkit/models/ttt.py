@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["later_rows", "shift", "soft_ce", "tau_sim", "teacher_distribution", "ttt_targets"]
+__all__ = ["draft_accuracy", "later_rows", "shift", "soft_ce", "tau_sim", "teacher_distribution", "ttt_targets"]
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -111,6 +111,17 @@ def soft_ce(logits: torch.Tensor, teacher_probs: torch.Tensor, teacher_argmax: t
     ce = torch.logsumexp(logits, dim=-1) - (teacher_probs * logits).sum(-1)  # (n,)
     correct = (logits.argmax(-1) == teacher_argmax).float()  # (n,)
     return (ce * weight).sum(), (correct * weight).sum(), weight.sum()
+
+
+def draft_accuracy(correct, scored):
+    """Accuracy of a TTT step as decoding sees it: correct drafts over every scored row, the rows whose target
+    top token is not a draft id (never supervised, never drafted right) counted as misses.
+
+    Args:
+        correct: Σ w·1[draft argmax = target argmax] over the supervised rows (float or 0-d tensor).
+        scored: Σ w over every row with a token to predict (> 0), in the draft vocab or not.
+    """
+    return correct / scored
 
 
 def tau_sim(accs: list[float]) -> float:

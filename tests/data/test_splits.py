@@ -38,7 +38,7 @@ def test_drop_rule_on_a_small_fixture():
     ]
     kept, keys, dropped = PromptFilter().keep(prompts)
     assert kept == [0, 6, 8]
-    assert dropped == {"duplicate prompt": [1, 9], "context-free prompt": [2, 3, 4, 7], "empty prompt": [5]}
+    assert dropped == {"duplicate conversation": [1, 9], "context-free prompt": [2, 3, 4, 7], "empty prompt": [5]}
     assert keys[1] == keys[0] == keys[9]
     # each part of the rule can be switched off
     kept, _, dropped = PromptFilter(dedup=False).keep(prompts)
@@ -76,18 +76,20 @@ def test_grouped_split_refuses_a_negative_size():
         grouped_split(["a"], [0], -1, 0)
 
 
-def _chat_file(path, prompts):
+def _chat_file(path, prompts, answers=None):
     import json
 
     with open(path, "w") as f:
         for i, p in enumerate(prompts):
-            msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": f"answer number {i}"}]
+            answer = answers[i] if answers else f"answer number {i}"
+            msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": answer}]
             f.write(json.dumps({"id": f"r{i}", "messages": msgs}) + "\n")
     return path
 
 
 def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path, tiny_target_dir, monkeypatch):
-    """The wired rule: 40 distinct prompts, each also present as a near-copy, plus 6 context-free records.
+    """The wired rule: 40 distinct prompts, each also present as a near-copy with the same answer, plus 6
+    context-free records.
 
     Train and validation share no normalised prompt, the copies and fragments are dropped and named, and
     turning the rule off keeps them (so the test fails if the datamodule ignores the options)."""
@@ -98,8 +100,9 @@ def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path
     distinct = [f"Write a short story about topic {i}" for i in range(40)]
     prompts = distinct + [p.upper() + "!" for p in distinct] + ["continue", "Please continue", "go on",
                                                                "more", "ok", "Continue writing please"]
-    path = _chat_file(tmp_path / "chat.jsonl", prompts)
-    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=8, seed=3)
+    path = _chat_file(tmp_path / "chat.jsonl", prompts, [f"answer number {i % 40}" for i in range(len(prompts))])
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
+                        max_skip_fraction=0.6)
     dm.setup()
     assert (len(dm.train_set), len(dm.val_set)) == (32, 8)
 
@@ -109,10 +112,10 @@ def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path
     assert not {by_record[r] for r in train_records} & {by_record[r] for r in val_records}
     assert {by_record[r] for r in train_records | val_records} == {normalize_prompt(p) for p in distinct}
     reasons = {r["record"]: r["reason"] for r in dm.stats["prompt_rule"]}
-    assert reasons == {**{f"r{i}": "duplicate prompt" for i in range(40, 80)},
+    assert reasons == {**{f"r{i}": "duplicate conversation" for i in range(40, 80)},
                        **{f"r{i}": "context-free prompt" for i in range(80, 86)}}
 
-    off = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=8, seed=3,
+    off = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
                          dedup_prompts=False, min_prompt_chars=0)
     off.setup()
     assert len(off.train_set) + len(off.val_set) == 86
@@ -130,3 +133,27 @@ def test_default_min_prompt_chars_is_8_inclusive():
     assert f.min_prompt_chars == 8
     assert f.why_dropped("abcdefgh", set()) is None  # exactly 8 characters: kept
     assert f.why_dropped("abcdefg", set()) == "context-free prompt"
+
+
+def test_sampled_answers_all_train_and_prompt_rule_drops_count_toward_the_skip_threshold(tmp_path, tiny_target_dir,
+                                                                                        monkeypatch):
+    """Issue 55, case y25: 6 prompts x 4 sampled answers lost 18 of 24 records as "duplicate prompts"; and
+    context-free drops (7 of 32, 22 %) trained on past data.max_skip_fraction 0.2 without a stop."""
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    from draftkit.data.datamodule import ChatDataModule
+
+    prompts = [f"Tell me fact number {i // 4} about draft heads" for i in range(24)]
+    path = _chat_file(tmp_path / "dup4.jsonl", prompts, [f"sample {i % 4} of answer {i // 4}" for i in range(24)])
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=4, seed=0)
+    dm.setup()
+    assert (len(dm.train_set), len(dm.val_set)) == (20, 4)  # every answer trains; one prompt's four validate
+    assert dm.stats["prompt_rule"] == []
+    assert len({p for p, r in zip(prompts, (f"r{i}" for i in range(24))) if r in set(dm.val_set["record"])}) == 1
+
+    fragments = prompts[:25] + ["continue", "Please continue", "go on", "more", "ok", "next", "continue please"]
+    path = _chat_file(tmp_path / "cf.jsonl", fragments[1:], None)
+    with pytest.raises(ValueError, match=(
+            r"7 of 30 records skipped \(23%\), more than data.max_skip_fraction=0.2; main reason: context-free prompt "
+            r"\(7 records; r23: first prompt 'continue'\); set data.min_prompt_chars 0 to keep prompts that need an "
+            r"earlier answer the record does not hold, or raise data.max_skip_fraction to train on the rest")):
+        ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=4).setup()

@@ -22,8 +22,8 @@ NAME = "org/tiny-target"
 # the sidecar keys of a chain export, in order: an export without --tree / --from_report writes exactly these
 CHAIN_SIDECAR_KEYS = [
     "format", "format_version", "draftkit_version", "engine", "engine_version", "dtype", "layer_prefix",
-    "source_checkpoint", "target", "target_path", "target_name", "target_model_type", "target_dtype",
-    "tokenizer_fingerprint", "chat_template", "target_num_layers", "aux_layer_ids", "aux_layer_ids_convention",
+    "source_checkpoint", "target", "trained_target", "target_architecture", "target_path", "target_name",
+    "target_model_type", "target_dtype", "tokenizer_fingerprint", "chat_template", "target_num_layers", "aux_layer_ids", "aux_layer_ids_convention",
     "aux_layer_ids_default", "engine_aux_layer_ids", "vocab", "head_config", "ttt", "trained_length",
     "num_speculative_tokens", "launch",
 ]

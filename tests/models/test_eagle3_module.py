@@ -96,7 +96,7 @@ def test_all_masked_batch_is_finite_and_zero(built_module):
     batch = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
     loss, stats = model.ttt_loss(batch)
     assert math.isfinite(float(loss)) and float(loss) == 0.0
-    assert all(float(w) == 0 for _, _, w in stats)
+    assert all(float(w) == 0 and float(n) == 0 for _, _, w, n in stats)
 
 
 def test_soft_ce_hand_computed():
@@ -169,9 +169,10 @@ def test_accuracy_and_tau_sim_on_a_hand_built_teacher(full_vocab_module):
         teacher[0, p + 1, (draft[p] + 1) % v] = 5.0  # disagree
     batch["last_hidden_state"] = teacher
     _, stats = model.ttt_loss(batch)
-    (_, correct, weight), = stats
+    (_, correct, weight, scored), = stats
     assert (float(correct), float(weight)) == (3.0, 5.0)
-    assert tau_sim([float(c / w) for _, c, w in stats]) == pytest.approx(1.6)  # what train/tau_sim logs
+    assert float(scored) == 5.0  # full draft vocab: every scored row is supervised
+    assert tau_sim([float(c / n) for _, c, _, n in stats]) == pytest.approx(1.6)  # what train/tau_sim logs
 
 
 def test_entropy_filter_keys_each_token_on_the_previous_teacher_position(tiny_target_dir):
@@ -193,7 +194,7 @@ def test_entropy_filter_keys_each_token_on_the_previous_teacher_position(tiny_ta
         model.target = _IdentityLMHead()
         _, stats = model.ttt_loss(_offline_batch(model, teacher, loss_mask))
         # step 0: row p weighs token p+2 (rows 1..5); step 1: token p+3 (rows 0..4)
-        assert [float(w) for _, _, w in stats] == pytest.approx([2 + 3 * kept, 2 + 3 * kept])
+        assert [float(w) for _, _, w, _ in stats] == pytest.approx([2 + 3 * kept, 2 + 3 * kept])
 
 
 def test_lr_schedule_is_linear_warmup_then_cosine(full_vocab_module):
@@ -331,7 +332,7 @@ def _empty_on(model, batches: set[int]):
         if model.training:
             seen.append(len(seen))
             if seen[-1] in batches:
-                return total * 0, [(s[0] * 0, s[1] * 0, s[2] * 0) for s in stats]
+                return total * 0, [tuple(x * 0 for x in s) for s in stats]
         return total, stats
 
     model.ttt_loss = ttt_loss
@@ -397,7 +398,7 @@ def test_validation_never_logs_nan_or_placeholders(built_module, tmp_path):
     def ttt_loss(batch, batch_idx=0):  # validation: steps 1 and 2 never supervised
         total, stats = real(batch, batch_idx)
         if not model.training:
-            stats = [stats[0]] + [(s[0] * 0, s[1] * 0, s[2] * 0) for s in stats[1:]]
+            stats = [stats[0]] + [tuple(x * 0 for x in s) for s in stats[1:]]
         return total, stats
 
     model.ttt_loss = ttt_loss

@@ -118,7 +118,7 @@ def offline_module(tiny_target_dir):
 def test_validation_refuses_nan_logits_naming_the_source(offline_module):
     """NaN teacher states in sequence 1 of a validation batch: no accuracy is counted, the error names it."""
     model = offline_module
-    model._val_weight = torch.zeros(2, dtype=torch.float64)
+    model.on_validation_epoch_start()
     good = _offline_batch(model)
     model.validation_step(good, 0)
     assert model._val_weight.tolist() == [8.0, 6.0]  # 2 rows x (6 - 2 - k) supervised positions

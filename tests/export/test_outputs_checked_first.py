@@ -1,0 +1,42 @@
+"""Verbs check the file they will write before the long work (issue 55): ``evaluate --output`` naming a directory
+or a folder where no file can be created failed only after decoding every prompt, naming a temporary file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from draftkit.commands import main
+from draftkit.jsonio import check_writable
+
+
+def test_check_writable_leaves_nothing(tmp_path):
+    check_writable(tmp_path / "a" / "b" / "r.json", "--output")  # a folder to be created: fine
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=f"--output {tmp_path} is a directory; give a file path"):
+        check_writable(tmp_path, "--output")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores modes: a folder under /proc refuses every new file
+            locked = "/proc/draftkit-test"
+        with pytest.raises(OSError, match=r"--output .*r.json: no file can be created in "):
+            check_writable(f"{locked}/r.json", "--output")
+    finally:
+        (tmp_path / "locked").chmod(0o700)
+
+
+def test_evaluate_refuses_a_directory_output_before_decoding(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    path, _ = tiny_checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "hello"}) + "\n")
+    decoded = []
+    monkeypatch.setattr("draftkit.decoding.harness.evaluate_head", lambda *a, **k: decoded.append(1))
+    assert main(["evaluate", "--checkpoint", str(path), "--prompts", str(prompts), "--output", str(tmp_path),
+                 "--k", "2", "--max_new_tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"draftkit evaluate: error: --output {tmp_path} is a directory; give a file path")
+    assert decoded == []

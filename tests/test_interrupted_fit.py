@@ -1,0 +1,101 @@
+"""An interrupted ``fit`` (issue 55): it exits non-zero and says where its state went and how to resume; the same
+command rerun without ``--ckpt_path`` never resumes silently; a resume goes through the option check."""
+
+import functools
+import logging
+import shlex
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftkit.commands import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _SigtermAt(__import__("lightning").pytorch.Callback):
+    """SIGTERM to this process after optimizer step ``step`` (as fit turns a first Ctrl-C into)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        import os
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "with interrupt.yaml"  # a space: the printed command must quote it
+    path.write_text(f"""trainer:
+  default_root_dir: {tmp_path}
+  max_steps: 8
+  enable_progress_bar: false
+  callbacks+:
+    - class_path: draftkit.callbacks.interrupt.InterruptCheckpoint
+      init_args: {{dirpath: {tmp_path / "interrupted"}}}
+""")
+    return path
+
+
+def test_interrupted_fit_reports_and_never_resumes_silently(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(REPO)
+    args = ["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_recipe(tmp_path))]
+    from lightning.pytorch import Trainer
+
+    init = Trainer.__init__
+
+    @functools.wraps(init)  # LightningCLI reads the trainer options from this signature
+    def with_stop(self, *a, callbacks=None, **kw):  # the signal source, as a terminal or a scheduler would send it
+        init(self, *a, callbacks=[*(callbacks or []), _SigtermAt(3)], **kw)
+
+    monkeypatch.setattr(Trainer, "__init__", with_stop)
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as stop:
+        main(args)
+    monkeypatch.setattr(Trainer, "__init__", init)
+    assert stop.value.code == 143  # not 0: a script or scheduler must see the run did not finish
+    ckpt = tmp_path / "interrupted" / "on_exception.ckpt"
+    last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 3
+    assert torch.load(last, weights_only=False)["global_step"] == 3  # written at the stop: no step lost
+    assert "draftkit fit stopped by SIGTERM at optimizer step 3 (3 in this run)." in caplog.text
+    resume = next(line.split(": ", 1)[1] for line in caplog.text.splitlines() if "resume (the options" in line)
+    assert shlex.split(resume) == ["python", "-m", "draftkit", *args, "--ckpt_path", str(ckpt)]
+
+    # the same command again, without --ckpt_path and with another lr: refused, naming the state and the command
+    caplog.clear()
+    assert main(args + ["--model.optim", "{lr: 0.05, warmup_steps: 1}"]) == 2
+    assert not (tmp_path / "lightning_logs" / "version_1").exists()
+    # through the printed command with the changed lr: the resume-option check refuses it
+    assert main(shlex.split(resume)[3:] + ["--model.optim.lr", "0.05"]) == 2
+    # and a changed draft vocab: a clear refusal, not a raw size mismatch
+    assert main(shlex.split(resume)[3:] + ["--model.draft_vocab_size", "128"]) == 2
+    # the printed command as is: resumes in the original run directory and finishes (the state file is consumed)
+    with caplog.at_level(logging.INFO):
+        assert main(shlex.split(resume)[3:]) == 0
+    assert "trained: 8 optimizer steps (5 in this run" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    assert not ckpt.exists()
+
+
+def test_refusals_name_the_state_and_the_options(tmp_path, monkeypatch, capsys):
+    """The one-line errors of the refusals above (stderr, exit 2)."""
+    monkeypatch.chdir(REPO)
+    state = tmp_path / "interrupted" / "on_exception.ckpt"
+    state.parent.mkdir()
+    torch.save({"global_step": 5, "draftkit_log_dir": "runs/version_3"}, state)
+    args = ["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_recipe(tmp_path))]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{state} holds the state of a stopped run at step 5 (run directory runs/version_3)" in err
+    assert shlex.join(["python", "-m", "draftkit", *args, "--ckpt_path", str(state)]) in err
+    assert not (tmp_path / "lightning_logs").exists()
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(f"trainer:\n  default_root_dir: {tmp_path}\n  callbacks+:\n"
+                    f"    - class_path: lightning.pytorch.callbacks.OnExceptionCheckpoint\n"
+                    f"      init_args: {{dirpath: {tmp_path}}}\n")
+    assert main(["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(bare)]) == 2
+    assert "use draftkit.callbacks.interrupt.InterruptCheckpoint" in capsys.readouterr().err
