@@ -140,6 +140,14 @@ class Eagle3Module(pl.LightningModule):
             TorchSpec PR #184 measured 1.22x faster GPU steps; on the default recipe on 2 CPU cores the saving, one
             576 x 8,192 weight gradient per TTT step, was within the load's noise, and seed 0 lost 0.023 tau: off by
             default). ``norm`` still trains. The frozen rows are saved in checkpoints and exports like trained ones.
+        init_decoder_from_target_layer: start the draft decoder layer from the target's decoder layer with this
+            index (0..N-1, ``model.layers[i]``, the layer that reads ``hidden_states[i]``) instead of random:
+            attention q/k/v/o, MLP gate/up/down and the two norms are copied, q/k/v into the feature half of their
+            2H input columns with the embedding half at zero, so that the draft layer starts as the target layer
+            applied to the feature (``Eagle3LlamaHead.init_decoder_from_target_layer``). Needs a plain Llama-style
+            target layer of the head's shape (Llama, Mistral: no biases, q/k norms or MoE; same heads, head_dim
+            and intermediate size), else refused. None (default) = random. Applied when the head is built, so a
+            run resumed from a checkpoint still gets the checkpoint's weights.
         hidden_state_noise: s >= 0: training batches add uniform noise in [-s, s] to every aux hidden state
             before ``fc`` (speculators' ``AddUniformNoise`` on the verifier hidden states, std 0.05 there; EAGLE-1
             trained with uniform noise too), so the head learns from inputs near, not only on, the target's exact
@@ -169,6 +177,7 @@ class Eagle3Module(pl.LightningModule):
         freeze_lm_head: bool = False,
         hidden_state_noise: float = 0.0,
         serving_k: int = 5,
+        init_decoder_from_target_layer: int | None = None,
     ) -> None:
         super().__init__()
         if draft_vocab_size < 1:
@@ -324,6 +333,13 @@ class Eagle3Module(pl.LightningModule):
             norm = self.target.final_norm_weight()
             self.head.init_from_target(self.target.lm_head_weight().float(), None if norm is None else norm.float())
         self.head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
+        layer = self.hparams.init_decoder_from_target_layer
+        if layer is not None:
+            try:
+                self.head.init_decoder_from_target_layer(self.target.decoder_layer_state(layer), self.target.config)
+            except ValueError as e:
+                raise ValueError(f"model.init_decoder_from_target_layer={layer}: {e}; choose another layer or set "
+                                 f"it to null (random)") from e
         coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
