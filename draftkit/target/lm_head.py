@@ -3,7 +3,8 @@
 Offline training (``draftkit.data.hidden_cache``) reads the aux and last hidden states from a cache, so of the
 target it needs only its config (to size the head), its input embedding (copied into the head once) and its
 LM head (teacher logits z = W_lm · last_hidden_state, soft-capped as the target's forward does). Both tensors are read by name from the target's
-safetensors files; the model itself is only instantiated on the ``meta`` device to learn those names.
+safetensors files; the model itself is only instantiated on the ``meta`` device to learn those names. One decoder
+layer's tensors are read the same way on demand (``decoder_layer_state``: ``model.init_decoder_from_target_layer``).
 
 Shapes: B batch, T tokens, H_t target hidden, V target vocab.
 """
