@@ -39,13 +39,24 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``ttt5`` (+ ``recipes/ablation/ttt5.yaml``: 5 TTT steps, ~1.5x the step time, so fewer steps in the
   budget); ``noise`` (+ ``recipes/ablation/noise.yaml``: uniform noise in [-0.05, 0.05] on the aux states,
   speculators' default). Result (2 seeds): noise +0.002 / -0.002 tau (450 steps), off; ``ttt5`` at 360 steps (equal wall time) -0.037 / -0.050.
+- ``decoder-init`` (issue 52 item 3; base the default recipe as it is, EAGLE-3.1 input norm included): where the
+  draft decoder layer starts. ``random`` (the default); ``target-layer`` (+
+  ``recipes/ablation/init-decoder-from-target.yaml``: the target's last decoder layer, 29, copied into it,
+  ``model.init_decoder_from_target_layer``). Equal cost per step, so run it with ``--max_steps``.
+- ``turns-length`` (issue 52 item 2; base the default recipe as it is; PREPARED, its all-turns arms wait for
+  ``recipes/data/smollm2-135m-regen-turns.jsonl.gz``, issue 52 item 1): ``first-turns`` (+ ``len-2048.yaml`` +
+  ``first-turns.yaml``: the shipped head's 13,264 distinct first turns, 2,048 tokens); ``all-turns`` (+
+  ``len-2048.yaml`` + ``all-turns.yaml``: every human turn answered in context, 2,048 tokens); ``all-turns-512``
+  (+ ``len-512.yaml`` + ``all-turns.yaml``). Run it with ``--max_steps`` (equal steps, as the issue asks; a
+  2,048-token step costs more and carries more tokens, see ``tokens_trained``). val/tau_sim is measured on each
+  data set's own split, so between ``first-turns`` and ``all-turns`` only the MT-bench tau compares.
 
 ``--max_steps N`` replaces the recipe's 30-minute wall-time budget by N optimizer steps (the cosine planned to end
 there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
 work; use it where the arms cost the same per step (``eagle31``, ``noise``), since equal steps are then equal wall time.
 
-Every base stacks ``recipes/ablation/eagle3-plain.yaml`` (no EAGLE-3.1 norm) on the default recipe: the studies ran
-before the default moved to ``norm_before_fc`` + ``norm_output``, and their arms keep the meaning they had.
+Every base up to ``inputs`` stacks ``recipes/ablation/eagle3-plain.yaml`` (no EAGLE-3.1 norm) on the default recipe: those
+studies ran before the default moved to ``norm_before_fc`` + ``norm_output``, and their arms keep the meaning they had.
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
@@ -140,6 +151,18 @@ STUDIES = {
         base=[DEFAULT, EAGLE3],
         arms={"default": [], "ttt5": [A / "ttt5.yaml"], "noise": [A / "noise.yaml"]},
         diffs={"ttt5_minus_ttt3": ("ttt5", "default"), "noise_minus_clean": ("noise", "default")},
+    ),
+    "turns-length": Study(
+        base=[DEFAULT],
+        arms={"first-turns": [A / "len-2048.yaml", A / "first-turns.yaml"],
+              "all-turns": [A / "len-2048.yaml", A / "all-turns.yaml"],
+              "all-turns-512": [A / "len-512.yaml", A / "all-turns.yaml"]},
+        diffs={"all_minus_first_turns": ("all-turns", "first-turns"), "len2048_minus_512": ("all-turns", "all-turns-512")},
+    ),
+    "decoder-init": Study(
+        base=[DEFAULT],
+        arms={"random": [], "target-layer": [A / "init-decoder-from-target.yaml"]},
+        diffs={"target_layer_minus_random": ("target-layer", "random")},
     ),
 }
 

@@ -464,6 +464,89 @@ class Eagle3LlamaHead(nn.Module):
         if final_norm_weight is not None:
             self.norm.weight.copy_(final_norm_weight)
 
+    @torch.no_grad()
+    def init_decoder_from_target_layer(self, layer_state: dict[str, torch.Tensor], target_config) -> None:
+        """Start the decoder layer (``midlayer``) from one target decoder layer's weights instead of random.
+
+        Mapping (target Llama-style layer -> head), each tensor copied in the head's dtype and device (never
+        shared with the target):
+
+        1. ``self_attn.{q,k,v}_proj.weight`` (out, H) -> the **feature half**, columns [H, 2H), of the head's
+           (out, 2H) ``midlayer.self_attn.{q,k,v}_proj.weight``; the **embedding half**, columns [0, H), is set
+           to **zero**.
+        2. ``self_attn.o_proj.weight`` and ``mlp.{gate,up,down}_proj.weight`` -> the same names.
+        3. ``input_layernorm.weight`` -> ``midlayer.hidden_norm.weight`` (the norm in front of the feature half);
+           ``post_attention_layernorm.weight`` -> the same name; the head's ``input_layernorm`` (the token
+           embedding's norm, in front of the zeroed half) stays as built (ones).
+
+        Why: the draft layer's attention reads cat(input_layernorm(embedding), hidden_norm(feature)) (embedding
+        half first, as in EAGLE-3, SpecForge ``llama3_eagle.py`` and speculators), and its residual stream is the
+        feature, the fused target state that stands where the target layer's hidden state stood. With the
+        embedding half at zero the layer computes at initialisation exactly the target layer on the feature
+        (h = f + Attn(norm(f)), out = h + MLP(norm(h)); with ``norm_before_residual`` the residual is norm(f)).
+        Copying the target's columns into the embedding half as well would add W·norm(e) to every projection, a
+        term the target layer never computes. The zero half still learns from the first step: the gradient of
+        a linear weight is its input times the output's gradient, whatever the weight. No reference
+        implementation initialises the draft layer from the target (speculators copies only the embedding and
+        LM head, ``load_verifier_weights``); this is draftkit's choice.
+
+        Args:
+            layer_state: the target decoder layer's ``state_dict()`` (names relative to the layer): exactly the
+                nine tensors above; Llama shapes q (A*d, H), k/v (A_kv*d, H), o (H, A*d), gate/up (I, H),
+                down (H, I), norms (H,).
+            target_config: the target's Hugging Face config: its layer geometry (as :meth:`Eagle3Config.
+                from_target_config` reads it: H, A, A_kv, d, I, RMSNorm epsilon) must equal the head's, since
+                equal tensor shapes alone can hide another split into heads (A*d = A'*d'), and its MLP
+                activation (``hidden_act``) must be SiLU, the head's.
+
+        Raises:
+            ValueError: when the head's geometry differs from the target's (names each field and both values),
+                the layer holds tensors the head has no place for (biases, q/k norms, sandwich-norm or MoE
+                parts: named), lacks one, uses another activation, or a tensor's shape differs from the head's
+                (names the tensor and both shapes); nothing is copied then.
+        """
+        c = self.config
+        implied = Eagle3Config.from_target_config(target_config, c.aux_layer_ids, c.draft_vocab_size)
+        fields = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "rms_norm_eps")
+        differ = [f"{f} {getattr(c, f)} (target {getattr(implied, f)})" for f in fields
+                  if getattr(c, f) != getattr(implied, f)]
+        if differ:
+            raise ValueError(f"the draft layer's geometry differs from the target layer's: {', '.join(differ)}; "
+                             f"the draft layer must have the target layer's shape")
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        hidden_act = getattr(text, "hidden_act", None)
+        layer, h = self.midlayer, c.hidden_size
+        attn, mlp = layer.self_attn, layer.mlp
+        mapping = {  # target name -> (head tensor, True: it fills the feature half of a (out, 2H) weight)
+            **{f"self_attn.{p}_proj.weight": (getattr(attn, f"{p}_proj").weight, True) for p in "qkv"},
+            "self_attn.o_proj.weight": (attn.o_proj.weight, False),
+            **{f"mlp.{p}_proj.weight": (getattr(mlp, f"{p}_proj").weight, False) for p in ("gate", "up", "down")},
+            "input_layernorm.weight": (layer.hidden_norm.weight, False),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, False),
+        }
+        extra, missing = sorted(set(layer_state) - set(mapping)), sorted(set(mapping) - set(layer_state))
+        if extra or missing or hidden_act != "silu":
+            raise ValueError(
+                f"the target layer is not a plain Llama-style layer the draft layer can start from (tensors the head "
+                f"has no place for: {extra or 'none'}; missing: {missing or 'none'}; activation {hidden_act!r}, the "
+                f"head's is 'silu'); leave the decoder layer random for this target"
+            )
+        for name, (dst, half) in mapping.items():
+            want = (dst.shape[0], h) if half else tuple(dst.shape)
+            if tuple(layer_state[name].shape) != want:
+                raise ValueError(
+                    f"target layer tensor {name} is {tuple(layer_state[name].shape)}, the head's needs {want} (head: "
+                    f"hidden {c.hidden_size}, {c.num_attention_heads} heads, {c.num_key_value_heads} kv heads, "
+                    f"head_dim {c.head_dim}, intermediate {c.intermediate_size})"
+                )
+        for name, (dst, half) in mapping.items():
+            if half:
+                dst[:, :h].zero_()  # (out, H) embedding half
+                dst[:, h:].copy_(layer_state[name])  # (out, H) feature half
+            else:
+                dst.copy_(layer_state[name])
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft ids (any shape, int64) to target ids: i + d2t[i]."""
         return draft_ids + self.d2t[draft_ids]

@@ -143,6 +143,14 @@ class Eagle3Module(pl.LightningModule):
             TorchSpec PR #184 measured 1.22x faster GPU steps; on the default recipe on 2 CPU cores the saving, one
             576 x 8,192 weight gradient per TTT step, was within the load's noise, and seed 0 lost 0.023 tau: off by
             default). ``norm`` still trains. The frozen rows are saved in checkpoints and exports like trained ones.
+        init_decoder_from_target_layer: start the draft decoder layer from the target's decoder layer with this
+            index (0..N-1, ``model.layers[i]``, the layer that reads ``hidden_states[i]``) instead of random:
+            attention q/k/v/o, MLP gate/up/down and the two norms are copied, q/k/v into the feature half of their
+            2H input columns with the embedding half at zero, so that the draft layer starts as the target layer
+            applied to the feature (``Eagle3LlamaHead.init_decoder_from_target_layer``). Needs a plain Llama-style
+            target layer of the head's shape (Llama, Mistral: no biases, q/k norms or MoE; same heads, head_dim
+            and intermediate size), else refused. None (default) = random. Applied when the head is built, so a
+            run resumed from a checkpoint still gets the checkpoint's weights.
         hidden_state_noise: s >= 0: training batches add uniform noise in [-s, s] to every aux hidden state
             before ``fc`` (speculators' ``AddUniformNoise`` on the verifier hidden states, std 0.05 there; EAGLE-1
             trained with uniform noise too), so the head learns from inputs near, not only on, the target's exact
@@ -177,6 +185,7 @@ class Eagle3Module(pl.LightningModule):
         hidden_state_noise: float = 0.0,
         serving_k: int = 5,
         init_head: str | None = None,
+        init_decoder_from_target_layer: int | None = None,
     ) -> None:
         super().__init__()
         if draft_vocab_size < 1:
@@ -185,6 +194,11 @@ class Eagle3Module(pl.LightningModule):
             raise ValueError(
                 "model.freeze_lm_head: true keeps lm_head at the target's rows, so it needs model.init_from_target: "
                 "true (a frozen random lm_head would never learn); set both, or leave freeze_lm_head false"
+            )
+        if init_head is not None and init_decoder_from_target_layer is not None:
+            raise ValueError(
+                "model.init_head and model.init_decoder_from_target_layer both start the draft decoder layer: set one "
+                "(init_head continues a trained head; init_decoder_from_target_layer starts a new one from a target layer)"
             )
         if target_dtype not in DTYPES:
             raise ValueError(f"model.target_dtype must be one of {', '.join(DTYPES)}, got {target_dtype!r}")
@@ -348,6 +362,13 @@ class Eagle3Module(pl.LightningModule):
             load_into(self.head, init)
             log.info("model.init_head: starting from the weights and draft vocab of %s", self.hparams.init_head)
         self.head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
+        layer = self.hparams.init_decoder_from_target_layer
+        if layer is not None:
+            try:
+                self.head.init_decoder_from_target_layer(self.target.decoder_layer_state(layer), self.target.config)
+            except ValueError as e:
+                raise ValueError(f"model.init_decoder_from_target_layer={layer}: {e}; choose another layer or set "
+                                 f"it to null (random)") from e
         coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,

@@ -28,6 +28,7 @@ __all__ = [
     "TargetOutput",
     "cache_kwarg",
     "capture_hidden_states",
+    "check_decoder_layer",
     "config_fingerprint",
     "load_target",
     "logit_softcap",
@@ -189,12 +190,27 @@ def load_target(ref: str, dtype: str | torch.dtype = "auto"):
     return model, tokenizer
 
 
+def check_decoder_layer(index: int, num_layers: int) -> int:
+    """Validate a decoder layer index: 0 <= index < N, the layer ``model.layers[index]`` that reads
+    ``hidden_states[index]`` and writes ``hidden_states[index + 1]``.
+
+    Raises:
+        ValueError: when out of range or not an int (names the range).
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_layers:
+        raise ValueError(
+            f"decoder layer {index!r} is not a layer of the target: it has {num_layers} decoder layers, 0..{num_layers - 1} "
+            f"(layer k reads hidden_states[k])"
+        )
+    return index
+
+
 class TargetFacts(nn.Module):
     """What ``Eagle3Module.build`` reads of a frozen target, shared by :class:`FrozenTarget` and the offline
     ``draftkit.target.lm_head.TargetLMHead``: ``config`` facts, and eval mode whatever Lightning asks.
 
-    Subclasses set ``config`` (the text config) and provide ``input_embeddings()``, ``lm_head_weight()``
-    and ``final_norm_weight()``.
+    Subclasses set ``config`` (the text config) and provide ``input_embeddings()``, ``lm_head_weight()``,
+    ``final_norm_weight()`` and ``decoder_layer_state(index)``.
     """
 
     @property
@@ -253,6 +269,16 @@ class FrozenTarget(TargetFacts):
         for Llama, 1 + weight for Gemma), or None if the target has none."""
         norm = getattr(self.base, "norm", None)
         return rms_norm_scale(norm) if getattr(norm, "weight", None) is not None else None
+
+    def decoder_layer_state(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors of decoder layer ``index`` (``model.layers[index]``, :func:`check_decoder_layer`) by their
+        names within the layer (``self_attn.q_proj.weight``, ...), in the target dtype; views of the target's own
+        weights: copy them, never train them.
+
+        Raises:
+            ValueError: when ``index`` is not a layer of the target.
+        """
+        return self.base.layers[check_decoder_layer(index, self.num_layers)].state_dict()
 
     @torch.no_grad()
     def lm_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,29 @@ def test_inputs_study_arms_set_only_ttt_steps_or_noise(arm, monkeypatch, benchma
     assert cli.model.ttt.steps == (5 if arm == "ttt5" else 3)
     assert cli.model.hparams.hidden_state_noise == (0.05 if arm == "noise" else 0.0)
     assert not cli.model.hparams.norm_before_fc and not cli.model.hparams.fc_norm
+
+
+@pytest.mark.parametrize("arm", ["random", "target-layer"])
+def test_decoder_init_study_arms_set_only_the_decoder_init(arm, monkeypatch, benchmark_module):
+    """Issue 52 item 3: the default recipe as it is; only the target-layer arm starts its decoder layer from the
+    target's last layer (29 of SmolLM2-135M's 0..29)."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["decoder-init"], arm, ["random", "target-layer"], monkeypatch)
+    assert cli.datamodule.hparams.path == REGEN and cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3
+    assert cli.model.hparams.norm_before_fc and cli.model.hparams.norm_output and not cli.model.hparams.init_from_target
+    assert cli.model.hparams.init_decoder_from_target_layer == (29 if arm == "target-layer" else None)
+
+
+TURNS = {"first-turns": ("recipes/data/smollm2-135m-regen-all.jsonl.gz", 2048),
+         "all-turns": ("recipes/data/smollm2-135m-regen-turns.jsonl.gz", 2048),
+         "all-turns-512": ("recipes/data/smollm2-135m-regen-turns.jsonl.gz", 512)}
+
+
+@pytest.mark.parametrize("arm", list(TURNS))
+def test_turns_length_study_arms_set_only_their_data_and_length(arm, monkeypatch, benchmark_module):
+    """Issue 52 item 2 (prepared): first vs all turns at 2,048 tokens, and all turns at 512 vs 2,048; the rest is
+    the default recipe (batch 4, online, Muon, 3 TTT steps)."""
+    cli = _stacked(benchmark_module("ablation").STUDIES["turns-length"], arm, list(TURNS), monkeypatch, max_steps=600)
+    assert (cli.datamodule.hparams.path, cli.datamodule.hparams.max_length) == TURNS[arm]
+    assert cli.datamodule.hparams.max_conversations is None and cli.datamodule.hparams.val_size == 32
+    assert cli.datamodule.hparams.batch_size == 4 and cli.datamodule.hparams.hidden_states_cache is None
+    assert cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3 and cli.trainer.max_steps == 600
