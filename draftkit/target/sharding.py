@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["MemoryEstimate", "estimate_memory", "load_sharded_target", "resident_bytes",
+__all__ = ["MemoryEstimate", "check_memory", "estimate_memory", "load_sharded_target", "resident_bytes",
            "shard_target", "target_mesh"]
 
 
@@ -39,12 +39,10 @@ def target_mesh(trainer):
 def resident_bytes(module: nn.Module) -> int:
     """Bytes of the parameters and buffers this rank holds for ``module``: the local shard of a DTensor, the
     whole tensor otherwise (a tensor shared by several names counted once)."""
-    seen, total = set(), 0
-    for t in (*module.parameters(), *module.buffers()):
+    total = 0
+    for t in {id(t): t for t in (*module.parameters(), *module.buffers())}.values():
         local = t.to_local() if hasattr(t, "to_local") else t
-        if id(local) not in seen:
-            seen.add(id(local))
-            total += local.numel() * local.element_size()
+        total += local.numel() * local.element_size()
     return total
 
 
@@ -259,4 +257,42 @@ def estimate_memory(config, strategy: str, world: int, target_bytes: int, max_le
         gathered=(2 * layer + embed) * target_bytes if sharded else 0,
         head=head_params * 4, optimizer=trainable * 12,
         activations=ttt_steps * batch_size * max_length * per_token + 4 * batch_size * max_length * vocab,
+    )
+
+
+def check_memory(config, strategy: str, world: int, target_bytes: int, max_length: int, batch_size: int,
+                 ttt_steps: int, draft_vocab_size: int, aux_layer_ids: list[int] | None = None,
+                 gpu_bytes: int | None = None) -> str:
+    """The per-GPU memory estimate of a training run as a table (:func:`estimate_memory`), and a refusal when it
+    exceeds the GPU's memory, told before anything loads.
+
+    Args:
+        config, strategy, world, target_bytes, max_length, batch_size, ttt_steps, draft_vocab_size,
+            aux_layer_ids: as :func:`estimate_memory` (``strategy``: ``fsdp_target`` shards the target, any
+            other strategy name replicates it).
+        gpu_bytes: one GPU's memory in bytes, or None (no GPU: nothing is refused).
+
+    Returns:
+        The report: a header line, then one line per part.
+
+    Raises:
+        ValueError: when the estimate exceeds ``gpu_bytes``, naming both, the estimate under ``fsdp_target``
+            over the same GPUs when the run replicates the target, and what to change.
+    """
+    args = (world, target_bytes, max_length, batch_size, ttt_steps, draft_vocab_size, aux_layer_ids)
+    est = estimate_memory(config, strategy, *args)
+    header = (f"memory per GPU, estimated before loading (trainer.strategy {strategy}, target "
+              f"{'sharded over ' + str(world) + ' ranks' if est.strategy == 'fsdp_target' else 'replicated'}, "
+              f"{batch_size} x {max_length} tokens, {ttt_steps} TTT steps)")
+    report = header + ":\n" + est.table()
+    if gpu_bytes is None or est.total <= gpu_bytes:
+        return report
+    fix = "lower data.max_length, data.batch_size or model.ttt.steps, or add GPUs"
+    if est.strategy == "ddp":
+        alt = estimate_memory(config, "fsdp_target", *args)
+        fix = (f"trainer.strategy fsdp_target shards the target over the {world} GPUs: ~{alt.total / 1e9:.1f} GB "
+               f"per GPU" + (" (fits)" if alt.total <= gpu_bytes else f", which does not fit either; then {fix}"))
+    raise ValueError(
+        f"the run will not fit: ~{est.total / 1e9:.1f} GB per GPU estimated, the GPU has {gpu_bytes / 1e9:.1f} GB; "
+        f"{fix}. Stopped before loading anything.\n{report}"
     )

@@ -1,0 +1,138 @@
+"""The target sharded with FSDP2 (``draftkit.target.sharding``): 2 gloo processes each read half of every
+tensor, gather the same weights and compute the same states as the whole target, and write the offline cache
+in lockstep byte for byte equal to one process's; and the memory estimate that ``fit`` prints."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig
+
+from draftkit.data.hidden_cache import write_hidden_states
+from draftkit.target.frozen import FrozenTarget, load_target
+from draftkit.target.sharding import check_memory, estimate_memory, load_sharded_target, resident_bytes
+from draftkit.testing import build_tiny_target
+
+FP = {"target": "t", "target_config": "c", "target_dtype": "float32", "aux_layer_ids": [2, 4, 5], "tokenizer": "k",
+      "data": "d"}
+AUX = [2, 4, 5]
+
+
+def _rows(n: int = 9) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        t = int(torch.randint(3, 20, (1,), generator=gen))
+        out.append({"input_ids": torch.randint(0, 300, (t,), generator=gen).tolist(), "loss_mask": [1] * t})
+    return out
+
+
+def _write(output: str, target: FrozenTarget, **kw) -> dict:
+    def forward(ids, attn):
+        out = target(ids, attention_mask=attn, compute_logits=False)
+        return out.aux_hidden_states, out.last_hidden_state  # (B, T, 3*H_t), (B, T, H_t)
+
+    rows = _rows()
+    # 2 sequences per forward, ~40 tokens per shard: 3 shards, 2 for rank 0 and 1 for rank 1 (uneven forwards)
+    return write_hidden_states(output, {"train": rows[:7], "val": rows[7:]}, FP, forward, target.hidden_size, 3,
+                               batch_size=2, shard_tokens=40, **kw)
+
+
+def _rank_main(rank: int, world: int, port: int, target_dir: str, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = load_sharded_target(target_dir, "float32", mesh, "cpu")
+    whole, _ = load_target(target_dir, "float32")
+    gathered = {n: p.full_tensor() for n, p in model.named_parameters()}
+    report = {
+        "same_weights": all(torch.equal(gathered[n], p) for n, p in whole.named_parameters(remove_duplicate=False)),
+        "bytes": resident_bytes(model), "whole_bytes": resident_bytes(whole),
+    }
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+    a, b = FrozenTarget(model, AUX)(ids), FrozenTarget(whole, AUX)(ids)
+    report["same_states"] = all(torch.equal(x, y) for x, y in ((a.aux_hidden_states, b.aux_hidden_states),
+                                                               (a.last_hidden_state, b.last_hidden_state),
+                                                               (a.logits, b.logits)))
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    result = _write(str(Path(root) / "two"), FrozenTarget(model, AUX), rank=rank, world_size=world,
+                    barrier=dist.barrier, broadcast=broadcast, lockstep=True)
+    report["shards"] = result["ranks"][rank]["shards"]
+    Path(root, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_hold_half_gather_the_same_target_and_write_the_same_cache(tmp_path):
+    """A tied target with an odd vocabulary (321 rows: shards of 161 and 160; the LM head untied into its own
+    sharded copy): the gathered weights, the aux/last states and the logits equal the whole target's exactly,
+    each rank holds about half its bytes, and the cache the two ranks write in lockstep (2 shards for rank 0,
+    1 for rank 1) equals one process's byte for byte."""
+    target_dir = build_tiny_target(tmp_path / "tied", vocab_size=321, tie_word_embeddings=True)
+    single = tmp_path / "single"
+    whole, _ = load_target(str(target_dir), "float32")
+    _write(str(single), FrozenTarget(whole, AUX))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(2, port, str(target_dir), str(tmp_path)), nprocs=2, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in reports:
+        assert r["same_weights"] and r["same_states"]
+        # half of every tensor plus, on each rank, half of the untied LM head copy (V*H_t/2 more than half)
+        untied = 321 * 64 * 4
+        assert abs(r["bytes"] - (r["whole_bytes"] + untied) / 2) < 0.01 * r["whole_bytes"], r
+    assert [len(r["shards"]) for r in reports] == [2, 1]  # uneven: rank 1 pads with one-token forwards
+    files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir())}  # noqa: E731
+    assert files(tmp_path / "two") == files(single)
+
+
+LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0)
+"""Llama-3.3-70B-Instruct's shape (its config.json)."""
+
+
+def test_memory_estimate_counts_the_real_modules(tiny_llama_config_):
+    """Each part from the parameter counts of the real modules (tiny target: 336,960 parameters, 8 layers)."""
+    from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
+
+    whole, layer, embed = 336960, 36992, 320 * 64
+    head = Eagle3LlamaHead(Eagle3Config.from_target_config(tiny_llama_config_, AUX, 64))
+    head_params = sum(p.numel() for p in head.parameters())
+    trainable = head_params - head.embed_tokens.weight.numel()
+    ddp = estimate_memory(tiny_llama_config_, "ddp", 2, 4, 128, 4, 3, 64)
+    sharded = estimate_memory(tiny_llama_config_, "fsdp_target", 2, 4, 128, 4, 3, 64)
+    activations = 3 * 4 * 128 * 2 * (24 * 64 + 3 * tiny_llama_config_.intermediate_size + 10 * 64) + 4 * 4 * 128 * 320
+    assert (ddp.world, ddp.target, ddp.gathered) == (1, whole * 4, 0)
+    assert (sharded.world, sharded.target, sharded.gathered) == (2, whole * 2, (2 * layer + embed) * 4)
+    for est in (ddp, sharded):
+        assert (est.head, est.optimizer, est.activations) == (head_params * 4, trainable * 12, activations)
+    assert ddp.total == whole * 4 + head_params * 4 + trainable * 12 + activations
+
+
+def test_a_70b_target_is_refused_under_ddp_and_fits_sharded_on_8_gpus():
+    """Llama-3.3-70B in bf16 on 8 x 80 GB at 2,048 tokens: ddp is stopped before loading and told the fix;
+    fsdp_target's estimate (the table in recipes/llama3.3-70b-eagle3-8gpu.yaml) fits."""
+    config = LlamaConfig(**LLAMA_70B)
+    args = (8, 2, 2048, 1, 7, 32000)
+    with pytest.raises(ValueError, match=r"^the run will not fit: ~186.1 GB per GPU estimated, the GPU has 80.0 GB; "
+                                         r"trainer.strategy fsdp_target shards the target over the 8 GPUs: ~68.1 GB "
+                                         r"per GPU \(fits\). Stopped before loading anything"):
+        check_memory(config, "ddp", *args, gpu_bytes=80 * 10**9)
+    report = check_memory(config, "fsdp_target", *args, gpu_bytes=80 * 10**9)
+    recipe = (Path(__file__).resolve().parents[2] / "recipes/llama3.3-70b-eagle3-8gpu.yaml").read_text()
+    for line in report.splitlines()[1:]:
+        assert line.split("GB")[0] in recipe  # the recipe's comment is this table
+    with pytest.raises(ValueError, match=r"~68.1 GB per GPU estimated, the GPU has 40.0 GB; lower data.max_length"):
+        check_memory(config, "fsdp_target", *args, gpu_bytes=40 * 10**9)
