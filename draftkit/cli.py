@@ -350,12 +350,12 @@ class DraftkitCLI(LightningCLI):
 
 def _check_memory(model, dm, trainer) -> None:
     """Print the per-GPU memory estimate of an online ``fit`` before anything loads, and stop a run that will
-    not fit its GPUs (``draftkit.target.sharding.check_memory``). Skipped, with the reason, when the target's
+    not fit its GPUs (``draftkit.models.memory.check_memory``). Skipped, with the reason, when the target's
     config cannot be read yet, and for offline runs (``data.hidden_states_cache``: no target forward)."""
     from transformers import AutoConfig
 
     from draftkit.artifacts import resolve_model_dir
-    from draftkit.target.sharding import check_memory
+    from draftkit.models.memory import check_memory
 
     hp, data = getattr(model, "hparams", {}), getattr(dm, "hparams", {})
     if "target" not in hp or "max_length" not in data or data.get("hidden_states_cache"):

@@ -21,7 +21,7 @@ that only runs forward (bf16). Two forms fit this:
   into flat shards, which Muon cannot use either), XLA strategies (never run), and strategy classes that are
   none of the above.
 
-Memory per GPU (``draftkit.target.sharding.estimate_memory``, printed by ``fit`` before anything loads): under
+Memory per GPU (``draftkit.models.memory.estimate_memory``, printed by ``fit`` before anything loads): under
 DDP for Llama-3.1-8B at 2,048 tokens ~40 GB (issue 32: ~40-46 GB); a Llama-3.3-70B target (141 GB in bf16)
 fits no single GPU, and ``fit`` refuses DDP for it and names ``fsdp_target``.
 """
@@ -106,9 +106,9 @@ def _strategy_class(strategy: Any) -> tuple[str, type | None]:
 
     if strategy is None or strategy == "auto":
         return "auto", None
-    if isinstance(strategy, str):
+    if isinstance(strategy, str) and (strategy in StrategyRegistry or "." not in strategy):
         return strategy, StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
-    class_path = _field(strategy, "class_path")
+    class_path = strategy if isinstance(strategy, str) else _field(strategy, "class_path")  # a class path
     if isinstance(class_path, str):
         module, _, name = class_path.rpartition(".")
         try:

@@ -87,7 +87,7 @@ def test_the_cli_refuses_before_loading_the_target(verb, tmp_path, monkeypatch, 
     args = [verb, "--recipe", TINY, "--recipe", str(recipe), "--model.optim.optimizer", "muon"]
     assert main(args + ["--trainer.strategy", "fsdp"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"draftkit {verb}: error: trainer.strategy fsdp: refused before loading the target: FSDP")
+    assert err.startswith(f"draftkit {verb}: error: trainer.strategy fsdp: refused before loading the target: Lightning's FSDP")
     assert "Muon only supports 2D parameters" in err and "no-such-target" not in err
     assert not (tmp_path / "run").exists()
     assert main(args + ["--trainer.strategy", "ddp"]) == 2
