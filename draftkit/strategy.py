@@ -11,7 +11,8 @@ that only runs forward (bf16). Two forms fit this:
   sharded across the ranks with FSDP2, one unit per decoder layer (``draftkit.target.sharding``), each layer
   gathered for its forward and freed after; the head replicated with DDP as above, so Muon sees whole matrices
   and checkpoints are the same single file as under DDP (the head only; the target is never saved). 2-process CPU
-  runs equal 1-process runs (``tests/distributed/test_sharded_target.py``).
+  runs equal 1-process runs (``tests/distributed/test_sharded_target.py``). Refused with it: the
+  ``LayerSelection`` callback (it runs the target on rank 0 alone; set ``model.aux_layer_ids`` instead).
 - refused: Lightning's ``FSDPStrategy`` (FSDP1). It wraps the whole LightningModule as one flat-parameter unit:
   the bf16 target and the fp32 head in one unit fail at set-up (torch FSDP ``ValueError: Must flatten tensors
   with uniform dtype but got torch.bfloat16 and torch.float32``), in one dtype that unit would all-gather the
@@ -157,6 +158,20 @@ def check_strategy(config: Any) -> None:
         )
     elif issubclass(cls, (XLAStrategy, SingleDeviceXLAStrategy)):
         why = "XLA devices have never been run with draftkit"
+    elif issubclass(cls, ShardedTargetStrategy):
+        callbacks = _field(_field(config, "trainer"), "callbacks") or []
+        named = [str(_field(cb, "class_path") or type(cb).__name__) for cb in callbacks]
+        if not any(name.endswith("LayerSelection") for name in named):
+            return
+        why = (
+            "the LayerSelection callback runs the target on rank 0 alone, while each forward of a sharded target "
+            "gathers its layers from every rank (rank 0 would wait forever)"
+        )
+        raise ValueError(
+            f"trainer.strategy {name}: refused before loading the target: {why}; choose the aux layers first "
+            "(LayerSelection or `python -m draftkit select-layers` under trainer.strategy ddp, on a target that "
+            "fits one GPU, or from its report) and set model.aux_layer_ids, or drop the callback"
+        )
     elif issubclass(cls, (DDPStrategy, SingleDeviceStrategy)):
         return
     else:

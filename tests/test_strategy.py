@@ -63,6 +63,16 @@ def test_the_70b_recipe_shards_the_target_and_passes_with_muon():
     check_strategy({"trainer": {"strategy": ShardedTargetStrategy()}, "model": {"optim": {"optimizer": "muon"}}})
 
 
+def test_fsdp_target_refuses_layer_selection_with_the_fix():
+    """LayerSelection runs the target on rank 0 alone: under a sharded target the other ranks would never join."""
+    callbacks = [{"class_path": "draftkit.callbacks.layer_selection.LayerSelection"}]
+    with pytest.raises(ValueError, match=r"^trainer.strategy fsdp_target: refused before loading the target: the "
+                                         r"LayerSelection callback runs the target on rank 0 alone.*set "
+                                         r"model.aux_layer_ids, or drop the callback"):
+        check_strategy({"trainer": {"strategy": "fsdp_target", "callbacks": callbacks}})
+    check_strategy({"trainer": {"strategy": "ddp", "callbacks": callbacks}})
+
+
 def test_check_strategy_reads_plain_mappings_and_instances():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 

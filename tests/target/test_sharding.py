@@ -56,6 +56,10 @@ def _rank_main(rank: int, world: int, port: int, target_dir: str, root: str) -> 
     }
     ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(rank))  # each rank its own batch
     a, b = FrozenTarget(model, AUX)(ids), FrozenTarget(whole, AUX)(ids)
+    # what Eagle3Module.build copies into the head (init_from_target too): gathered, equal to the whole target's
+    sharded_facts, whole_facts = FrozenTarget(model, AUX), FrozenTarget(whole, AUX)
+    report["same_facts"] = all(torch.equal(getattr(sharded_facts, f)(), getattr(whole_facts, f)())
+                               for f in ("input_embeddings", "lm_head_weight", "final_norm_weight"))
     report["same_states"] = all(torch.equal(x, y) for x, y in ((a.aux_hidden_states, b.aux_hidden_states),
                                                                (a.last_hidden_state, b.last_hidden_state),
                                                                (a.logits, b.logits)))
@@ -87,7 +91,7 @@ def test_two_ranks_hold_half_gather_the_same_target_and_write_the_same_cache(tmp
     mp.spawn(_rank_main, args=(2, port, str(target_dir), str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in reports:
-        assert r["same_weights"] and r["same_states"]
+        assert r["same_weights"] and r["same_states"] and r["same_facts"]
         # half of every tensor plus, on each rank, half of the untied LM head copy (V*H_t/2 more than half)
         untied = 321 * 64 * 4
         assert abs(r["bytes"] - (r["whole_bytes"] + untied) / 2) < 0.01 * r["whole_bytes"], r
