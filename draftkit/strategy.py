@@ -11,7 +11,7 @@ that only runs forward (bf16). Two forms fit this:
   sharded across the ranks with FSDP2, one unit per decoder layer (``draftkit.target.sharding``), each layer
   gathered for its forward and freed after; the head replicated with DDP as above, so Muon sees whole matrices
   and checkpoints are the same single file as under DDP (the head only; the target is never saved). 2-process CPU
-  runs equal 1-process runs (``tests/distributed/test_sharded_target.py``). Refused with it: the
+  runs equal 1-process runs (``tests/distributed/test_ddp.py``). Refused with it: the
   ``LayerSelection`` callback (it runs the target on rank 0 alone; set ``model.aux_layer_ids`` instead).
 - refused: Lightning's ``FSDPStrategy`` (FSDP1). It wraps the whole LightningModule as one flat-parameter unit:
   the bf16 target and the fp32 head in one unit fail at set-up (torch FSDP ``ValueError: Must flatten tensors

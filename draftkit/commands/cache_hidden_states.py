@@ -11,9 +11,9 @@ Launched by ``torchrun --nproc_per_node N -m draftkit cache-hidden-states ...`` 
 process runs the target on its own GPU (``cuda:LOCAL_RANK``; gloo on CPU) and writes its share of the shards;
 rank 0 checks the disk for the whole cache first and merges the index (``draftkit.data.hidden_cache``). The
 files equal those of one process. With ``--trainer.strategy fsdp_target`` the target is sharded across the
-processes (``draftkit.target.sharding``: no process loads it whole) and they run its forwards in lockstep. The forward runs under the recipe's precision (bf16 autocast for
-``bf16-mixed``; unset = the precision policy, ``draftkit.precision``), so the cached states equal the ones
-online training computes.
+processes (``draftkit.target.sharding``: no process loads it whole) and they run its forwards in lockstep. The
+forward runs under the recipe's precision (bf16 autocast for ``bf16-mixed``; unset = the precision policy,
+``draftkit.precision``), so the cached states equal the ones online training computes.
 """
 
 from __future__ import annotations
