@@ -28,9 +28,9 @@ class MemoryEstimate:
         strategy: ``ddp`` (the target replicated) or ``fsdp_target`` (sharded over ``world`` ranks).
         world: data-parallel ranks the target is sharded over (1 under ``ddp``).
         target: the target's resident weights (its shard under ``fsdp_target``).
-        gathered: target weights whole at once during its forward under ``fsdp_target`` (two decoder layers,
-            the one running and the next being gathered, plus the embedding, gathered for the whole base
-            forward); 0 under ``ddp``.
+        gathered: target weights whole at once during its forward under ``fsdp_target``: the larger of two
+            decoder layers (the one running and the next being gathered) and the embedding or LM head plus a
+            layer; 0 under ``ddp``.
         head: the head's weights (fp32 master weights, the frozen fp32 embedding copy included).
         optimizer: gradients plus AdamW's two moments of the head's trainable parameters (fp32).
         activations: the TTT steps' saved activations plus the teacher logits (rough: see ``estimate_memory``).
@@ -111,7 +111,7 @@ def estimate_memory(config, strategy: str, world: int, target_bytes: int, max_le
     return MemoryEstimate(
         strategy="fsdp_target" if sharded else "ddp", world=world,
         target=math.ceil(total / world) * target_bytes,
-        gathered=(2 * layer + embed) * target_bytes if sharded else 0,
+        gathered=max(2 * layer, embed + layer) * target_bytes if sharded else 0,
         head=head_params * 4, optimizer=trainable * 12,
         activations=ttt_steps * batch_size * max_length * per_token + 4 * batch_size * max_length * vocab,
     )

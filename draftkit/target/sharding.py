@@ -1,11 +1,11 @@
 """The frozen target sharded across the data-parallel ranks with FSDP2.
 
 Under ``trainer.strategy: fsdp_target`` (``draftkit.strategy.ShardedTargetStrategy``) no rank holds the whole
-target: every decoder layer is its own FSDP2 unit (``torch.distributed.fsdp.fully_shard``), and so are the base
-model's remainder (input embedding, final norm) and the LM head. Each rank keeps 1/W of every weight (a DTensor
-shard on dim 0, W = world size); a unit's forward all-gathers its weights, runs, and frees them again
-(``reshard_after_forward``), so at most a layer or two (and the embedding, gathered for the whole base forward)
-are whole at once. Each unit keeps the target dtype; the target is frozen, so no gradient is reduced for it,
+target: every decoder layer is its own FSDP2 unit (``torch.distributed.fsdp.fully_shard``), and so are the input
+embedding, the LM head and the base model's remainder (final norm). Each rank keeps 1/W of every weight (a
+DTensor shard on dim 0, W = world size); a unit's forward all-gathers its weights, runs, and frees them again
+(``reshard_after_forward``), so at most a layer or two, or the embedding (or LM head) and a layer, are whole at
+once. Each unit keeps the target dtype; the target is frozen, so no gradient is reduced for it,
 and the head beside it stays a plain replicated module (DDP all-reduces its gradients, Muon sees whole
 matrices).
 
@@ -48,7 +48,7 @@ def resident_bytes(module: nn.Module) -> int:
 
 def shard_target(model: nn.Module, mesh) -> nn.Module:
     """Shard a Hugging Face ``*ForCausalLM`` in place with FSDP2 across ``mesh``: one unit per decoder layer, one
-    for the rest of the base model (embedding, final norm), one for the LM head. A tied LM head is first untied
+    for the input embedding, one for the rest of the base model (final norm), one for the LM head. A tied LM head is first untied
     into its own copy (V*H_t/W more bytes per rank), since one weight cannot live in two FSDP units, and draftkit
     calls the base model and the LM head separately (teacher logits only where the loss reads them).
 
@@ -71,7 +71,7 @@ def shard_target(model: nn.Module, mesh) -> nn.Module:
     head = model.get_output_embeddings()
     if head.weight is model.get_input_embeddings().weight:
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    for layer in base.layers:
+    for layer in (model.get_input_embeddings(), *base.layers):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(base, mesh=mesh, reshard_after_forward=True)
     fully_shard(head, mesh=mesh, reshard_after_forward=True)
@@ -100,7 +100,7 @@ def load_sharded_target(ref: str, dtype: str | torch.dtype, mesh, device: torch.
     """Load a frozen target already sharded across ``mesh``; each rank reads only its 1/W of each tensor.
 
     1. The config and tokenizer are read; the model is built with parameters on ``meta`` (buffers real).
-    2. :func:`shard_target` (FSDP2 per decoder layer, base remainder, LM head), then the shards are allocated
+    2. :func:`shard_target` (FSDP2 per decoder layer, embedding, base remainder, LM head), then the shards are allocated
        empty on ``device`` and the buffers put back.
     3. For every parameter, rank r reads rows [r*c, r*c + n_r) of its checkpoint tensor (c = ceil(rows / W),
        FSDP2's dim-0 chunking; n_r its local rows) and casts them to ``dtype``. A tied LM head reads the
