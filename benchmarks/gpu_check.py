@@ -14,7 +14,10 @@ Steps (each one a row of the table; a failing step prints its error and the othe
    directory; else random weights built from the carried config and tokenizer in ``ASSETS/smollm2``: the
    step's cost does not depend on the weights' values) on ``recipes/data/smollm2-135m-regen.jsonl.gz``,
    bf16-mixed head, bf16 target, ``--batch_size`` sequences per step, one GPU, DDP.
-4. ``evaluate``: ``python -m draftkit evaluate --device cuda`` of the shipped head on that target, 8 MT-bench
+4. ``fit tiny sharded`` / ``fit smollm2 sharded``: steps 2 and 3 under ``trainer.strategy fsdp_target`` (the
+   target sharded with FSDP2, one shard on one GPU; ``draftkit.target.sharding``), with, for tiny (fp32), the
+   largest difference of the trained head from the DDP run's (expected ~0: the same seed, batches and weights).
+5. ``evaluate``: ``python -m draftkit evaluate --device cuda`` of the shipped head on that target, 8 MT-bench
    first turns (``ASSETS/mt_bench_question.jsonl``), 64 new tokens, k = 5, speed in bf16 and ``greedy_equal``
    from the float32 pass.
 
@@ -88,7 +91,7 @@ class _StepTimer:
 
 def attention_row(lengths=(2048, 4096)) -> dict:
     """Step 1: the O(T) TTT attention against the dense reference on CUDA (bf16)."""
-    from draftkit.heads.eagle3_llama import ttt_attention, ttt_attention_eager
+    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager
 
     out = {}
     b, heads, kv, d, steps = 1, 9, 3, 64, 3
@@ -114,13 +117,16 @@ def attention_row(lengths=(2048, 4096)) -> dict:
     return out
 
 
-def fit_row(recipe: str, overrides: list[str], steps: int, root: Path) -> dict:
-    """Steps 2-3: a fixed-step fit on one GPU under DDP; tokens/s and peak memory."""
+def fit_row(recipe: str, overrides: list[str], steps: int, root: Path, strategy: str = "ddp",
+            heads: dict | None = None) -> dict:
+    """Steps 2-3 and 5: a fixed-step fit on one GPU under ``strategy`` (``ddp``, or ``fsdp_target``: the target
+    sharded with FSDP2, one shard on one GPU); tokens/s and peak memory. ``heads[strategy]`` receives the trained
+    head's tensors (float32, CPU) when ``heads`` is given."""
     from draftkit.cli import DraftkitCLI
 
     timer = _StepTimer()
     args = ["--recipe", recipe, "--trainer.accelerator", "gpu" if DEVICE == "cuda" else "cpu", "--trainer.devices", "1",
-            "--trainer.strategy", "ddp" if DEVICE == "cuda" else "auto",
+            "--trainer.strategy", strategy if DEVICE == "cuda" or strategy != "ddp" else "auto",
             "--trainer.max_steps", str(steps), "--trainer.max_time", "null", "--trainer.val_check_interval",
             str(steps), "--trainer.limit_val_batches", "2", "--trainer.default_root_dir", str(root),
             "--data.hidden_states_cache", "null", *overrides]
@@ -129,6 +135,9 @@ def fit_row(recipe: str, overrides: list[str], steps: int, root: Path) -> dict:
     _reset_peak()
     t0 = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
+    if heads is not None:
+        heads[strategy] = {k: v.detach().float().cpu() for k, v in cli.model.head.state_dict().items()
+                           if v.is_floating_point()}
     return {
         "steps": int(cli.trainer.global_step), "wall_s": round(time.perf_counter() - t0, 1),
         "tokens_per_s": round(timer.tokens / timer.seconds) if timer.steps else None,
@@ -190,7 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check {name}: {json.dumps(rows[name])}", flush=True)
 
     step("attention", lambda: attention_row((64,) if args.smoke else (2048, 4096)))
-    step("fit tiny", lambda: fit_row("recipes/tiny-debug.yaml", [], args.steps, work / "tiny"))
+    tiny_heads: dict = {}
+    step("fit tiny", lambda: fit_row("recipes/tiny-debug.yaml", [], args.steps, work / "tiny", heads=tiny_heads))
+
+    def tiny_sharded():
+        row = fit_row("recipes/tiny-debug.yaml", [], args.steps, work / "tiny-sharded", "fsdp_target", tiny_heads)
+        a, b = tiny_heads["fsdp_target"], tiny_heads.get("ddp")
+        diff = max(float((a[k] - b[k]).abs().max()) for k in a) if b else None
+        return {**row, "head_max_diff_vs_ddp": diff}
+
+    step("fit tiny sharded", tiny_sharded)
     target = {}
 
     def smollm2():
@@ -201,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
              "--data.batch_size", str(args.batch_size), "--data.num_proc", "8"], args.steps, work / "smollm2")}
 
     step("fit smollm2", smollm2)
+
+    def smollm2_sharded():
+        target["dir"] = target.get("dir") or smollm2_target(assets, args.smollm2, work / "smollm2-random")
+        return fit_row(
+            "recipes/smollm2-135m-eagle3.yaml",
+            ["--model.target", target["dir"], "--model.target_dtype", "bfloat16", "--trainer.precision", "bf16-mixed",
+             "--data.batch_size", str(args.batch_size), "--data.num_proc", "8"], max(5, args.steps // 2),
+            work / "smollm2-sharded", "fsdp_target")
+
+    step("fit smollm2 sharded", smollm2_sharded)
 
     def evaluate():
         from draftkit.commands.evaluate import evaluate as run

@@ -24,6 +24,7 @@ from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.drafters import Eagle3Drafter
 from draftkit.target.frozen import FrozenTarget
 from draftkit.target.lm_head import TargetLMHead
+from draftkit.target.sharding import target_mesh
 
 __all__ = ["AcceptanceLengthMonitor"]
 
@@ -38,7 +39,10 @@ class AcceptanceLengthMonitor(Callback):
     ``chat_template`` (None = the tokenizer's). In offline mode (``target`` is the LM-head-only
     ``TargetLMHead`` of a hidden-state-cache run) the monitor builds its own ``FrozenTarget`` from
     ``load_target_model()[0]`` once, on the module's device, since decoding needs every target layer.
-    Decoding runs under ``torch.no_grad`` with the head in eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only.
+    Decoding runs under ``torch.no_grad`` with the head in eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only;
+    under ``trainer.strategy fsdp_target`` (the target sharded across the ranks, no rank holds it whole) every
+    rank decodes the same prompts in lockstep, since each target forward gathers its layers from all ranks, and
+    rank 0's values are reported (greedy picks must agree across ranks: the same weights, inputs and kernels).
     Measured at a validation, the values go through ``pl_module.log`` (all ranks log rank 0's values, so
     ``ModelCheckpoint(monitor="val/accept_len")`` works); measured at a training step, they are written to
     the trainer's loggers at that step.
@@ -130,7 +134,12 @@ class AcceptanceLengthMonitor(Callback):
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, from_validation: bool) -> None:
         self._last_step = trainer.global_step
-        metrics = self._decode(trainer, pl_module) if trainer.global_rank == 0 else None
+        # a target sharded across the ranks (trainer.strategy fsdp_target) gathers each layer from all of them:
+        # every rank decodes the same prompts with the same replicated head, so their forwards run in lockstep
+        everyone = target_mesh(trainer) is not None
+        metrics = self._decode(trainer, pl_module) if trainer.global_rank == 0 or everyone else None
+        if trainer.global_rank != 0:
+            metrics = None  # rank 0's values are the ones reported
         if from_validation:
             # every rank logs rank 0's values, so that ModelCheckpoint can monitor val/accept_len
             metrics = trainer.strategy.broadcast(metrics, src=0)

@@ -516,6 +516,7 @@ class DraftkitCLI(LightningCLI):
     def before_fit(self) -> None:
         _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
         _check_context_window(self.config[self.subcommand])
+        _check_memory(self.model, self.datamodule, self.trainer)
         self._created_dirs = _claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()
@@ -549,6 +550,35 @@ class DraftkitCLI(LightningCLI):
             f"  TensorBoard logs: {logdir}  ({shlex.join(['tensorboard', '--logdir', str(logdir)])})\n"
             f"  validation: {metrics}"
         )
+
+
+def _check_memory(model, dm, trainer) -> None:
+    """Print the per-GPU memory estimate of an online ``fit`` before anything loads, and stop a run that will
+    not fit its GPUs (``draftkit.models.memory.check_memory``). Skipped, with the reason, when the target's
+    config cannot be read yet, and for offline runs (``data.hidden_states_cache``: no target forward)."""
+    from transformers import AutoConfig
+
+    from draftkit.artifacts import resolve_model_dir
+    from draftkit.models.memory import check_memory
+
+    hp, data = getattr(model, "hparams", {}), getattr(dm, "hparams", {})
+    if "target" not in hp or "max_length" not in data or data.get("hidden_states_cache"):
+        return
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_dir(hp["target"], "model.target"))
+    except (OSError, ValueError) as e:
+        rank_zero_info(f"memory estimate skipped: the target's config is not readable yet ({e})")
+        return
+    gpu_bytes = None
+    if trainer.strategy.root_device.type == "cuda" and getattr(trainer.strategy, "_start_method", None) != "fork":
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    rank_zero_info(check_memory(
+        config, getattr(trainer.strategy, "strategy_name", "ddp"), trainer.num_devices * trainer.num_nodes,
+        4 if hp["target_dtype"] == "float32" else 2, data["max_length"], data["batch_size"], model.ttt.steps,
+        hp["draft_vocab_size"], hp["aux_layer_ids"], gpu_bytes,
+    ))
 
 
 def _stored_step(path: str) -> int | None:

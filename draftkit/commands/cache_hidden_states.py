@@ -10,9 +10,10 @@ Extra ``--model.*``, ``--data.*`` and ``--trainer.*`` arguments override the rec
 Launched by ``torchrun --nproc_per_node N -m draftkit cache-hidden-states ...`` (``WORLD_SIZE`` > 1), every
 process runs the target on its own GPU (``cuda:LOCAL_RANK``; gloo on CPU) and writes its share of the shards;
 rank 0 checks the disk for the whole cache first and merges the index (``draftkit.data.hidden_cache``). The
-files equal those of one process. The forward runs under the recipe's precision (bf16 autocast for
-``bf16-mixed``; unset = the precision policy, ``draftkit.precision``), so the cached states equal the ones
-online training computes.
+files equal those of one process. With ``--trainer.strategy fsdp_target`` the target is sharded across the
+processes (``draftkit.target.sharding``: no process loads it whole) and they run its forwards in lockstep. The
+forward runs under the recipe's precision (bf16 autocast for ``bf16-mixed``; unset = the precision policy,
+``draftkit.precision``), so the cached states equal the ones online training computes.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def cache_hidden_states(
         ValueError: when ``output`` holds a cache for another configuration.
         OSError: when the disk is short.
     """
+    import torch
+
     from draftkit.cli import DraftkitCLI
     from draftkit.data.hidden_cache import AUTO, write_recipe_cache
+    from draftkit.strategy import SHARDED_TARGET
 
     args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])
     cli = DraftkitCLI(args=args, run=False)
@@ -102,11 +106,16 @@ def cache_hidden_states(
     dm.hparams.hidden_states_cache = None  # the cache is what we are writing
     dm.setup("fit")
     rank, world_size, barrier, broadcast, device, created = _process_group(device)
+    mesh = None
+    if world_size > 1 and getattr(trainer.strategy, "strategy_name", None) == SHARDED_TARGET:  # no rank loads it whole
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(torch.device(device).type, (world_size,))
     try:
         result = write_recipe_cache(
             model, dm, str(trainer.precision), output or (configured if configured != AUTO else None),
             batch_size=batch_size, shard_mb=shard_mb, dry_run=dry_run, device=device, on_plan=_print_plan,
-            rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
+            rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast, mesh=mesh,
         )
     finally:
         if created:

@@ -294,6 +294,7 @@ def write_hidden_states(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     broadcast: Callable[[object], object] | None = None,
+    lockstep: bool = False,
 ) -> dict:
     """Write (or finish writing) a hidden-state cache, one share per rank.
 
@@ -313,6 +314,9 @@ def write_hidden_states(
 
     The cache directory must be one filesystem seen by every rank (rank 0 checks its free space and merges).
     The files do not depend on ``world_size``: any number of ranks writes the same bytes as one process.
+    With ``lockstep`` (a target sharded across the ranks, whose every forward gathers each layer from all of
+    them), every rank runs as many forwards as the busiest rank: after its share (or its error) a rank runs
+    one-token forwards whose output is dropped until it reaches that count, known to every rank from the plan.
 
     Args:
         output: cache directory (created).
@@ -335,6 +339,7 @@ def write_hidden_states(
             ``world_size > 1``.
         broadcast: ``obj -> rank 0's obj`` on every rank (e.g. a Lightning strategy's ``broadcast``); needed
             when ``world_size > 1``.
+        lockstep: every rank runs the same number of target forwards (a sharded target, see above).
 
     Returns:
         The plan plus the totals over all ranks ``tokens_written``, ``bytes_written``, ``seconds`` (rank 0's
@@ -389,16 +394,29 @@ def write_hidden_states(
         return plan
     t0, written, nbytes, failure = time.perf_counter(), 0, 0, None
     mine = todo[rank::world_size]
+    calls = [0]
+
+    def counted(ids: torch.Tensor, attn: torch.Tensor):
+        calls[0] += 1
+        return forward(ids, attn)
+
     try:
         for file in mine:
             name, shard = shards[file]
             rows = [splits[name][i] for i in range(*shard["rows"])]
-            nbytes += _write_shard(output / file, rows, forward, batch_size, pad_token_id, name, shard)
+            nbytes += _write_shard(output / file, rows, counted, batch_size, pad_token_id, name, shard)
             written += shard["num_tokens"]
             dt = time.perf_counter() - t0
             log.info("rank %d wrote %s (%d tokens; %.0f tokens/s so far)", rank, file, shard["num_tokens"], written / max(dt, 1e-9))
     except (ValueError, OSError) as e:  # reported through the part index, so no rank waits for a stopped one
         failure = e
+    if lockstep:  # the busiest rank's forwards: one per batch of batch_size sequences of each of its shards
+        busiest = max(sum(-(-(shards[f][1]["rows"][1] - shards[f][1]["rows"][0]) // batch_size) for f in todo[r::world_size])
+                      for r in range(world_size))
+        one = torch.full((1, 1), pad_token_id, dtype=torch.long)  # (1, 1)
+        with torch.no_grad():
+            while calls[0] < busiest:
+                counted(one, torch.ones_like(one))
     part = {"format": FORMAT, "rank": rank, "world_size": world_size, "shards": mine, "tokens_written": written,
             "bytes_written": nbytes, "seconds": time.perf_counter() - t0, "error": None if failure is None else str(failure)}
     write_json_atomic(_part_path(output, rank, world_size), part, indent=1)
@@ -565,6 +583,7 @@ def write_recipe_cache(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     broadcast: Callable[[object], object] | None = None,
+    mesh=None,
 ) -> dict:
     """Write (or finish) the hidden-state cache of a built recipe: its frozen target over its tokenized train
     and val splits, under its precision (bf16 autocast for ``bf16-mixed``), so that the cached states equal
@@ -594,6 +613,10 @@ def write_recipe_cache(
         rank, world_size, barrier, broadcast: this process's share and the collectives (see
             :func:`write_hidden_states`); e.g. a Lightning strategy's ``global_rank``, ``world_size``,
             ``barrier`` and ``broadcast``.
+        mesh: a 1-D ``DeviceMesh`` over the ranks to shard the target over
+            (``draftkit.target.sharding.load_sharded_target``: no rank loads it whole), or None for
+            ``model.load_target_model()`` (which shards it itself under ``trainer.strategy fsdp_target``). A
+            sharded target writes in lockstep (:func:`write_hidden_states`).
 
     Returns:
         :func:`write_hidden_states`' result (for a complete cache: 0 shards written) plus ``output`` (str),
@@ -642,7 +665,13 @@ def write_recipe_cache(
             model.release_target_model()
         return {**reused, "output": str(out_dir), "precision": str(precision), "device": device}
 
-    hf_model, _ = model.load_target_model()
+    if mesh is None:
+        hf_model, _ = model.load_target_model()
+    else:
+        from draftkit.target.sharding import load_sharded_target
+
+        hf_model, _ = load_sharded_target(model.hparams.target, model.hparams.target_dtype, mesh, device)
+    sharded = any(hasattr(p, "to_local") for p in hf_model.parameters())  # DTensor shards: forwards are collective
     target = FrozenTarget(hf_model.to(device), model.hparams.aux_layer_ids)
     fingerprint = fingerprint_of(target.config, target.aux_layer_ids)
     out_dir = out_dir_of(fingerprint)
@@ -658,6 +687,7 @@ def write_recipe_cache(
         batch_size=batch_size or dm.hparams.batch_size,
         shard_tokens=shard_tokens(target.hidden_size, len(target.aux_layer_ids)), pad_token_id=dm.pad_token_id,
         dry_run=dry_run, on_plan=on_plan, rank=rank, world_size=world_size, barrier=barrier, broadcast=broadcast,
+        lockstep=sharded,
     )
     del target, hf_model
     if hasattr(model, "release_target_model"):  # training from the cache needs only the target's LM head

@@ -255,11 +255,17 @@ class Eagle3Module(pl.LightningModule):
         return self.hparams.target_dtype
 
     def load_target_model(self):
-        """(HF model, tokenizer) of the frozen target, loaded once."""
+        """(HF model, tokenizer) of the frozen target, loaded once; under ``trainer.strategy fsdp_target`` sharded
+        across the ranks (``draftkit.target.sharding``), so every rank must call it."""
         if getattr(self, "_target_model", None) is None:
             from draftkit.target.frozen import load_target
+            from draftkit.target.sharding import load_sharded_target, target_mesh
 
-            self._target_model = load_target(self.hparams.target, self.resolve_target_dtype())
+            mesh = target_mesh(self._trainer)  # trainer.strategy fsdp_target: each rank loads only its shard
+            self._target_model = (
+                load_target(self.hparams.target, self.resolve_target_dtype()) if mesh is None else
+                load_sharded_target(self.hparams.target, self.resolve_target_dtype(), mesh, self.trainer.strategy.root_device)
+            )
         return self._target_model
 
     def release_target_model(self) -> None:

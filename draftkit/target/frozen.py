@@ -91,21 +91,26 @@ def rms_norm_scale(norm: nn.Module, weight: torch.Tensor | None = None) -> torch
     output rescaled by sqrt(1 + eps), which undoes the epsilon exactly.
 
     Args:
-        norm: the RMSNorm module (may live on the ``meta`` device when ``weight`` is given).
+        norm: the RMSNorm module (may live on the ``meta`` device or be sharded when ``weight`` is given).
         weight: (H,) its weight, for a module without real tensors (the offline LM head's meta instance).
 
     Returns:
         (H,) float32 scale.
     """
     probe = copy.deepcopy(norm)
-    if weight is not None:
-        probe = probe.to_empty(device="cpu")
-        probe.weight.data.copy_(weight)
+    if weight is not None:  # the module's own weight is on meta or a DTensor shard
+        probe.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
     probe = probe.float()
     eps = float(getattr(probe, "variance_epsilon", getattr(probe, "eps", 0.0)))
     with torch.no_grad():
         out = probe(torch.ones(1, probe.weight.shape[-1], device=probe.weight.device))[0]  # (H,)
     return (out * math.sqrt(1.0 + eps)).detach()
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as one plain tensor: a DTensor shard (a target sharded by ``trainer.strategy fsdp_target``,
+    ``draftkit.target.sharding``) all-gathered, any other tensor as it is."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def cache_kwarg(forward) -> str:
@@ -257,18 +262,21 @@ class FrozenTarget(TargetFacts):
         return getattr(self.model, "generation_config", None)
 
     def input_embeddings(self) -> torch.Tensor:
-        """(V, H_t) input embedding weight."""
-        return self.model.get_input_embeddings().weight
+        """(V, H_t) input embedding weight (whole: a sharded target's is all-gathered, every rank must call)."""
+        return _whole(self.model.get_input_embeddings().weight)
 
     def lm_head_weight(self) -> torch.Tensor:
-        """(V, H_t) output projection weight."""
-        return self.model.get_output_embeddings().weight
+        """(V, H_t) output projection weight (whole, as :meth:`input_embeddings`)."""
+        return _whole(self.model.get_output_embeddings().weight)
 
     def final_norm_weight(self) -> torch.Tensor | None:
         """(H_t,) float32 scale of the final RMSNorm (``model.model.norm``, :func:`rms_norm_scale`: its weight
         for Llama, 1 + weight for Gemma), or None if the target has none."""
         norm = getattr(self.base, "norm", None)
-        return rms_norm_scale(norm) if getattr(norm, "weight", None) is not None else None
+        if getattr(norm, "weight", None) is None:
+            return None
+        weight = _whole(norm.weight)
+        return rms_norm_scale(norm) if weight is norm.weight else rms_norm_scale(norm, weight)
 
     def decoder_layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors of decoder layer ``index`` (``model.layers[index]``, :func:`check_decoder_layer`) by their

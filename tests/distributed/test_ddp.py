@@ -1,4 +1,5 @@
-"""DDP on CPU (2 processes over gloo) trains the same head as one process with the same global batch."""
+"""DDP on CPU (2 processes over gloo) trains the same head as one process with the same global batch, with the
+target replicated (``ddp``) or sharded with FSDP2 (``fsdp_target``)."""
 
 import json
 import os
@@ -9,15 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from draftkit.artifacts import resolve_artifact
 from draftkit.cli import DraftkitCLI
+from draftkit.commands import main as draftkit_main
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-debug.yaml"
 
 
-def _override(root: Path, max_steps: int) -> Path:
+def _override(root: Path, max_steps: int, callbacks: tuple = ()) -> Path:
     cfg = {
         "trainer": {
             "default_root_dir": str(root), "max_steps": max_steps, "limit_val_batches": 0,
@@ -26,7 +29,7 @@ def _override(root: Path, max_steps: int) -> Path:
                 "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                 "init_args": {"dirpath": str(root / "ckpt"), "monitor": None, "every_n_train_steps": 2,
                               "save_top_k": -1, "save_last": True},
-            }],
+            }, *callbacks],
         },
         "data": {"bucket_window": 16},
     }
@@ -43,7 +46,7 @@ def _head(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def test_two_process_ddp_equals_one_process(tmp_path, monkeypatch):
@@ -129,3 +132,98 @@ def test_two_process_ddp_with_a_skipped_record_finishes(tmp_path, kind):
     assert last["global_step"] == 2
     if kind == "offline":
         assert "offline mode: target states from" in proc.stderr
+
+
+def _recorders(root: Path, prompts: Path) -> tuple:
+    """Callbacks of the sharded-target test: each step's losses and head gradients (``step_recorder``), and the
+    acceptance monitor at steps 2 and 4."""
+    return (
+        {"class_path": "tests.distributed.step_recorder.StepRecorder", "init_args": {"out": str(root / "steps")}},
+        {"class_path": "draftkit.callbacks.acceptance.AcceptanceLengthMonitor",
+         "init_args": {"every_n_train_steps": 2, "num_prompts": 2, "k": 3, "max_new_tokens": 8, "prompts": str(prompts)}},
+    )
+
+
+def test_sharded_target_equals_one_process(tmp_path, monkeypatch):
+    """2 processes x batch 2 with the target sharded (``fsdp_target``) and 1 process x batch 4 with the whole
+    target see the same sequences at every step. For each of 4 AdamW steps the mean of the ranks' losses equals
+    the 1-process loss and the head's all-reduced gradients equal its gradients to 1e-5 (fp32 reduction-order
+    noise), while each rank holds about half of the target's bytes; the acceptance monitor (speculative decoding
+    on the sharded target, every rank in lockstep) measures the same acceptance lengths. The sharded run's
+    checkpoints hold the head only (no target tensor); resumed from its step-2 checkpoint, sharded again or in one
+    process, they reach the uninterrupted run's weights; they export and evaluate like the 1-process run's.
+    """
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))  # the recorder callback, by its class path
+    resolve_artifact("tiny:llama")  # built first: building it re-seeds the global RNG
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    resumed, resumed_sharded = tmp_path / "resumed", tmp_path / "resumed-sharded"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["Name three primary colors.", "What is 2+2?"])))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftkit", "fit", "--recipe", RECIPE,
+         "--recipe", str(_override(sharded, 4, _recorders(sharded, prompts))),
+         "--trainer.devices", "2", "--trainer.strategy", "fsdp_target", "--data.batch_size", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(single, 4, _recorders(single, prompts))),
+                      "--data.batch_size", "4"])
+
+    ranks = [torch.load(sharded / "steps" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    one = torch.load(single / "steps" / "rank0.pt", weights_only=False)
+    assert len(one["losses"]) == len(one["grads"]) == 4
+    for step in range(4):
+        mean_loss = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
+        assert abs(mean_loss - one["losses"][step]) < 1e-5, (step, mean_loss, one["losses"][step])
+        for rank in ranks:
+            assert _max_diff(rank["grads"][step], one["grads"][step]) < 1e-5
+    # the acceptance monitor decoded on both ranks in lockstep (the sharded target's forwards are collective)
+    # and measured what one process measures, at steps 2 and 4
+    assert [s for s, _ in one["accept_len"]] == [2, 4]
+    for rank in ranks:
+        assert rank["accept_len"] == one["accept_len"]
+    # each rank holds half of every weight (rows padded to an even count) and the buffers (RoPE frequencies)
+    whole = one["target_bytes"]
+    for rank in ranks:
+        assert 0.49 * whole < rank["target_bytes"] < 0.51 * whole, (rank["target_bytes"], whole)
+
+    step2 = next((sharded / "ckpt").glob("*step=2*.ckpt"))
+    DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(resumed, 4, _recorders(resumed, prompts))),
+                      "--data.batch_size", "4", "--ckpt_path", str(step2)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftkit", "fit", "--recipe", RECIPE,
+         "--recipe", str(_override(resumed_sharded, 4, _recorders(resumed_sharded, prompts))),
+         "--trainer.devices", "2", "--trainer.strategy", "fsdp_target", "--data.batch_size", "2",
+         "--ckpt_path", str(step2)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {"sharded": sharded, "single": single, "resumed": resumed, "resumed_sharded": resumed_sharded}
+    last = {name: d / "ckpt" / "last.ckpt" for name, d in runs.items()}
+    saved = torch.load(last["sharded"], map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 4
+    assert not [k for k in saved["state_dict"] if k.startswith("target.")]
+    assert _max_diff(_head(last["sharded"]), _head(last["single"])) < 1e-5
+    assert _max_diff(_head(last["resumed"]), _head(last["single"])) < 1e-5
+    assert _max_diff(_head(last["resumed_sharded"]), _head(last["single"])) < 1e-5
+    assert _max_diff(_head(step2), _head(last["single"])) > 1e-3  # the weights moved between step 2 and 4
+
+    exported = {}
+    for name in ("sharded", "single"):
+        out = tmp_path / f"export-{name}"
+        assert draftkit_main(["export", str(last[name]), str(out), "--to", "vllm", "--dtype", "float32"]) == 0
+        exported[name] = load_file(str(next(out.glob("*.safetensors"))))
+    assert _max_diff(exported["sharded"], exported["single"]) < 1e-5
+
+    reports = {}
+    for name in ("sharded", "single"):
+        report = tmp_path / f"eval-{name}.json"
+        assert draftkit_main(["evaluate", "--checkpoint", str(last[name]), "--output", str(report), "--prompts",
+                              str(prompts), "--k", "3", "--max_new_tokens", "16"]) == 0
+        reports[name] = json.loads(report.read_text())
+    for key in ("tau", "acceptance_per_position"):
+        assert reports["sharded"][key] == reports["single"][key]
