@@ -120,3 +120,35 @@ def test_datamodule_split_is_disjoint_by_prompt_and_names_what_it_drops(tmp_path
     off_train = {by_record[r] for r in off.train_set["record"]}
     assert not off_train & {by_record[r] for r in off.val_set["record"]}
     assert off.fingerprint() != dm.fingerprint()
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(groups=st.lists(st.integers(0, 4), min_size=1, max_size=16), val_size=st.integers(0, 10),
+       seed=st.integers(0, 3))
+def test_grouped_split_equals_a_plain_reference(groups, val_size, seed):
+    """Reference: shuffle the distinct keys (first-appearance order) with random.Random(seed), then take whole
+    groups while validation holds fewer than val_size rows; train is the rest. Every row lands once, no key on
+    both sides, and validation stops at the first group that reaches val_size."""
+    import random
+
+    keys = [f"k{g}" for g in groups]
+    rows = list(range(len(keys)))
+    order = list(dict.fromkeys(keys))
+    random.Random(seed).shuffle(order)
+    val = []
+    for k in order:
+        if len(val) >= val_size:
+            break
+        val += [r for r in rows if keys[r] == k]
+    want_val = sorted(val)
+    want_train = sorted(r for r in rows if r not in set(val))
+    assert grouped_split(keys, rows, val_size, seed) == (want_train, want_val)
+
+
+def test_prompt_filter_length_bound_is_inclusive_at_min_prompt_chars():
+    assert PromptFilter(min_prompt_chars=8).keep(["abcdefgh", "abcdefg"])[0] == [0]
+    assert PromptFilter(min_prompt_chars=0).keep(["a"])[0] == [0]
