@@ -529,3 +529,23 @@ def test_hidden_state_noise_perturbs_only_the_aux_states_of_training_batches(bui
 def test_hidden_state_noise_must_be_non_negative(tiny_target_dir):
     with pytest.raises(ValueError, match="model.hidden_state_noise must be >= 0"):
         Eagle3Module(str(tiny_target_dir), hidden_state_noise=-0.1)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.03])
+def test_every_optimizer_group_carries_the_configured_decay_and_betas(full_vocab_module, optimizer, weight_decay):
+    """No group falls back to a library default (AdamW's 0.01, Muon's 0.1): 0.0 is the separating value; every
+    trainable head parameter is in exactly one group (issue 56)."""
+    from types import SimpleNamespace
+
+    model = full_vocab_module
+    model.optim = OptimConfig(lr=1e-3, optimizer=optimizer, weight_decay=weight_decay, betas=(0.8, 0.9))
+    model._trainer = SimpleNamespace(estimated_stepping_batches=20)
+    opt = model.configure_optimizers()["optimizer"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [weight_decay] * len(opt.param_groups)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-3 / 10] * len(opt.param_groups))  # W = 10 (half of 20)
+    for g in opt.param_groups:
+        if not g.get("muon", False):
+            assert tuple(g["betas"]) == (0.8, 0.9)
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.head.parameters() if p.requires_grad)
