@@ -525,7 +525,8 @@ def package_of(path: str) -> str:
     return "callbacks" if parts[0] == "callbacks" else parts[1]
 
 
-ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_roundtrip.py")
+ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_roundtrip.py",
+                   "tests/export/test_engine_config_fields.py")
 TESTS: dict[str, tuple[str, ...]] = {
     "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py", "tests/models/test_eagle3_exact.py",
                                   "tests/test_mutants_models.py"),
