@@ -61,6 +61,11 @@ def test_replay_metrics_on_hand_built_steps():
     assert out["catch_at_budget"]["random"]["0.25"] == 0.25
     # lagged gate: score at t-1 against the flip at t, within each prompt (6 pairs)
     assert set(out["catch_at_budget_lagged"]) == {"entropy", "margin"}
+    # pairs: margin [-.9, -.1, -.5 | -.8, -.7, -.2] against flips [T, F, T | F, T, F]; at B = 0.5 the top 3
+    # (-.1, -.2, -.5) catch one of the 3 flips; at 0.25 the top 2 catch none; entropy's lagged scores catch none
+    # (its unlagged catch would be 2/3 and 1)
+    assert out["catch_at_budget_lagged"]["margin"] == {"0.25": 0.0, "0.50": pytest.approx(1 / 3)}
+    assert out["catch_at_budget_lagged"]["entropy"] == {"0.25": 0.0, "0.50": 0.0}
 
 
 def _binom_two_sided(b: int, c: int) -> float:
