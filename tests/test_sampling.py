@@ -96,3 +96,12 @@ def test_warping_equals_the_plain_reference(logits, top_k, top_p):
     x = [float(v) for v in logits]
     got = probs_from_logits(torch.tensor(x), 1.0, top_k=top_k, top_p=top_p)
     torch.testing.assert_close(got, torch.tensor(_reference_probs(x, top_k, top_p)), atol=1e-6, rtol=0)
+
+
+def test_the_error_names_the_first_non_finite_logit_not_the_last():
+    from draftkit.sampling import NonFiniteLogitsError, check_finite_logits
+
+    logits = torch.tensor([[0.0, 1.0, 2.0], [float("nan"), 0.0, float("inf")]])
+    with pytest.raises(NonFiniteLogitsError, match=r"2 of 6 values .* first at position \[1, 0\]") as err:
+        check_finite_logits(logits, "target logits")
+    assert err.value.position == (1, 0) and err.value.dtype == "float32"

@@ -11,6 +11,7 @@ from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, norm
     ("\u00bfQu\u00e9 es   esto?\n", "qu\u00e9 es esto"),
     ("ＦＵＬＬ width", "full width"),  # NFKC
     ("...", ""),
+    ("\u00a1 Hola amigo!", "hola amigo"),  # punctuation, then a space: both stripped
 ])
 def test_normalize_prompt(raw, key):
     assert normalize_prompt(raw) == key
