@@ -481,3 +481,13 @@ def test_tally_report_values_on_hand_built_runs():
     assert report["bytes_per_token"] == {"speculative": 500 / 8, "plain": 123.0}
     assert report["target_forwards_per_token"] == 5 / 8
     assert report["draft_ms_per_round"] == 1000 * 1.5 / 5 and report["verify_ms_per_round"] == 1000 * 3.0 / 5
+
+
+def test_trained_length_counts_the_new_tokens_and_is_exceeded_only_past_it(tiny, tiny_head):
+    """prompt + max_new_tokens > trained_length: 4 + 7 = 11 > 10 is over, 3 + 7 = 10 is not (issue 56)."""
+    target, _ = tiny
+    report = evaluate_head(
+        tiny_head, target, None, [[256, 1, 2, 3], [256, 9, 9]], k=2, max_new_tokens=7, eos_token_ids=[257],
+        baseline=False, prompt_lookup=False, warmup=False, trained_length=10,
+    )
+    assert report["setup"]["prompts_over_trained_length"] == [report["per_prompt"][0]["id"]]
