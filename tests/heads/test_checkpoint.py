@@ -74,3 +74,21 @@ def test_evaluate_refuses_what_export_refuses(target_dir, tmp_path):
     for read in (lambda: load_head(good, other), lambda: export_checkpoint(good, "vllm", tmp_path / "o", target=other)):
         with pytest.raises(ValueError, match="hidden_size 96"):
             read()
+
+
+def test_a_full_vocab_head_refuses_any_nonzero_d2t_entry(target_dir, tmp_path):
+    """V_d == V: d2t must be all zeros; one nonzero entry among zeros is refused, not only an all-nonzero map
+    such as arange (issue 56)."""
+    from transformers import AutoConfig
+
+    v = AutoConfig.from_pretrained(target_dir).vocab_size
+    head, ids = make_head(target_dir, draft_vocab_size=v)
+    assert not head.d2t.any()
+    ok = write_checkpoint(tmp_path / "ok.ckpt", head, target_dir, ids)
+    assert read_checkpoint(ok).aux_layer_ids == ids
+    d2t = torch.zeros(v, dtype=head.d2t.dtype)
+    d2t[-1] = -1  # the last draft id maps to target id V - 2: one entry off the identity
+    head.d2t.copy_(d2t)
+    bad = write_checkpoint(tmp_path / "bad.ckpt", head, target_dir, ids)
+    with pytest.raises(ValueError, match="V_d == V but head.d2t is not all zeros"):
+        read_checkpoint(bad)
