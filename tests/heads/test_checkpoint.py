@@ -92,3 +92,23 @@ def test_a_full_vocab_head_refuses_any_nonzero_d2t_entry(target_dir, tmp_path):
     bad = write_checkpoint(tmp_path / "bad.ckpt", head, target_dir, ids)
     with pytest.raises(ValueError, match="V_d == V but head.d2t is not all zeros"):
         read_checkpoint(bad)
+
+
+def test_a_d2t_reaching_the_vocab_size_is_refused_and_one_below_is_read(target_dir, tmp_path):
+    """A checkpoint without t2d rebuilds it from d2t: the last draft id mapped to V - 1 is read, to V refused
+    with the reader's error (not an IndexError; issue 56)."""
+    from transformers import AutoConfig
+
+    v = AutoConfig.from_pretrained(target_dir).vocab_size
+    head, ids = make_head(target_dir)
+    n = head.d2t.numel()
+    for last, ok in ((v - 1, True), (v, False)):
+        d2t = head.d2t.clone()
+        d2t[-1] = last - (n - 1)
+        ckpt = write_checkpoint(tmp_path / f"{last}.ckpt", head, target_dir, ids, drop=("t2d",),
+                                state_extra={"head.d2t": d2t})
+        if ok:
+            assert bool(head_from_checkpoint(ckpt)[0].t2d[v - 1])
+        else:
+            with pytest.raises(ValueError, match=rf"head.d2t maps outside the target vocab \[0, {v}\)"):
+                read_checkpoint(ckpt)
