@@ -112,3 +112,12 @@ def test_a_d2t_reaching_the_vocab_size_is_refused_and_one_below_is_read(target_d
         else:
             with pytest.raises(ValueError, match=rf"head.d2t maps outside the target vocab \[0, {v}\)"):
                 read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("stored", [[1, 3], [1, 2, 3, 6]])
+def test_aux_ids_other_than_the_fused_count_are_refused_both_ways(target_dir, tmp_path, stored):
+    """fc fuses 3 aux states: 2 stored ids and 4 stored ids are both refused (issue 56)."""
+    head, _ = make_head(target_dir, aux_layer_ids=[1, 3, 6])
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, stored)
+    with pytest.raises(ValueError, match=rf"{len(stored)} aux layer ids .* but fc reads 3 aux states"):
+        read_checkpoint(ckpt)
