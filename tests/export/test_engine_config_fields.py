@@ -103,3 +103,15 @@ def test_trtllm_refuses_a_tree_just_outside_the_bounds():
         trtllm.speculation_settings(4, TreeConfig(3, 2, 7))
     with pytest.raises(ValueError, match="3 <= N <= 6, got N = 2"):
         trtllm.speculation_settings(4, TreeConfig(3, 2, 2))
+
+
+def test_rope_scaling_is_omitted_only_for_plain_default_rope():
+    """rope_scaling None exactly when the type is default and nothing else is set: a default type with another
+    field (here partial_rotary_factor) keeps its dict, the legacy ``type`` key counts as the type (issue 56)."""
+    from draftkit.export.common import rope_legacy_fields
+
+    assert rope_legacy_fields({"rope_parameters": {"rope_theta": 1e4, "type": "default"}}) == (1e4, None)
+    extra = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    assert rope_legacy_fields({"rope_parameters": {"rope_theta": 1e4, **extra}}) == (1e4, extra)
+    assert rope_legacy_fields({"rope_theta": 2e4, "rope_scaling": {"type": "linear", "factor": 2.0}}) == (
+        2e4, {"type": "linear", "factor": 2.0})
