@@ -148,3 +148,20 @@ def test_forward_runs_in_inference_mode_and_the_cache_still_rolls_back(lm_exact)
     (aux @ weight).sum().backward()  # autograd may save it
     torch.testing.assert_close(weight.grad[:, 0], aux.sum(0))
     lm.reset()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_leave_out_an_untied_input_embedding_only(tied):
+    """Bytes read per forward: every parameter once; an untied input embedding is a row gather, left out; a tied
+    one is the LM head, read in full (issue 56)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaForCausalLM
+
+    from draftkit.testing import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))
+    total = sum(p.numel() for p in model.parameters()) * 4  # float32, each shared tensor once
+    session = TargetSession(SimpleNamespace(model=model))
+    assert session.weight_bytes == total - (0 if tied else 320 * 64 * 4)
