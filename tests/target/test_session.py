@@ -165,3 +165,22 @@ def test_weight_bytes_leave_out_an_untied_input_embedding_only(tied):
     total = sum(p.numel() for p in model.parameters()) * 4  # float32, each shared tensor once
     session = TargetSession(SimpleNamespace(model=model))
     assert session.weight_bytes == total - (0 if tied else 320 * 64 * 4)
+
+
+def test_padded_rows_are_dropped_from_the_cache(lm):
+    """pad_rows {2: 4}: a 2-row forward runs 4 rows, returns 2 and keeps 2 in the cache; what follows equals an
+    unpadded session's (issue 56)."""
+    try:
+        lm.reset()
+        plain, _ = lm.forward(IDS[:2], precision="high")
+        after_plain, _ = lm.forward(IDS[2:5], precision="high")
+        lm.pad_rows = {2: 4}
+        lm.reset()
+        padded, _ = lm.forward(IDS[:2], precision="high")
+        assert lm.length == 2 and padded.shape == plain.shape
+        after_padded, _ = lm.forward(IDS[2:5], precision="high")
+        assert lm.length == 5
+        torch.testing.assert_close(padded, plain)
+        torch.testing.assert_close(after_padded, after_plain)
+    finally:
+        lm.pad_rows = {}
