@@ -184,3 +184,23 @@ def test_padded_rows_are_dropped_from_the_cache(lm):
         torch.testing.assert_close(after_padded, after_plain)
     finally:
         lm.pad_rows = {}
+
+
+def test_a_tree_mask_keeps_the_sliding_window_exactly(tmp_path):
+    """Gemma 3's sliding layers (window 8) under an explicit (T, length+T) mask: a causal mask given by hand
+    gives the logits of the model's own causal forward, past the window (a row reading one position more or
+    less than the window differs; issue 56)."""
+    from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.testing import build_tiny_target
+
+    model, _ = load_target(str(build_tiny_target(tmp_path / "gemma3", family="gemma3_text", seed=0)), "float32")
+    session = TargetSession(FrozenTarget(model, [2, 4, 5]))
+    ids = [5, 9, 3, 7, 11, 2, 8, 6, 4, 10, 12, 13, 14]
+    session.forward(ids[:10])
+    own, _ = session.forward(ids[10:])
+    session.reset()
+    session.forward(ids[:10])
+    causal = torch.ones(3, 13, dtype=torch.bool)
+    causal[:, 10:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    given, _ = session.forward(ids[10:], attn_mask=causal)
+    torch.testing.assert_close(given, own)
