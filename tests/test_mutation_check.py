@@ -48,7 +48,9 @@ def test_generator_lists_exact_mutants(mutation):
         ("binop:Mult->Div@5:9", "x * mask", "(x / mask)"),
         ("mask:drop-operand@5:9", "x * mask", "x"),
         ("reduce:max->min@5:27", "x[1:n].max()", "x[1:n].min()"),
+        ("argconf:max->argmax@5:27", "x[1:n].max()", "x[1:n].argmax()"),
         ("slice:upper+1@5:27", "x[1:n]", "x[1:n + 1]"),
+        ("offset:upper-1@5:27", "x[1:n]", "x[1:n - 1]"),
         ("const:1->0@5:29", "1", "0"),
         ("augassign:Add->Sub@6:4", "y += g(x, n).detach()", "y -= g(x, n).detach()"),
         ("detach:drop@6:9", "g(x, n).detach()", "g(x, n)"),
@@ -62,6 +64,44 @@ def test_generator_lists_exact_mutants(mutation):
     assert mutation.generate("x = 1\n")[0].apply("xy = 1\n") is None  # not where it was: not applied
 
 
+WRITTEN = '''\
+def cache_key(a, b, c):
+    return {"a": a, "c": c}
+
+
+def pick(hits, xs, i):
+    best = min(xs, key=len)
+    for j in range(1, i):
+        best = sorted(xs, reverse=True)[0] + hits[-1] + xs[i] + xs.shape[0]
+    return hits.argmax() + short_hash([a, b])
+'''
+
+
+def test_generator_lists_the_bugs_people_write(mutation):
+    """Issue 56's kinds: first/last, min/argmin confusions and a dropped key=, a dropped fingerprint item (a
+    literal inside a key function, a hash call's argument list), +-1 offsets of an index and of a range bound; a
+    ``.shape[0]`` is left alone (1-D: the same size)."""
+    new = ("firstlast", "argconf", "fingerprint", "offset", "range")
+    got = [(m.name, m.original, m.replacement) for m in mutation.generate(WRITTEN) if mutation.kind_of(m.name) in new]
+    assert got == [
+        ("fingerprint:drop-key-0@2:11", '{"a": a, "c": c}', "({'c': c})"),
+        ("fingerprint:drop-key-1@2:11", '{"a": a, "c": c}', "({'a': a})"),
+        ("argconf:drop-key@6:11", "min(xs, key=len)", "min(xs)"),
+        ("range:stop-1@7:13", "range(1, i)", "range(1, i - 1)"),
+        ("range:stop+1@7:13", "range(1, i)", "range(1, i + 1)"),
+        ("range:start+1@7:13", "range(1, i)", "range(1 + 1, i)"),
+        ("firstlast:0->-1@8:15", "sorted(xs, reverse=True)[0]", "sorted(xs, reverse=True)[-1]"),
+        ("firstlast:drop-reverse@8:15", "sorted(xs, reverse=True)", "sorted(xs)"),
+        ("firstlast:-1->0@8:45", "hits[-1]", "hits[0]"),
+        ("offset:index-1@8:56", "xs[i]", "xs[i - 1]"),
+        ("offset:index+1@8:56", "xs[i]", "xs[i + 1]"),
+        ("argconf:argmax->max@9:11", "hits.argmax()", "hits.max()"),
+        ("fingerprint:drop-item-0.0@9:27", "short_hash([a, b])", "short_hash([b])"),
+        ("fingerprint:drop-item-0.1@9:27", "short_hash([a, b])", "short_hash([a])"),
+    ]
+    assert mutation.kind_of("cmp:Lt->LtE@3:7") == "cmp" and mutation.kind_of("tau-without-bonus") == "hand"
+
+
 def test_generator_columns_count_characters(mutation):
     """ast columns are UTF-8 bytes; the mutant's offset is in characters (a tau in a string before the site)."""
     (m,) = [m for m in mutation.generate('s = "τ"; t = 3\n') if m.name.startswith("const")]
@@ -71,7 +111,8 @@ def test_generator_columns_count_characters(mutation):
 def test_sample_spreads_over_packages_and_is_seeded(mutation):
     ms = mutation.generated_mutants(REPO)
     packages = {mutation.package_of(p) for p, _ in ms}
-    assert packages == set(mutation.PACKAGES)  # callbacks/ included
+    assert packages == set(mutation.PACKAGES)  # callbacks/, target/, commands/ and the top-level modules included
+    assert {"target", "kernels", "generation", "commands", "strategy.py", "sampling.py"} <= packages
     a, b = mutation.sample(ms, 20, seed=3), mutation.sample(ms, 20, seed=3)
     assert [(p, m.name) for p, m in a] == [(p, m.name) for p, m in b] and len(a) == 20
     assert {mutation.package_of(p) for p, _ in a} == packages  # 2 per package

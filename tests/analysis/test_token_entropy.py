@@ -105,3 +105,26 @@ def test_quantile_zero_is_allowed_and_one_is_not():
         _check_filter_args("drop", None, 1.0)
     with pytest.raises(ValueError, match=r"quantile must be in \[0, 1\)"):
         _check_filter_args("drop", None, -0.1)
+
+
+def test_a_key_equal_to_the_threshold_is_kept():
+    """rows with key >= threshold keep weight 1: a key exactly at the threshold is high, a hair below is low."""
+    h = torch.tensor([[0.5, 1.0, 0.75, 2.0]])
+    mask = torch.tensor([[1, 1, 1, 1]])
+    w, kept = entropy_filter_weights(h, mask, "drop", threshold=1.0, key_offset=0)
+    assert w.tolist() == [[0.0, 1.0, 0.0, 1.0]] and float(kept) == 0.5
+    w, _ = entropy_filter_weights(h, mask, "drop", threshold=0.75, key_offset=0)
+    assert w.tolist() == [[0.0, 1.0, 1.0, 1.0]]
+
+
+def test_quantile_threshold_equals_a_sorted_reference_and_keeps_the_quantile_row():
+    keys = torch.tensor([0.3, 0.1, 0.4, 0.2, 0.5])
+    for q, want in ((0.0, 0.1), (0.25, 0.2), (0.5, 0.3), (0.75, 0.4)):  # (n-1) q lands on a sorted key exactly
+        assert quantile_threshold(keys, q) == pytest.approx(want)
+    # quantile 0.5 over masked rows: the median row itself is kept (key == tau)
+    w, kept = entropy_filter_weights(keys[None], torch.ones(1, 5), "drop", quantile=0.5, key_offset=0)
+    assert w.tolist() == [[1.0, 0.0, 1.0, 0.0, 1.0]] and float(kept) == pytest.approx(3 / 5)
+    # unmasked rows neither set the quantile nor get a weight
+    w, _ = entropy_filter_weights(torch.tensor([[9.0, 0.1, 0.2, 0.3]]), torch.tensor([[0, 1, 1, 1]]), "drop",
+                                  quantile=0.5, key_offset=0)
+    assert w.tolist() == [[0.0, 0.0, 1.0, 1.0]]

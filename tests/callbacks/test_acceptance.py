@@ -145,3 +145,32 @@ def test_documented_defaults_and_the_k_boundary():
     assert ExportOnCheckpoint(num_speculative_tokens=1).num_speculative_tokens == 1
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
         ExportOnCheckpoint(num_speculative_tokens=0)
+
+
+def test_schedule_decisions_on_a_fake_trainer(monkeypatch):
+    """Which hook measures (issue 56): with every_n_train_steps the validations never do; a step is measured
+    once even when several batches end at it (gradient accumulation), never at step 0; without it, every
+    n-th real validation (the sanity check not counted)."""
+    from types import SimpleNamespace
+
+    from draftkit.callbacks.acceptance import AcceptanceLengthMonitor
+
+    def run(monitor, events):
+        done = []
+        monkeypatch.setattr(monitor, "_decode", lambda trainer, module: done.append(trainer.global_step) or {})
+        for kind, step, sanity in events:
+            trainer = SimpleNamespace(global_step=step, sanity_checking=sanity, global_rank=0, loggers=[],
+                                      strategy=SimpleNamespace(broadcast=lambda x, src=0: x))
+            module = SimpleNamespace(log=lambda *a, **k: None)
+            if kind == "batch":
+                monitor.on_train_batch_end(trainer, module, None, None, 0)
+            else:
+                monitor.on_validation_epoch_end(trainer, module)
+        return done
+
+    steps = AcceptanceLengthMonitor(every_n_train_steps=2)
+    events = [("val", 0, True), ("batch", 0, False), ("batch", 1, False), ("batch", 2, False), ("batch", 2, False),
+              ("val", 2, False), ("batch", 3, False), ("batch", 4, False), ("val", 4, False)]
+    assert run(steps, events) == [2, 4]
+    vals = AcceptanceLengthMonitor(every_n_validations=2)
+    assert run(vals, events) == [4]  # real validations at 2 and 4: the second one; the sanity check not counted

@@ -301,3 +301,49 @@ def test_steps_longer_than_the_margin_still_end_within_the_budget(tmp_path, monk
     steps, end = (11, 561.0) if train_s == 45.0 else (4, 508.0)
     assert cli.trainer.global_step == steps and budget.last_step_s == train_s
     assert clock.now == end <= 600 - 30
+
+
+def _trainer(max_steps=-1, val_batches=2, every=4):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_val_batches=[val_batches], val_check_batch=every, max_steps=max_steps,
+                           strategy=SimpleNamespace(broadcast=lambda x: x), should_stop=False, global_step=0)
+
+
+def test_plan_formula_counts_the_final_validation_and_the_margin():
+    """H = g + floor((B - E - V - margin) / (s + V / every)) with every term separating: B = 600, E = 94 at g = 3,
+    V = 2 batches x 2 s = 4 s, margin 30, s = 10, every 4 -> 3 + floor(472 / 11) = 45; without the final
+    validation's V it would be 3 + floor(476 / 11) = 46, and the left-over exactly divisible lands on the step."""
+    now = [94.0]
+    tb = TimeBudget(margin_s=30.0, clock=lambda: now[0], started_at=0.0)
+    tb.budget_s, tb.val_batch_s, tb.step_s = 600.0, 2.0, 10.0
+    assert tb.plan(_trainer(), 3) == 45
+    now[0] = 94.0 - 1.0  # left = 473 = 43 x 11: exactly 43 more steps fit
+    assert tb.plan(_trainer(), 3) == 46
+    assert tb.plan(_trainer(max_steps=20), 3) == 20 and tb.plan(_trainer(max_steps=46), 3) == 46
+    now[0] = 1000.0  # past the budget: no step more, never fewer than done
+    assert tb.plan(_trainer(), 3) == 3
+    tb.spent_before, now[0] = 6.0, 94.0 - 6.0  # time spent before a resume counts as elapsed
+    assert tb.elapsed() == 94.0 and tb.plan(_trainer(), 3) == 45
+
+
+def test_a_step_stops_the_run_when_the_next_one_would_reach_the_budget_exactly():
+    """Stop when E + last step + V + margin >= B: at equality the next step is not started."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+    tb = TimeBudget(margin_s=30.0, clock=lambda: now[0], started_at=0.0)
+    tb.budget_s, tb.val_batch_s = 600.0, 2.0
+    module = SimpleNamespace(lr_horizon=1000)
+    tb._last_end, tb._val_total_s = (546.0, 0.0), 0.0
+    trainer = _trainer()
+    trainer.global_step = 10
+    now[0] = 556.0  # E 556 + last step 10 + V 4 + margin 30 = 600 = B
+    tb.on_train_batch_end(trainer, module, None, None, 0)
+    assert tb.last_step_s == 10.0 and trainer.should_stop
+    trainer = _trainer()
+    trainer.global_step = 11
+    tb._last_end = (545.5, 0.0)
+    now[0] = 555.5  # 599.5 < 600: one more step fits
+    tb.on_train_batch_end(trainer, module, None, None, 0)
+    assert not trainer.should_stop

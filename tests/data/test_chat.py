@@ -205,3 +205,31 @@ def test_supervise_all_trains_on_every_token_and_validates_on_the_assistant_ones
     assert val["loss_mask"].sum() < val["attention_mask"].sum()
     with pytest.raises(ValueError, match="data.supervise must be one of assistant, all"):
         ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), supervise="everything")
+
+
+def test_every_option_that_changes_the_rows_changes_its_key_and_no_other_does(tiny_target_dir, tiny_chat_jsonl,
+                                                                              tmp_path):
+    """The tokenized-data key (the cache folder) against each option one at a time: the options that change the
+    tokenized rows change it; the split, sample and prompt-rule options change only the split fingerprint; the
+    loader options change neither. A dropped tuple item in either hash fails here (issue 56)."""
+    from draftkit.data.datamodule import SUPERVISE
+
+    def both(path=str(tiny_chat_jsonl), **kwargs) -> tuple[str, str]:
+        dm = ChatDataModule(path, tokenizer=str(tiny_target_dir), **kwargs)
+        return dm._cache_key()[0], dm.fingerprint()
+
+    key, split = both()
+    other_supervise = next(s for s in SUPERVISE if s != "assistant")
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(tiny_chat_jsonl.read_text().replace("e", "E", 1))
+    for changes_rows in ({"split": "validation"}, {"max_length": 64}, {"max_conversations": 3},
+                         {"supervise": other_supervise}, {"path": str(edited)},
+                         {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}):
+        k, f = both(**changes_rows)
+        assert k != key and f != split, changes_rows
+    for changes_split in ({"val_size": 3}, {"seed": 1}, {"max_samples": 5}, {"dedup_prompts": False},
+                         {"min_prompt_chars": 9}):
+        k, f = both(**changes_split)
+        assert k == key and f != split, changes_split
+    for neither in ({"batch_size": 2}, {"num_workers": 1}, {"bucket_window": 4}, {"max_skip_fraction": 0.5}):
+        assert both(**neither) == (key, split), neither

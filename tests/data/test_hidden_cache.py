@@ -350,3 +350,32 @@ def test_bench_online_stays_online_for_a_recipe_that_trains_offline(tiny_cache):
     offline = measure_train([RECIPE], steps=1, warmup=0, overrides=auto, hidden_states_cache=str(tiny_cache["float32"]))
     assert online["mode"] == "online" and online["target_forward_s"] > 0
     assert offline["mode"] == "offline" and offline["tokens_per_step"] == online["tokens_per_step"]
+
+
+def test_plan_shards_never_writes_an_empty_shard_and_equals_a_plain_reference():
+    """A first sequence longer than the budget gets its own shard, with no empty shard before it (issue 56); and
+    small random cases against the rule written out: close the shard before a sequence that would overflow it,
+    unless the shard is empty."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    assert plan_shards([30, 1], "val", 12) == [
+        {"file": "val-00000.safetensors", "rows": [0, 1], "num_tokens": 30},
+        {"file": "val-00001.safetensors", "rows": [1, 2], "num_tokens": 1},
+    ]
+    assert plan_shards([], "train", 12) == []
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.lists(st.integers(1, 9), max_size=10), st.integers(1, 12))
+    def check(lengths, budget):
+        groups: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            if groups and sum(lengths[j] for j in groups[-1]) + n <= budget:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        want = [{"file": f"train-{g:05d}.safetensors", "rows": [rows[0], rows[-1] + 1],
+                 "num_tokens": sum(lengths[j] for j in rows)} for g, rows in enumerate(groups)]
+        assert plan_shards(lengths, "train", budget) == want
+
+    check()

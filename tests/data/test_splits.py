@@ -11,6 +11,7 @@ from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, norm
     ("\u00bfQu\u00e9 es   esto?\n", "qu\u00e9 es esto"),
     ("ＦＵＬＬ width", "full width"),  # NFKC
     ("...", ""),
+    ("\u00a1 Hola amigo!", "hola amigo"),  # punctuation, then a space: both stripped
 ])
 def test_normalize_prompt(raw, key):
     assert normalize_prompt(raw) == key
@@ -157,3 +158,35 @@ def test_sampled_answers_all_train_and_prompt_rule_drops_count_toward_the_skip_t
             r"\(7 records; r23: first prompt 'continue'\); set data.min_prompt_chars 0 to keep prompts that need an "
             r"earlier answer the record does not hold, or raise data.max_skip_fraction to train on the rest")):
         ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=4).setup()
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(groups=st.lists(st.integers(0, 4), min_size=1, max_size=16), val_size=st.integers(0, 10),
+       seed=st.integers(0, 3))
+def test_grouped_split_equals_a_plain_reference(groups, val_size, seed):
+    """Reference: shuffle the distinct keys (first-appearance order) with random.Random(seed), then take whole
+    groups while validation holds fewer than val_size rows; train is the rest. Every row lands once, no key on
+    both sides, and validation stops at the first group that reaches val_size."""
+    import random
+
+    keys = [f"k{g}" for g in groups]
+    rows = list(range(len(keys)))
+    order = list(dict.fromkeys(keys))
+    random.Random(seed).shuffle(order)
+    val = []
+    for k in order:
+        if len(val) >= val_size:
+            break
+        val += [r for r in rows if keys[r] == k]
+    want_val = sorted(val)
+    want_train = sorted(r for r in rows if r not in set(val))
+    assert grouped_split(keys, rows, val_size, seed) == (want_train, want_val)
+
+
+def test_prompt_filter_length_bound_is_inclusive_at_min_prompt_chars():
+    assert PromptFilter(min_prompt_chars=8).keep(["abcdefgh", "abcdefg"])[0] == [0]
+    assert PromptFilter(min_prompt_chars=0).keep(["a"])[0] == [0]

@@ -164,3 +164,51 @@ def test_k_auto_calibration_names_the_prompt_and_dtype_of_non_finite_logits(tiny
         "prompt 0 (id 'q-a') (--k auto calibration): non-finite draft logits at tree depth 1: 256 of 256 values "
         "(float32) are NaN/inf, first at position [0] (vocab id 0) = nan; check the model's weights and inputs "
         "[target dtype float32, head dtype float32]")
+
+
+# -- choices pinned where a neighbouring rule gives another answer (issue 56) -------------------------------------
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def test_cover_takes_the_cheapest_padding_not_the_last_cheaper_one():
+    """4 rows are the cheapest; 8 rows are also cheaper than 1 but dearer than 4: cover picks 4."""
+    t = CostTable(verify={1: 1.0, 4: 0.5, 8: 0.8, 16: 0.6}, first=0, step={1: 0})
+    assert t.cover(1) == (4, 0.5)
+    assert t.cover(6) == (16, 0.6)  # 8 and 16 both cheaper than the interpolated 6 (0.65): the cheaper 16
+    assert t.padding()[1] == 4
+
+
+def test_choose_needs_a_speedup_strictly_above_one_and_takes_the_fastest():
+    from draftkit.decoding.cost import Prediction
+
+    # exact binary fractions: plain 1 token / 0.5 s; chain 1 at tau 1.5 per 0.75 s is exactly plain's speed
+    t = CostTable(verify={1: 0.5, 2: 0.5}, first=0.25, step={1: 0.0})
+    tie = predict({TreeConfig.chain(1): 1.5}, t)
+    assert tie[0].speedup == 1.0 and choose(tie) is None
+    assert choose(predict({TreeConfig.chain(1): 1.625}, t)).tree == TreeConfig.chain(1)
+    assert choose([Prediction(TreeConfig.chain(2), 2.0, 1.0, 2.0, 1.0)]) is None
+    # the fastest is neither first nor last in the input
+    preds = predict({TreeConfig.chain(1): 1.4, TreeConfig.chain(2): 2.0, TreeConfig.chain(3): 2.1}, TABLE)
+    assert choose(list(reversed(preds))).tree == TreeConfig.chain(2)
+
+
+def test_candidate_topologies_include_n_equal_to_the_candidate_count():
+    # (2, 2): K + (D-1) K^2 = 6 candidates; N = 6 is allowed, 7 is not; N >= depth
+    got = candidate_topologies(True, max_depth=2, topks=(2,), nodes=(1, 2, 6, 7))
+    assert got[2:] == [TreeConfig(2, 2, 2), TreeConfig(2, 2, 6)]
+
+
+def _isotonic_reference(values: list[float]) -> list[float]:
+    """The min-max formula of isotonic regression: fit_i = max_{j <= i} min_{k >= i} mean(y_j..y_k)."""
+    n = len(values)
+    return [max(min(sum(values[j:k + 1]) / (k + 1 - j) for k in range(i, n)) for j in range(i + 1))
+            for i in range(n)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=8))
+def test_monotone_equals_the_min_max_formula(values):
+    table = {2 * i + 1: float(v) for i, v in enumerate(values)}  # keys need not be consecutive
+    assert list(monotone(table).values()) == pytest.approx(_isotonic_reference([float(v) for v in values]))

@@ -444,3 +444,50 @@ def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_t
     assert main(["--checkpoint", str(old), "--output", str(tmp_path / "old.json"), *common]) == 0
     setup = json.loads((tmp_path / "old.json").read_text())["setup"]
     assert setup["trained_length"] is None and setup["prompts_over_trained_length"] == []
+
+
+def test_tally_report_values_on_hand_built_runs():
+    """One topology's report keys from two hand-built prompts (issue 56): near ties below NEAR_TIE only (a gap
+    exactly at it is not one), greedy_equal, the histogram up to a = k, the verified rows counting the root,
+    bytes and forwards per decoded token, and speedup = tokens/s over the baseline's."""
+    from types import SimpleNamespace
+
+    from draftkit.decoding.harness import NEAR_TIE, Topology, _Tally
+    from draftkit.decoding.metrics import AcceptanceStats
+
+    def spec(rounds, tokens, seconds):
+        stats = AcceptanceStats(2)
+        for a, d in rounds:
+            stats.update(a, d)
+        return SimpleNamespace(stats=stats, tokens=tokens, seconds=seconds, decode_tokens=len(tokens) - 1,
+                               weight_bytes=100 * len(rounds), target_forwards=len(rounds), draft_seconds=0.5,
+                               verify_seconds=1.0)
+
+    tally = _Tally(Topology(2))
+    # prompt 1 differs at 1, where plain's top-2 gap is a near tie; prompt 2 differs at 0, gap exactly NEAR_TIE
+    tally.add(spec([(2, 2), (0, 2)], [5, 6, 7, 8], 2.0), SimpleNamespace(tokens=[5, 9, 7, 8],
+              top2_gaps=[1.0, NEAR_TIE / 2, 1.0, 1.0]), {"id": "a"}, greedy=True)
+    tally.add(spec([(1, 1), (2, 2)], [1, 2, 3, 4, 5], 2.0), SimpleNamespace(tokens=[0, 2, 3, 4, 5],
+              top2_gaps=[NEAR_TIE, 1.0, 1.0, 1.0, 1.0]), {"id": "b"}, greedy=True)
+    tally.add(spec([(0, 2)], [4, 4], 1.0), SimpleNamespace(tokens=[4, 4], top2_gaps=[1.0, 1.0]), {"id": "c"}, True)
+    report = tally.report(baseline_tps=2.0, plain_bytes=123.0, greedy_check=True)
+    assert report["greedy_near_ties"] == 1 and report["greedy_equal"] == 1
+    assert [(r["first_diff"], r["top2_gap"]) for r in report["per_prompt"]] == [(1, NEAR_TIE / 2), (0, NEAR_TIE),
+                                                                                 (None, None)]
+    assert report["accepted_length_histogram"] == [2, 1, 2]  # a = 0, 1, 2 (= k)
+    assert report["verified_tokens_per_round"] == 1 + (2 + 2 + 1 + 2 + 2) / 5
+    assert report["tau"] == (3 + 1 + 2 + 3 + 1) / 5
+    assert report["tokens_per_s"] == 11 / 5.0 and report["speedup"] == pytest.approx(11 / 5.0 / 2.0)
+    assert report["bytes_per_token"] == {"speculative": 500 / 8, "plain": 123.0}
+    assert report["target_forwards_per_token"] == 5 / 8
+    assert report["draft_ms_per_round"] == 1000 * 1.5 / 5 and report["verify_ms_per_round"] == 1000 * 3.0 / 5
+
+
+def test_trained_length_counts_the_new_tokens_and_is_exceeded_only_past_it(tiny, tiny_head):
+    """prompt + max_new_tokens > trained_length: 4 + 7 = 11 > 10 is over, 3 + 7 = 10 is not (issue 56)."""
+    target, _ = tiny
+    report = evaluate_head(
+        tiny_head, target, None, [[256, 1, 2, 3], [256, 9, 9]], k=2, max_new_tokens=7, eos_token_ids=[257],
+        baseline=False, prompt_lookup=False, warmup=False, trained_length=10,
+    )
+    assert report["setup"]["prompts_over_trained_length"] == [report["per_prompt"][0]["id"]]

@@ -263,3 +263,29 @@ def test_tree_greedy_accept_walks_the_matching_path():
     best = torch.tensor([2, 1, 9, 9, 7, 9])
     assert tree_greedy_accept(tree, best) == ([0, 3], 7)
     assert tree_greedy_accept(tree, torch.tensor([4, 0, 0, 0, 0, 0])) == ([], 4)
+
+
+def test_tree_config_allows_n_equal_to_depth_times_topk_candidates():
+    """K + (D-1) K^2 candidates: (3, 2, 10) is the whole candidate set, (3, 2, 11) one too many; the chain
+    (D, 1, D) is exactly its own candidate count."""
+    assert TreeConfig(3, 2, 1).max_nodes == 10
+    assert TreeConfig(3, 2, 10).num_nodes == 10
+    with pytest.raises(ValueError, match="N=11 exceeds the 10 candidates"):
+        TreeConfig(3, 2, 11)
+    assert TreeConfig(4, 1, 4).is_chain and TreeConfig.chain(4) == TreeConfig(4, 1, 4)
+    with pytest.raises(ValueError, match="N=5"):
+        TreeConfig(4, 1, 5)
+    assert not TreeConfig(4, 1, 3).is_chain
+
+
+def test_select_nodes_breaks_score_ties_by_depth_then_index():
+    from draftkit.decoding.tree import select_nodes
+
+    tokens = torch.tensor([10, 11, 12, 13, 14])
+    parents = torch.tensor([-1, -1, 0, 0, 1])
+    depths = torch.tensor([1, 1, 2, 2, 2])
+    scores = torch.tensor([-1.0, -1.0, -1.0, -2.0, -1.0])  # ties at -1 across depths and indices
+    kept = select_nodes(tokens, parents, depths, scores, 3)
+    assert kept.tokens.tolist() == [10, 11, 12] and kept.parents.tolist() == [-1, -1, 0]
+    kept = select_nodes(tokens, parents, depths, scores, 4)
+    assert kept.tokens.tolist() == [10, 11, 12, 14] and kept.parents.tolist() == [-1, -1, 0, 1]

@@ -144,6 +144,10 @@ def test_gated_stub_escalates_by_score():
     assert always.escalated == [True] * 5 and always.high_forwards == 5 and always.low_forwards == 5
     assert always.tokens == _expected_high([0, 3], 5)
     assert lm.calls[-2:] == [("low", 1), ("high", 1)]  # each step: 4-bit pass, then the 8-bit re-run
+    # the re-run replaces the whole step's rows (the prompt's, at step 1): the cache holds each token once
+    assert lm.cache == [0, 3] + always.tokens[:-1]
+    at = greedy_decode(lm, [0, 3], DecodeConfig(5), gate=Gate("entropy", h))  # a score equal to tau: not above it
+    assert at.escalated == [False] * 5 and at.high_forwards == 0
 
 
 # ---------------------------------------------------------------------------------------------- sampled

@@ -61,3 +61,43 @@ def test_replay_metrics_on_hand_built_steps():
     assert out["catch_at_budget"]["random"]["0.25"] == 0.25
     # lagged gate: score at t-1 against the flip at t, within each prompt (6 pairs)
     assert set(out["catch_at_budget_lagged"]) == {"entropy", "margin"}
+    # pairs: margin [-.9, -.1, -.5 | -.8, -.7, -.2] against flips [T, F, T | F, T, F]; at B = 0.5 the top 3
+    # (-.1, -.2, -.5) catch one of the 3 flips; at 0.25 the top 2 catch none; entropy's lagged scores catch none
+    # (its unlagged catch would be 2/3 and 1)
+    assert out["catch_at_budget_lagged"]["margin"] == {"0.25": 0.0, "0.50": pytest.approx(1 / 3)}
+    assert out["catch_at_budget_lagged"]["entropy"] == {"0.25": 0.0, "0.50": 0.0}
+
+
+def _binom_two_sided(b: int, c: int) -> float:
+    """Plain reference: twice the smaller tail of Binomial(b + c, 1/2), capped at 1."""
+    n = b + c
+    tail = sum(math.comb(n, i) for i in range(0, min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+@pytest.mark.parametrize("b, c", [(0, 1), (1, 0), (3, 3), (0, 6), (6, 0), (4, 9), (9, 4), (1, 10)])
+def test_mcnemar_is_two_sided_and_symmetric(b, c):
+    assert mcnemar_exact(b, c) == pytest.approx(_binom_two_sided(b, c))
+    assert mcnemar_exact(b, c) == mcnemar_exact(c, b)
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)  # a one-sided test would give 1/64
+
+
+def test_bootstrap_interval_is_the_central_percentiles_of_group_resamples():
+    """The same draws as the function (a seeded generator, one randint per resample): [q(0.025), q(0.975)]."""
+    stat = lambda idx: float(idx.double().mean())  # noqa: E731
+    got = bootstrap_ci(7, stat, 200, seed=3, level=0.9)
+    gen = torch.Generator().manual_seed(3)
+    v = torch.tensor([stat(torch.randint(0, 7, (7,), generator=gen)) for _ in range(200)], dtype=torch.float64)
+    assert got == [pytest.approx(float(v.quantile(0.05))), pytest.approx(float(v.quantile(0.95)))]
+    assert bootstrap_ci(0, stat, 10) is None and bootstrap_ci(3, stat, 0) is None
+
+
+def test_threshold_for_budget_lets_exactly_m_steps_escalate():
+    from draftkit.dual_precision.stats import threshold_for_budget
+
+    s = torch.tensor([0.9, 0.1, 0.5, 0.7, 0.3])
+    assert threshold_for_budget(s, 0.4) == pytest.approx(0.6)  # m = 2: between 0.7 and 0.5
+    assert threshold_for_budget(s, 0.01) == pytest.approx(0.8)  # m clipped up to 1
+    assert threshold_for_budget(s, 0.99) == pytest.approx(0.2)  # m clipped down to N - 1
+    with pytest.raises(ValueError, match="budget"):
+        threshold_for_budget(s, 1.0)

@@ -74,3 +74,50 @@ def test_evaluate_refuses_what_export_refuses(target_dir, tmp_path):
     for read in (lambda: load_head(good, other), lambda: export_checkpoint(good, "vllm", tmp_path / "o", target=other)):
         with pytest.raises(ValueError, match="hidden_size 96"):
             read()
+
+
+def test_a_full_vocab_head_refuses_any_nonzero_d2t_entry(target_dir, tmp_path):
+    """V_d == V: d2t must be all zeros; one nonzero entry among zeros is refused, not only an all-nonzero map
+    such as arange (issue 56)."""
+    from transformers import AutoConfig
+
+    v = AutoConfig.from_pretrained(target_dir).vocab_size
+    head, ids = make_head(target_dir, draft_vocab_size=v)
+    assert not head.d2t.any()
+    ok = write_checkpoint(tmp_path / "ok.ckpt", head, target_dir, ids)
+    assert read_checkpoint(ok).aux_layer_ids == ids
+    d2t = torch.zeros(v, dtype=head.d2t.dtype)
+    d2t[-1] = -1  # the last draft id maps to target id V - 2: one entry off the identity
+    head.d2t.copy_(d2t)
+    bad = write_checkpoint(tmp_path / "bad.ckpt", head, target_dir, ids)
+    with pytest.raises(ValueError, match="V_d == V but head.d2t is not all zeros"):
+        read_checkpoint(bad)
+
+
+def test_a_d2t_reaching_the_vocab_size_is_refused_and_one_below_is_read(target_dir, tmp_path):
+    """A checkpoint without t2d rebuilds it from d2t: the last draft id mapped to V - 1 is read, to V refused
+    with the reader's error (not an IndexError; issue 56)."""
+    from transformers import AutoConfig
+
+    v = AutoConfig.from_pretrained(target_dir).vocab_size
+    head, ids = make_head(target_dir)
+    n = head.d2t.numel()
+    for last, ok in ((v - 1, True), (v, False)):
+        d2t = head.d2t.clone()
+        d2t[-1] = last - (n - 1)
+        ckpt = write_checkpoint(tmp_path / f"{last}.ckpt", head, target_dir, ids, drop=("t2d",),
+                                state_extra={"head.d2t": d2t})
+        if ok:
+            assert bool(head_from_checkpoint(ckpt)[0].t2d[v - 1])
+        else:
+            with pytest.raises(ValueError, match=rf"head.d2t maps outside the target vocab \[0, {v}\)"):
+                read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("stored", [[1, 3], [1, 2, 3, 6]])
+def test_aux_ids_other_than_the_fused_count_are_refused_both_ways(target_dir, tmp_path, stored):
+    """fc fuses 3 aux states: 2 stored ids and 4 stored ids are both refused (issue 56)."""
+    head, _ = make_head(target_dir, aux_layer_ids=[1, 3, 6])
+    ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, stored)
+    with pytest.raises(ValueError, match=rf"{len(stored)} aux layer ids .* but fc reads 3 aux states"):
+        read_checkpoint(ckpt)

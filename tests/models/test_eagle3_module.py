@@ -555,8 +555,9 @@ def test_val_loss_logged_with_one_supervised_token(weight, tiny_target_dir, tiny
     def ttt_loss(batch, batch_idx=0):  # validation: step 0's weighted count is `weight` (one token, or half of one)
         total, stats = real(batch, batch_idx)
         if not model.training:
-            loss_sum, correct_sum, w_sum = stats[0]
-            stats = [(loss_sum / w_sum * weight, correct_sum / w_sum * weight, w_sum / w_sum * weight)]
+            loss_sum, correct_sum, w_sum, scored = stats[0]
+            stats = [(loss_sum / w_sum * weight, correct_sum / w_sum * weight, w_sum / w_sum * weight,
+                      scored / scored * weight)]
             totals.append(float(total))
         return total, stats
 
@@ -564,3 +565,23 @@ def test_val_loss_logged_with_one_supervised_token(weight, tiny_target_dir, tiny
     _, rows = _fit(model, dm, tmp_path, "val/loss", max_steps=1, val_check_interval=1, limit_val_batches=1)
     logged = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(totals) == 1 and logged == pytest.approx(totals, rel=1e-6)  # one validation batch: its loss
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.03])
+def test_every_optimizer_group_carries_the_configured_decay_and_betas(full_vocab_module, optimizer, weight_decay):
+    """No group falls back to a library default (AdamW's 0.01, Muon's 0.1): 0.0 is the separating value; every
+    trainable head parameter is in exactly one group (issue 56)."""
+    from types import SimpleNamespace
+
+    model = full_vocab_module
+    model.optim = OptimConfig(lr=1e-3, optimizer=optimizer, weight_decay=weight_decay, betas=(0.8, 0.9))
+    model._trainer = SimpleNamespace(estimated_stepping_batches=20)
+    opt = model.configure_optimizers()["optimizer"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [weight_decay] * len(opt.param_groups)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-3 / 10] * len(opt.param_groups))  # W = 10 (half of 20)
+    for g in opt.param_groups:
+        if not g.get("muon", False):
+            assert tuple(g["betas"]) == (0.8, 0.9)
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.head.parameters() if p.requires_grad)

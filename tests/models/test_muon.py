@@ -90,3 +90,15 @@ def test_bad_settings_name_the_option():
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 2))]})
     with pytest.raises(ValueError, match="no 2-D trainable matrix"):
         MuonWithAdamW([], [torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+
+
+def test_both_groups_take_the_given_decay_not_a_default():
+    head = _head()
+    for wd in (0.0, 0.2):
+        opt = MuonWithAdamW(*split_muon_params(head), lr=1e-3, weight_decay=wd, betas=(0.5, 0.6))
+        assert [g["weight_decay"] for g in opt.param_groups] == [wd, wd]
+        assert opt.param_groups[1]["betas"] == (0.5, 0.6) and [g["muon"] for g in opt.param_groups] == [True, False]
+    # a custom AdamW name list moves the matrix to AdamW (name match, not prefix of another name)
+    muon, adamw = split_muon_params(head, adamw_names=("lm_head", "embed_tokens", "fc"))
+    names = {id(p): n for n, p in head.named_parameters()}
+    assert "fc.weight" in {names[id(p)] for p in adamw} and "fc.weight" not in {names[id(p)] for p in muon}

@@ -170,3 +170,23 @@ def test_param_bytes_counts_stored_bytes_once_and_skips_prefixes():
     tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
     tied["head"].weight = tied["embed"].weight
     assert param_bytes(tied) == 40 * 4
+
+
+def test_biases_are_read_at_both_precisions():
+    """Quantized linears with and without a bias, plus a norm: every term by hand (the bias of a quantized
+    linear is read in float at both precisions; issue 56)."""
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(6, 4, bias=True), nn.Linear(4, 3, bias=False)])
+            self.norm = nn.LayerNorm(3)
+
+    wb = weight_bytes(Tiny())
+    quantized, scales, biases, norm = 6 * 4 + 4 * 3, 4 + 3, 4, 3 + 3
+    assert wb.quantized_params == quantized and wb.scales == scales
+    assert wb.other == (scales + biases + norm) * 2
+    assert wb.high == quantized + wb.other and wb.low == quantized / 2 + wb.other
+    quantize_model(model := Tiny())
+    assert weight_bytes(model) == wb  # the quantized module counts the same bias

@@ -74,3 +74,46 @@ def test_validate_refuses_t2d_marking_the_right_count_of_wrong_ids():
         vm.validate()
     VocabMap.from_ids(torch.tensor([0, 1]), 4).validate()  # the right map passes
     assert VocabMap.from_ids(torch.tensor([1, 3, 4, 8]), 9).d2t.tolist() == [1, 2, 2, 5]
+
+
+# -- boundaries pinned at the value itself (issue 56) --------------------------------------------------------------
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def test_layer_ids_accept_1_and_n_minus_1_and_refuse_0_and_n_alone():
+    assert validate_aux_layer_ids([1, 7], 8) == [1, 7]
+    for bad in ([0], [8]):
+        with pytest.raises(ValueError, match=rf"ids \[{bad[0]}\] are out of range"):
+            validate_aux_layer_ids(bad, 8)
+    with pytest.raises(ValueError, match="is empty"):
+        validate_aux_layer_ids([], 8)
+
+
+def test_an_id_equal_to_the_vocab_size_is_refused_and_one_below_is_kept():
+    vm = VocabMap.from_ids(torch.tensor([0, 9]), 10)
+    assert vm.target_ids.tolist() == [0, 9] and bool(vm.t2d[9])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 10\)"):
+        VocabMap.from_ids(torch.tensor([0, 10]), 11 - 1)
+    with pytest.raises(ValueError, match=r"maps outside the target vocab \[0, 10\)"):
+        VocabMap(d2t=torch.tensor([0, 9]), t2d=torch.ones(10, dtype=torch.bool)).validate()  # 1 + 9 = 10
+    assert VocabMap.from_counts(torch.ones(10, dtype=torch.long), 10).target_ids.tolist() == list(range(10))
+    assert VocabMap.from_counts(torch.ones(10, dtype=torch.long), 1).target_ids.tolist() == [0]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(counts=st.lists(st.integers(0, 3), min_size=1, max_size=12), data=st.data())
+def test_from_counts_equals_a_sorted_reference(counts, data):
+    """Top V_d by (count desc, id asc), zero counts included as padding in id order; d2t = id - index."""
+    import warnings
+
+    v_d = data.draw(st.integers(1, len(counts)))
+    want = sorted(sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:v_d])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vm = VocabMap.from_counts(torch.tensor(counts), v_d)
+    assert vm.target_ids.tolist() == want
+    assert vm.d2t.tolist() == [t - i for i, t in enumerate(want)]
+    assert vm.t2d.nonzero()[:, 0].tolist() == want
+    vm.validate()

@@ -146,3 +146,59 @@ def test_forward_runs_in_inference_mode_and_the_cache_still_rolls_back(lm_exact)
     (aux @ weight).sum().backward()  # autograd may save it
     torch.testing.assert_close(weight.grad[:, 0], aux.sum(0))
     lm.reset()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_leave_out_an_untied_input_embedding_only(tied):
+    """Bytes read per forward: every parameter once; an untied input embedding is a row gather, left out; a tied
+    one is the LM head, read in full (issue 56)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaForCausalLM
+
+    from draftkit.testing import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied))
+    total = sum(p.numel() for p in model.parameters()) * 4  # float32, each shared tensor once
+    session = TargetSession(SimpleNamespace(model=model))
+    assert session.weight_bytes == total - (0 if tied else 320 * 64 * 4)
+
+
+def test_padded_rows_are_dropped_from_the_cache(lm):
+    """pad_rows {2: 4}: a 2-row forward runs 4 rows, returns 2 and keeps 2 in the cache; what follows equals an
+    unpadded session's (issue 56)."""
+    try:
+        lm.reset()
+        plain, _ = lm.forward(IDS[:2], precision="high")
+        after_plain, _ = lm.forward(IDS[2:5], precision="high")
+        lm.pad_rows = {2: 4}
+        lm.reset()
+        padded, _ = lm.forward(IDS[:2], precision="high")
+        assert lm.length == 2 and padded.shape == plain.shape
+        after_padded, _ = lm.forward(IDS[2:5], precision="high")
+        assert lm.length == 5
+        torch.testing.assert_close(padded, plain)
+        torch.testing.assert_close(after_padded, after_plain)
+    finally:
+        lm.pad_rows = {}
+
+
+def test_a_tree_mask_keeps_the_sliding_window_exactly(tmp_path):
+    """Gemma 3's sliding layers (window 8) under an explicit (T, length+T) mask: a causal mask given by hand
+    gives the logits of the model's own causal forward, past the window (a row reading one position more or
+    less than the window differs; issue 56)."""
+    from draftkit.target.frozen import FrozenTarget, load_target
+    from draftkit.testing import build_tiny_target
+
+    model, _ = load_target(str(build_tiny_target(tmp_path / "gemma3", family="gemma3_text", seed=0)), "float32")
+    session = TargetSession(FrozenTarget(model, [2, 4, 5]))
+    ids = [5, 9, 3, 7, 11, 2, 8, 6, 4, 10, 12, 13, 14]
+    session.forward(ids[:10])
+    own, _ = session.forward(ids[10:])
+    session.reset()
+    session.forward(ids[:10])
+    causal = torch.ones(3, 13, dtype=torch.bool)
+    causal[:, 10:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    given, _ = session.forward(ids[10:], attn_mask=causal)
+    torch.testing.assert_close(given, own)
