@@ -169,6 +169,11 @@ def serving_target_name(source: HeadSource, target_name: str | None = None) -> s
     return name
 
 
+def _as_text(value) -> str | None:
+    """A reference as the sidecar's JSON holds it (a module given a ``Path`` as its target stores the ``Path``)."""
+    return None if value is None else str(value)
+
+
 def portable_path(path: str | Path) -> str:
     """How a sidecar names a file or folder of the machine that exported: its path relative to the working
     directory when it lies inside it (``checkpoints/run/last.ckpt``), else its name alone (``last.ckpt``, a cache
@@ -239,7 +244,7 @@ def export_head_source(
         "source_checkpoint": portable_path(source.path),
         "target": source.target,
         # the target the head was trained on (an export of an export keeps the first one) and its architecture
-        "trained_target": meta.get("trained_target") or meta.get("target"),
+        "trained_target": _as_text(meta.get("trained_target") or meta.get("target")),
         "target_architecture": meta.get("target_architecture") or target_architecture(source.target_config),
         "target_path": portable_path(source.target_path),
         "target_name": source.serving_name,

@@ -7,13 +7,63 @@ parameters. As Moonlight (Liu et al., arXiv 2502.16982) and speculators' EAGLE3 
 #746, "shown to fairly consistently outperform adam") do, the hidden matrices (``fc`` and the decoder layer's
 projections) take Muon and everything else (norms, ``lm_head``) AdamW; ``adjust_lr_fn="match_rms_adamw"``
 scales Muon's update to AdamW's RMS, so both share one learning rate and one schedule.
+
+``torch.optim.Muon`` runs its Newton-Schulz iterations in bfloat16, the right dtype where bf16 matmuls are fast
+(CUDA, AVX512-BF16/AMX CPUs). On a device without fast bf16 (an AVX2-only CPU computes a bf16 matmul ~70x slower
+than a float32 one: a default-recipe step took ~25 s instead of ~1.5 s) the same iterations run in float32
+(:func:`newton_schulz`), chosen by the precision policy (``draftkit.precision``) once per device.
 """
 
 from __future__ import annotations
 
-import torch
+import contextlib
+import unittest.mock
 
-__all__ = ["MuonWithAdamW", "split_muon_params"]
+import torch
+import torch.optim._muon as _torch_muon
+
+from draftkit.precision import auto_precision
+
+__all__ = ["MuonWithAdamW", "newton_schulz", "split_muon_params"]
+
+
+def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                  eps: float) -> torch.Tensor:
+    """Muon's orthogonalisation of a momentum update in float32: the quintic Newton-Schulz iteration
+    X <- a X + (b A + c A^2) X with A = X X^T, from X = G / ||G||_F (Jordan et al. 2024, the iteration
+    ``torch.optim.Muon`` runs in bfloat16), over the shorter side of G.
+
+    Args:
+        grad: (m, n) update, any floating dtype.
+        ns_coefficients: (a, b, c); ns_steps: iterations; eps: floor of the Frobenius norm.
+
+    Returns:
+        (m, n) float32 approximately semi-orthogonal matrix (singular values near 1).
+
+    Raises:
+        ValueError: if ``grad`` is not 2-D.
+    """
+    if grad.ndim != 2:
+        raise ValueError(f"Muon orthogonalises 2-D matrices, got shape {tuple(grad.shape)}")
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _muon_dtype_context(params) -> contextlib.AbstractContextManager:
+    """Where the precision policy chose float32 for the matrices' device (no fast bf16 there), run
+    ``torch.optim.Muon``'s step with :func:`newton_schulz`; elsewhere its own bfloat16 iterations."""
+    device = next(iter(params)).device.type
+    if auto_precision(device).dtype == "bfloat16":
+        return contextlib.nullcontext()
+    return unittest.mock.patch.object(_torch_muon, "_zeropower_via_newtonschulz", newton_schulz)
 
 
 def split_muon_params(module: torch.nn.Module, adamw_names: tuple[str, ...] = ("lm_head", "embed_tokens")):
@@ -96,7 +146,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._muon.step()
+        with _muon_dtype_context(self.param_groups[0]["params"]):
+            self._muon.step()
         if self._adamw is not None:
             self._adamw.step()
         return loss

@@ -42,6 +42,7 @@ class FakeClock(Callback):
 def _recipe(tmp_path: Path, **trainer) -> Path:
     cfg = {"trainer": {
         "default_root_dir": str(tmp_path), "max_steps": -1, "max_time": "00:00:10:00", "val_check_interval": 4,
+        "check_val_every_n_epoch": 1,  # validations every 4 batches of each epoch (the figures below count them so)
         "enable_progress_bar": False, "num_sanity_val_steps": 2,
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
         "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {

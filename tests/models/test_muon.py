@@ -39,8 +39,10 @@ def test_split_gives_hidden_matrices_to_muon():
     assert {id(p) for p in muon} | {id(p) for p in adamw} == trainable and not {id(p) for p in muon} & {id(p) for p in adamw}
 
 
-def test_step_equals_muon_then_adamw_and_follows_the_schedule():
-    """Three steps under a LambdaLR equal torch's Muon and AdamW stepped separately, bit for bit."""
+def test_step_equals_muon_then_adamw_and_follows_the_schedule(fake_precision):
+    """Three steps under a LambdaLR equal torch's Muon and AdamW stepped separately, bit for bit (where bf16 is
+    fast, so Muon keeps its own bfloat16 Newton-Schulz)."""
+    fake_precision("bfloat16")
     head, ref = _head(), _head()
     opt = MuonWithAdamW(*split_muon_params(head), lr=2e-3, weight_decay=0.01)
     muon, adamw = split_muon_params(ref)
@@ -102,3 +104,57 @@ def test_both_groups_take_the_given_decay_not_a_default():
     muon, adamw = split_muon_params(head, adamw_names=("lm_head", "embed_tokens", "fc"))
     names = {id(p): n for n, p in head.named_parameters()}
     assert "fc.weight" in {names[id(p)] for p in adamw} and "fc.weight" not in {names[id(p)] for p in muon}
+
+
+def test_newton_schulz_in_float32_equals_a_float64_reference():
+    """The float32 iteration against the same quintic iteration written plainly in float64, wide and tall."""
+    from draftkit.models.muon import newton_schulz
+
+    coeffs = (3.4445, -4.775, 2.0315)
+    def reference(g):
+        x = g.double().T if g.shape[0] > g.shape[1] else g.double()
+        x = x / x.norm()
+        for _ in range(5):
+            a = x @ x.T
+            x = coeffs[0] * x + (coeffs[1] * a + coeffs[2] * a @ a) @ x
+        return x.T if g.shape[0] > g.shape[1] else x
+
+    for shape in [(6, 10), (10, 6)]:
+        g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+        for given in (g, g.bfloat16()):  # any input dtype; the iterations in float32
+            out = newton_schulz(given, coeffs, 5, 1e-7)
+            assert out.dtype == torch.float32 and out.shape == shape
+            assert torch.allclose(out.double(), reference(given), atol=1e-5)
+    with pytest.raises(ValueError, match="2-D"):
+        newton_schulz(torch.ones(2, 2, 2), coeffs, 5, 1e-7)
+
+
+@pytest.mark.parametrize("policy,float32_calls", [("float32", 1), ("bfloat16", 0)])
+def test_muon_runs_newton_schulz_in_float32_where_bf16_is_slow(fake_precision, monkeypatch, policy, float32_calls):
+    """Where the precision policy chose float32 (an AVX2 CPU: a bf16 matmul ~70x slower), a step orthogonalises
+    each Muon matrix with the float32 iteration and equals torch's Muon run with it; elsewhere torch's own."""
+    import torch.optim._muon as torch_muon
+
+    from draftkit.models import muon as dk_muon
+
+    fake_precision(policy)
+    calls = []
+    real = dk_muon.newton_schulz
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(dk_muon, "newton_schulz", counted)
+    head, ref = _head(), _head()
+    opt = MuonWithAdamW(*split_muon_params(head), lr=2e-3, weight_decay=0.01)
+    muon, _ = split_muon_params(ref)
+    ref_opt = torch.optim.Muon(muon, lr=2e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+    _grads(head, 0), _grads(ref, 0)
+    opt.step()
+    assert len(calls) == float32_calls * len(muon)
+    if float32_calls:
+        monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", real)
+    ref_opt.step()
+    for a, b in zip(split_muon_params(head)[0], muon):
+        assert torch.equal(a, b)
