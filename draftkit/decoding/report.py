@@ -55,7 +55,43 @@ def format_summary(report: dict) -> str:
             eq = "-" if r["greedy_equal"] is None else f"{r['greedy_equal']}/{report['num_prompts']}"
             lines.append(f"    {r['topology']:<30s} {_fmt(r['tau']):>6s} {_fmt(r['tokens_per_s'], '.2f'):>9s} "
                          f"{_fmt(r['speedup']):>8s} {_fmt(r['verified_tokens_per_round'], '.2f'):>15s} {eq:>13s}")
+    lines += _what_you_get(report)
     return "\n".join(lines)
+
+
+def _share(r: dict) -> str:
+    """``rounds head 80% lookup 15% both 5%, accepted 70/25/5``: a hybrid's drafter share (``metrics``)."""
+    share = r.get("drafter_share")
+    if not share or not r.get("hybrid"):
+        return ""
+    rounds = " ".join(f"{name} {100 * f:.0f}%" for name, f in share["rounds"].items())
+    acc = "/".join("-" if f is None else f"{100 * f:.0f}" for f in share["accepted_tokens"].values())
+    return f"  rounds {rounds}; accepted % head/lookup/both {acc}"
+
+
+def _what_you_get(report: dict) -> list[str]:
+    """Per drafter, in the timed dtype, on the named CPU: tokens/s and the ratio to plain decoding, with each
+    hybrid's drafter share and the float32 losslessness."""
+    setup = report["setup"]
+    plain = report["baseline_tokens_per_s"]
+    if plain is None:
+        return []
+    dtype = setup["target_dtype"] + (f" (head {setup['draft_dtype']})" if setup.get("draft_dtype") not in
+                                     (None, setup["target_dtype"]) else "")
+    lines = [f"  what you get: {setup.get('cpu') or setup['device']}, {setup['hardware']}, {dtype}, batch 1, "
+             f"{setup['max_new_tokens']} new tokens",
+             f"    {'plain decoding':<36s} {plain:8.2f} tokens/s  1.000x"]
+    lookup = report.get("prompt_lookup_tokens_per_s")
+    if lookup:
+        lines.append(f"    {'prompt lookup k=%s (no training)' % setup.get('prompt_lookup_k', report['k']):<36s} "
+                     f"{lookup:8.2f} tokens/s  {lookup / plain:.3f}x  tau {_fmt(report['prompt_lookup_tau'])}")
+    for r in report.get("sweep") or [dict(report, topology=setup["topology"])]:
+        lines.append(f"    {r['topology']:<36s} {_fmt(r['tokens_per_s'], '8.2f')} tokens/s  {_fmt(r['speedup'])}x  "
+                     f"tau {_fmt(r['tau'])}{_share(r)}")
+    auto = report.get("auto")
+    if auto:
+        lines.append(f"    cost model's pick: {auto['choice']}")
+    return lines
 
 
 def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: str = "eval") -> None:
