@@ -185,6 +185,7 @@ class Prediction:
         out = asdict(self)
         out["tree"] = str(self.tree)
         out["chain"] = self.tree.is_chain
+        out["hybrid"] = self.tree.suffix or None
         return out
 
 

@@ -7,8 +7,9 @@ the other so that machine load hits all alike:
 1. plain decoding with the target's KV cache (the baseline; at T = 0 it also records the target's top-2
    logit gap at every token, for the lossless check);
 2. speculative decoding with the head (a chain of k drafts per round or a tree, draft KV cache, one target
-   verify forward per round), and with ``sweep`` every further topology in turn;
-3. prompt-lookup (n-gram) drafting with the same k (baseline drafter).
+   verify forward per round; or a hybrid, the head's draft joined by a prompt-lookup continuation,
+   ``decoding.tree``), and with ``sweep`` every further topology in turn;
+3. prompt-lookup (n-gram) drafting with the same k, or ``prompt_lookup_k`` (baseline drafter).
 
 The report (JSON, stable keys) carries tau (bonus token counted), per-position acceptance alpha_i,
 acceptance rate, per draft position the KL on the draft vocab (target renormalised over it,
@@ -17,7 +18,9 @@ vocab and the expected acceptance sum min(p, q) = 1 - TV(p, q) over the full voc
 ``decoding.metrics``), weight bytes read per emitted
 token, target forwards per token, tokens/s of speculative and plain decoding and their ratio,
 ``greedy_equal`` (prompts whose speculative output equals plain greedy output; T = 0 only) with the first
-differing position and top-2 gap per prompt, and prompt-lookup tau. Byte and forward counts cover the
+differing position and top-2 gap per prompt, prompt-lookup tau, and for a hybrid ``drafter_share`` (the head's,
+prompt lookup's and both drafters' share of rounds and of accepted tokens, ``metrics.AcceptanceStats.share``) and
+``hybrid`` (its lookup branch and which serving engines run such a hybrid). Byte and forward counts cover the
 decode phase (after the prefill); tokens/s covers whole calls, prefill included. The text summary, TensorBoard
 scalars and figures of a report are in ``draftkit.decoding.report``.
 

@@ -127,7 +127,8 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         plt.close(fig)
         auto = report.get("auto")
         if auto:
-            points = [(tuple(int(x) for x in p["tree"].split(",")), p["chain"], p) for p in auto["predictions"]]
+            points = [(tuple(int(x) for x in p["tree"].split("+")[0].split(",")), p["chain"], p)
+                      for p in auto["predictions"]]
             fig = _topology_figure(points, "predicted",
                                    f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x", plt)
             writer.add_figure(f"{prefix}/auto_tau_and_tokens_per_s", fig, step)
@@ -136,7 +137,9 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
             points = []
             for r in report["sweep"]:
                 tree = r["tree"] or {"depth": r["k"], "topk": 1, "num_nodes": r["k"]}
-                points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), r["tree"] is None, r))
+                chain = tree["topk"] == 1 and tree["num_nodes"] == tree["depth"]
+                hybrid = f"+{tree['lookup_mode']}={tree['lookup']}" if tree.get("lookup") else None
+                points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), chain, dict(r, hybrid=hybrid)))
                 for key in ("tau", "speedup"):
                     if r[key] is not None:  # no round (every prompt stopped at once), no baseline
                         writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/{key}", r[key], step)
@@ -149,17 +152,19 @@ def _topology_figure(points, what: str, title: str, plt):
     """tau and tokens/s against chain k, and against N for each tree (depth, top-k).
 
     Args:
-        points: ((depth, top-k, N), is_chain, {"tau": ..., "tokens_per_s": ...}) per topology.
+        points: ((depth, top-k, N), is_chain, {"tau": ..., "tokens_per_s": ..., "hybrid": suffix or None}) per
+            topology; a hybrid (``+lookup=8``) gets its own line.
         what: "predicted" or "measured" (axis labels).
     """
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), squeeze=False)
     lines: dict[str, list] = defaultdict(list)
     for shape, chain, p in points:
         d, tk, n = shape
-        lines["chain" if chain else f"depth {d} top-k {tk}"].append((d if chain else n, p))
+        name = ("chain" if chain else f"depth {d} top-k {tk}") + (p.get("hybrid") or "")
+        lines[name].append((d if chain else n, p))
     for name, pts in sorted(lines.items()):
         pts.sort(key=lambda x: x[0])
-        col = 0 if name == "chain" else 1
+        col = 0 if name.startswith("chain") else 1
         for row, key in enumerate(("tau", "tokens_per_s")):
             axes[row][col].plot([x for x, _ in pts], [p[key] for _, p in pts], marker="o", label=name)
     for col, xlabel in enumerate(("chain k", "tree N (verified nodes)")):
