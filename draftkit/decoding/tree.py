@@ -170,8 +170,7 @@ class TreeConfig:
         head, plus, extra = str(text).replace(" ", "").partition("+")
         parts = head.split(",")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"{option} takes depth,topk,N (e.g. 5,4,16, or 4,2,7+lookup=8 for a prompt-lookup "
-                             f"hybrid){' or auto' if auto else ''}, got {text!r}")
+            raise ValueError(f"{option} takes depth,topk,N (e.g. 5,4,16){' or auto' if auto else ''}, got {text!r}")
         lookup, mode = parse_lookup(extra, option) if plus else (0, "lookup")
         try:
             return cls(*(int(p) for p in parts), lookup, mode)
