@@ -77,9 +77,9 @@ prompt lookup has one (the head drafts the others)."""
 
 
 HYBRID_ENGINES = {
-    "llama.cpp": "runs it: --spec-type draft-eagle3,ngram-mod (a comma-separated chain of spec types; the n-gram "
-                 "draft is used when it has a match, as this module's switch mode; --spec-ngram-mod-n-match/-n-min/"
-                 "-n-max set the n-gram)",
+    "llama.cpp": "runs the switch mode: --spec-type draft-eagle3,ngram-mod (a comma-separated chain of spec types; "
+                 "the n-gram draft is used when it has a match; --spec-ngram-mod-n-match/-n-min/-n-max set the "
+                 "n-gram); the lookup mode (both drafts in one verify) has no llama.cpp form",
     "vllm": "not yet: one speculative method per server (eagle3 or ngram); an open pull request combines them",
     "sglang": "not yet: one speculative algorithm per server (EAGLE3 or NGRAM)",
     "trtllm": "not yet: one speculative decoding mode per engine",
