@@ -41,6 +41,8 @@ def evaluate(
     lossless_check: bool = True,
     kernels: str = "auto",
     device: str = "auto",
+    hybrid: bool = True,
+    prompt_lookup_k: Optional[int] = None,
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
 
@@ -49,9 +51,13 @@ def evaluate(
         output: report JSON path (written atomically).
         prompts: mt-bench (80 first turns), or a .jsonl / .json / .txt prompt file.
         k: draft tokens per round (chain), or auto: the cost model (``decoding.cost``) picks k from measured
-            target/draft costs and a greedy calibration.
+            target/draft costs and a greedy calibration (and, with ``hybrid``, whether prompt lookup joins it).
         tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
-            auto: the cost model picks among chains and trees (or plain decoding when nothing pays).
+            auto: the cost model picks among chains and trees (or plain decoding when nothing pays). A suffix
+            ``+lookup=L`` joins a prompt-lookup continuation of up to L tokens to the head's draft as one more
+            branch, verified in the same forward; ``+switch=L`` drafts the lookup continuation instead of the
+            head's in the rounds that have one (``decoding.tree``). Chains take the suffix in ``--sweep``
+            (``k=2+lookup=8``) or as ``--tree 2,1,2+lookup=8``.
         calibration_prompts: auto: the first prompts used to calibrate.
         calibration_tokens: auto: greedy tokens per calibration prompt.
         temperature: sampling temperature; 0 = greedy.
@@ -68,9 +74,11 @@ def evaluate(
         baseline: also run plain decoding (speedup, greedy_equal).
         prompt_lookup: also run prompt-lookup drafting.
         tensorboard: write TensorBoard scalars and the acceptance plot here.
-        sweep: more topologies measured in the same run, space-separated ``k=K`` and ``tree=D,K,N`` entries
-            (e.g. "k=1 k=2 k=3 tree=5,4,16"): each prompt runs plain decoding once, then every topology, so
-            their speedups share the machine's load; the report's ``sweep`` holds each one's keys.
+        sweep: more topologies measured in the same run, space-separated ``k=K`` and ``tree=D,K,N`` entries, each
+            optionally with ``+lookup=L`` or ``+switch=L`` (e.g. "k=1 k=2 tree=5,4,16 k=2+lookup=8"): each prompt
+            runs plain decoding once, then every topology, so their speedups share the machine's load; the report's
+            ``sweep`` holds each one's keys (a hybrid's ``drafter_share``: the head's, prompt lookup's and both
+            drafters' share of rounds and of accepted tokens).
         lossless_check: at temperature 0 with the baseline, when the timed dtype is not float32: decode every
             prompt again in float32 (plain and each topology that ran, untimed) and report ``lossless``:
             ``greedy_equal`` there, its dtype and near ties. Speed is what users see in their fast dtype, where
@@ -85,6 +93,10 @@ def evaluate(
             losslessness pass of a compiled run uses auto's kernels (a second compile would cost minutes more).
         device: where the target and the head run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N;
             the precision policy and the kernels decide for that device.
+        hybrid: let ``--k auto`` / ``--tree auto`` pick a hybrid of the head and prompt lookup; turn off for a head
+            served by an engine that cannot run both in one server (the report's ``hybrid.engines``: llama.cpp
+            can, with ``--spec-type draft-eagle3,ngram-mod``; vLLM, SGLang and TensorRT-LLM not yet).
+        prompt_lookup_k: tokens per round of the prompt-lookup baseline (default: the main topology's k or depth).
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -130,6 +142,7 @@ def evaluate(
             max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
             prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
             calibration_tokens=calibration_tokens, sweep=sweep_list, trained_length=meta.get("trained_length"),
+            hybrid=hybrid, prompt_lookup_k=prompt_lookup_k,
         )
         kernels_record = {"kernels": applied.target.as_dict(), "head_kernels": applied.head.as_dict()}
     if not meta.get("trained_length"):
@@ -183,7 +196,7 @@ def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype
 
     def topology(entry: dict) -> Topology:
         tree = entry.get("tree")
-        return Topology(entry["k"], None if tree is None else TreeConfig(tree["depth"], tree["topk"], tree["num_nodes"]))
+        return Topology(entry["k"], None if tree is None else TreeConfig(**tree))
 
     topologies = [topology(e) for e in (report["sweep"] or [report])]
     head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)

@@ -4,6 +4,11 @@ Expected speed of a topology c (batch 1, one target forward per round):
 
     tokens/s(c) = tau(c) / (t_first + (D - 1) * t_step(K) + t_verify(N + 1)),   plain: 1 / t_verify(1)
 
+A hybrid with prompt lookup (``TreeConfig.lookup``, ``decoding.tree``) varies from round to round: in ``lookup``
+mode the verify runs the N + 1 rows plus the lookup branch's new nodes, in ``switch`` mode a round drafted by
+prompt lookup costs only the verify of its chain (the head does not run). It is priced round by round over the
+calibration: tokens/s = sum_r (a_r + 1) / sum_r seconds_r, which for a plain head shape is the formula above.
+
 - t_verify(n): seconds of the cheapest target forward that verifies n rows. Each measured entry (one
   forward over m new rows on a prompt-length cache, linear between measured m) is the fastest of a few
   repeats. A forward over more rows can cost less than over fewer: on a CPU, float32 ``linear`` with 2-3
@@ -19,11 +24,19 @@ Expected speed of a topology c (batch 1, one target forward per round):
   so one plain greedy run per calibration prompt fixes every root; at each root the largest tree of each
   top-k is drafted once and the accepted length of every (depth, N) read off it (a (D, K, N) tree is the
   best N of the depth <= D nodes of the (D_max, K) tree, EAGLE-2's rank order). Replaying the rounds from
-  the prompt end (L -> L + a_c(L) + 1) gives tau(c) without a target verify per topology. At T > 0 the
-  greedy tau is used as the estimate.
+  the prompt end (L -> L + a_c(L) + 1) gives tau(c) without a target verify per topology. Prompt lookup's
+  continuation at a root depends only on the sequence, so a hybrid's round is read off the same roots: the
+  longer of the head's and the lookup's matches (``lookup``), or the lookup's alone where it has a continuation
+  (``switch``). At T > 0 the greedy tau is used as the estimate.
 
 The chosen topology is the one with the highest predicted tokens/s; plain decoding is chosen when no
 topology is predicted faster than it.
+
+The candidates (:func:`candidate_topologies`) are shaped for a CPU as well as a GPU: besides the chains, trees
+of depth up to 8 with N + 1 verify rows of 4 to 32 (N = 3, 5, 7, 11, 15, 23, 31): a CPU's verify cost is flat
+to about 8 rows and grows past it (SmolLM2 bf16 on 2 AVX512-BF16 cores: 16 rows 1.41x one row, 32 rows 1.83x),
+so small deep trees (EAGLE-2's best N by path probability, ``tree.select_nodes``) are where a tree can pay,
+and the measured verify cost (not a fixed N) decides how many nodes it keeps.
 
 Shapes: n prompt tokens, T calibration tokens, D depth, K top-k, N verified draft nodes.
 """
@@ -37,14 +50,17 @@ from typing import Callable
 
 import torch
 
+from typing import NamedTuple
+
 from draftkit.decoding.metrics import acceptance_length
 from draftkit.decoding.verify import generate_plain
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
-from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
+from draftkit.decoding.tree import LOOKUP_MODES, Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
 
 __all__ = [
     "CostTable",
+    "Played",
     "Prediction",
     "calibrate_rounds",
     "calibrate_tau",
@@ -55,6 +71,7 @@ __all__ = [
     "measure_costs",
     "monotone",
     "predict",
+    "round_seconds",
 ]
 
 
@@ -134,11 +151,16 @@ class CostTable:
                 out[n] = m
         return out
 
-    def round_seconds(self, tree: TreeConfig) -> float:
-        """One speculative round: step 0, D - 1 frontier passes of width K, one verify of N + 1 rows."""
-        return self.first + (tree.depth - 1) * max(self._interp(self.step, tree.topk), 0.0) + self.verify_seconds(
-            tree.num_nodes + 1
-        )
+    def round_seconds(self, tree: TreeConfig, nodes: int | None = None, head: bool = True) -> float:
+        """One speculative round: step 0, D - 1 frontier passes of width K, one verify of N + 1 rows.
+
+        Args:
+            tree: the topology.
+            nodes: draft nodes verified (default N; a hybrid round's N plus its lookup nodes, or its lookup chain).
+            head: whether the head drafted the round (not in a ``switch`` round drafted by prompt lookup).
+        """
+        draft = self.first + (tree.depth - 1) * max(self._interp(self.step, tree.topk), 0.0) if head else 0.0
+        return draft + self.verify_seconds((tree.num_nodes if nodes is None else nodes) + 1)
 
 
 @dataclass(frozen=True)
@@ -163,15 +185,38 @@ class Prediction:
         out = asdict(self)
         out["tree"] = str(self.tree)
         out["chain"] = self.tree.is_chain
+        out["hybrid"] = self.tree.suffix or None
         return out
 
 
-def predict(taus: dict[TreeConfig, float], costs: CostTable) -> list[Prediction]:
+class Played(NamedTuple):
+    """One calibration round a topology would play.
+
+    Attributes:
+        accepted: a_r, accepted drafts.
+        nodes: draft nodes verified (N; a hybrid's N plus its lookup nodes, or a ``switch`` round's lookup chain).
+        head: whether the head drafted the round.
+    """
+
+    accepted: int
+    nodes: int
+    head: bool
+
+
+def round_seconds(tree: TreeConfig, played: list[Played], costs: CostTable) -> float:
+    """Mean seconds per round of ``tree`` over its calibration rounds (:meth:`CostTable.round_seconds` each)."""
+    return sum(costs.round_seconds(tree, p.nodes, p.head) for p in played) / len(played)
+
+
+def predict(taus: dict[TreeConfig, float], costs: CostTable, seconds: dict[TreeConfig, float] | None = None
+            ) -> list[Prediction]:
     """Predicted tokens/s and speedup of every calibrated topology, best first.
 
     Args:
         taus: {topology: tau}.
         costs: the measured :class:`CostTable`.
+        seconds: {topology: mean seconds per round} from the calibration (:func:`round_seconds`; a hybrid's
+            rounds differ); a topology left out costs :meth:`CostTable.round_seconds` of its full shape.
 
     Returns:
         Predictions sorted by tokens/s, descending.
@@ -179,7 +224,7 @@ def predict(taus: dict[TreeConfig, float], costs: CostTable) -> list[Prediction]
     plain = 1.0 / costs.verify_seconds(1)
     out = []
     for tree, tau in taus.items():
-        sec = costs.round_seconds(tree)
+        sec = (seconds or {}).get(tree) or costs.round_seconds(tree)
         out.append(Prediction(tree, tau, sec, tau / sec, tau / sec / plain))
     return sorted(out, key=lambda p: -p.tokens_per_s)
 
@@ -191,15 +236,19 @@ def choose(predictions: list[Prediction]) -> Prediction | None:
 
 
 def candidate_topologies(
-    tree: bool, max_depth: int = 6, topks: tuple[int, ...] = (2, 4), nodes: tuple[int, ...] = (4, 8, 16, 32, 64)
+    tree: bool, max_depth: int = 8, topks: tuple[int, ...] = (2, 3, 4),
+    nodes: tuple[int, ...] = (3, 5, 7, 11, 15, 23, 31), lookups: tuple[int, ...] = (),
 ) -> list[TreeConfig]:
-    """Chains k = 1..max_depth, plus (with ``tree``) every (depth, top-k, N) with N <= the candidates."""
+    """Chains k = 1..max_depth, plus (with ``tree``) every (depth, top-k, N) with N <= the candidates; then each
+    of them again as a hybrid with a prompt-lookup continuation of every length in ``lookups``, in each mode
+    (``tree.LOOKUP_MODES``)."""
     out = [TreeConfig.chain(k) for k in range(1, max_depth + 1)]
     if tree:
         for d in range(2, max_depth + 1):
             for k in topks:
                 out += [TreeConfig(d, k, n) for n in nodes if d <= n <= TreeConfig(d, k, 1).max_nodes]
-    return out
+    return out + [TreeConfig(t.depth, t.topk, t.num_nodes, n, mode)
+                  for n in lookups for mode in LOOKUP_MODES for t in out]
 
 
 @torch.no_grad()
@@ -209,20 +258,20 @@ def calibrate_rounds(
     sequences: list[tuple[torch.Tensor, torch.Tensor]],
     topologies: list[TreeConfig],
     naming: Naming | None = None,
-) -> dict[TreeConfig, list[int]]:
-    """Accepted drafts per round a_r that greedy decoding with each topology would play, from plain greedy
-    outputs (see the module docstring); :func:`calibrate_tau` turns them into tau.
+) -> dict[TreeConfig, list[Played]]:
+    """The rounds that greedy decoding with each topology would play, from plain greedy outputs (see the module
+    docstring); :func:`calibrate_tau` turns them into tau, :func:`round_seconds` into seconds per round.
 
     Args:
-        drafter: the tree drafter of the head.
+        drafter: the tree drafter of the head (its ``lookup`` drafter drafts the hybrids' continuations).
         target: the target session (used for one forward over each whole sequence).
         sequences: (prompt (n,), greedy continuation (T,)) int64 pairs.
         topologies: the topologies to rate.
         naming: wraps the work on sequence i (:data:`Naming`), e.g. to name its prompt in an error.
 
     Returns:
-        {topology: [a_r over the rounds of all sequences]}; a round whose bonus token would fall past a
-        continuation's end is cut to the tokens that exist.
+        {topology: [:class:`Played` over the rounds of all sequences]}; a round whose bonus token would fall past
+        a continuation's end is cut to the tokens that exist.
 
     Raises:
         ValueError: if no sequence has a continuation of at least 2 tokens.
@@ -230,7 +279,8 @@ def calibrate_rounds(
     """
     max_depth = max(t.depth for t in topologies)
     by_topk = sorted({t.topk for t in topologies})
-    accepted: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
+    lookups = sorted({t.lookup for t in topologies if t.lookup})
+    played: dict[TreeConfig, list[Played]] = {t: [] for t in topologies}
     for index, (prompt, cont) in enumerate(sequences):
         n, T = prompt.shape[0], cont.shape[0]
         if T < 2:
@@ -240,36 +290,61 @@ def calibrate_rounds(
             target.reset()
             _, aux = target.forward(full, logits_to_keep=1)  # aux (n+T, A*H_t)
             drafter.reset(prompt, aux[:n])
-            per_root: dict[TreeConfig, list[int]] = {t: [] for t in topologies}
+            per_root: dict[TreeConfig, list[Played]] = {t: [] for t in topologies}
             for L in range(n, n + T - 1):  # root x_L, continuation full[L+1:]
                 z, h = drafter.feed_pending(full[:L + 1])
+                chains = {m: drafter.lookup.continuation(full[:L + 1], m).tolist() for m in lookups}
                 for k in by_topk:
                     big = TreeConfig(max_depth, k, TreeConfig(max_depth, k, 1).max_nodes)
                     tree = drafter.expand(z, h, L, big)  # every candidate, in EAGLE-2 rank order
                     want = torch.cat([tree.depths.new_zeros(1), tree.depths]) + L + 1  # (N+1,) position each row predicts
                     best = torch.where(want < full.shape[0], full[want.clamp_max(full.shape[0] - 1)], -1)
                     path, _ = tree_greedy_accept(tree, best)
-                    depth_of = tree.depths.tolist()
+                    kids, tokens = tree.children(), tree.tokens.tolist()
                     for t in topologies:
                         if t.topk != k:
                             continue
                         rank = torch.cumsum((tree.depths <= t.depth).long(), 0) - 1  # rank among depth <= D nodes
+                        kept = ((tree.depths <= t.depth) & (rank < t.num_nodes)).tolist()
                         a = 0
                         for node in path:
-                            if depth_of[node] > t.depth or int(rank[node]) >= t.num_nodes:
+                            if not kept[node]:
                                 break
                             a += 1
-                        per_root[t].append(a)
+                        per_root[t].append(_hybrid_round(t, a, chains.get(t.lookup, []), full[L + 1:].tolist(),
+                                                         kids, tokens, kept))
                 drafter.commit(aux[L:L + 1])
         for t in topologies:  # replay the rounds this topology would play
             i = 0
             while i < T - 1:
-                a = min(per_root[t][i], T - 2 - i)
-                accepted[t].append(a)
-                i += a + 1
-    if not any(accepted.values()):
+                p = per_root[t][i]
+                p = p._replace(accepted=min(p.accepted, T - 2 - i))
+                played[t].append(p)
+                i += p.accepted + 1
+    if not any(played.values()):
         raise ValueError("calibration needs at least one greedy continuation of 2 or more tokens")
-    return accepted
+    return played
+
+
+def _hybrid_round(t: TreeConfig, a: int, chain: list[int], truth: list[int], kids: list[list[int]],
+                  tokens: list[int], kept: list[bool]) -> Played:
+    """The round ``t`` plays at one root: the head's ``a`` accepted among its kept nodes, and for a hybrid the
+    lookup continuation ``chain`` checked against the greedy continuation ``truth`` (``tree.add_branch``'s merge
+    over the kept nodes, ``kids``/``tokens`` of the big tree)."""
+    if not chain:
+        return Played(a, t.num_nodes, True)
+    matched = 0
+    while matched < min(len(chain), len(truth)) and chain[matched] == truth[matched]:
+        matched += 1
+    if t.lookup_mode == "switch":
+        return Played(matched, len(chain), False)
+    row, shared = 0, 0
+    for token in chain:
+        nxt = next((c for c in kids[row] if kept[c] and tokens[c] == token), None)
+        if nxt is None:
+            break
+        row, shared = nxt + 1, shared + 1
+    return Played(max(a, matched), t.num_nodes + len(chain) - shared, True)
 
 
 def calibrate_tau(
@@ -281,7 +356,7 @@ def calibrate_tau(
 ) -> dict[TreeConfig, float]:
     """{topology: tau} from :func:`calibrate_rounds` (same arguments and errors)."""
     rounds = calibrate_rounds(drafter, target, sequences, topologies, naming)
-    return {t: acceptance_length(acc) for t, acc in rounds.items()}
+    return {t: acceptance_length([p.accepted for p in acc]) for t, acc in rounds.items()}
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:

@@ -91,7 +91,13 @@ class Eagle3Drafter:
         self.pending = aux
 
     def commit(self, aux: torch.Tensor) -> None:
-        self.pending = aux
+        """The target accepted a + 1 positions; aux (a+1, A*H_t) become step-0 rows.
+
+        When the head did not draft the round (a hybrid round drafted by prompt lookup alone,
+        ``decoding.tree``), its pending rows were not fed: the new rows join them, so the next
+        :meth:`feed_pending` still gives every accepted position its own target features.
+        """
+        self.pending = aux if self.pending is None else torch.cat([self.pending, aux])  # (m + a + 1, A*H_t)
 
     def feed_pending(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the m pending step-0 rows (tokens x_{p0+1..p0+m}, features fc(aux)) at positions p0..p0+m-1.
@@ -187,6 +193,11 @@ class PromptLookupDrafter:
 
     def propose(self, tokens: torch.Tensor, k: int, cfg: DecodeConfig, generator: torch.Generator | None) -> Draft:
         """Up to k tokens that followed an earlier match of the last n tokens (empty when none)."""
+        return Draft(self.continuation(tokens, k))
+
+    def continuation(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """(k',) int64, k' <= k: what followed an earlier match of the suffix of ``tokens`` (L+1,); empty when
+        no suffix of ``min_ngram`` or more tokens recurs."""
         L = tokens.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             windows = tokens[:-1].unfold(0, n, 1)  # (L-n, n): every n-gram with a continuation
@@ -195,5 +206,5 @@ class PromptLookupDrafter:
                 # the latest match that still has k tokens after it, else the earliest (longest continuation)
                 full = hits[hits <= L - n - k]
                 start = int(full[-1] if full.numel() else hits[0]) + n
-                return Draft(tokens[start:start + k].clone())
-        return Draft(tokens.new_zeros(0))
+                return tokens[start:start + k].clone()
+        return tokens.new_zeros(0)

@@ -7,8 +7,9 @@ the other so that machine load hits all alike:
 1. plain decoding with the target's KV cache (the baseline; at T = 0 it also records the target's top-2
    logit gap at every token, for the lossless check);
 2. speculative decoding with the head (a chain of k drafts per round or a tree, draft KV cache, one target
-   verify forward per round), and with ``sweep`` every further topology in turn;
-3. prompt-lookup (n-gram) drafting with the same k (baseline drafter).
+   verify forward per round; or a hybrid, the head's draft joined by a prompt-lookup continuation,
+   ``decoding.tree``), and with ``sweep`` every further topology in turn;
+3. prompt-lookup (n-gram) drafting with the same k, or ``prompt_lookup_k`` (baseline drafter).
 
 The report (JSON, stable keys) carries tau (bonus token counted), per-position acceptance alpha_i,
 acceptance rate, per draft position the KL on the draft vocab (target renormalised over it,
@@ -17,7 +18,9 @@ vocab and the expected acceptance sum min(p, q) = 1 - TV(p, q) over the full voc
 ``decoding.metrics``), weight bytes read per emitted
 token, target forwards per token, tokens/s of speculative and plain decoding and their ratio,
 ``greedy_equal`` (prompts whose speculative output equals plain greedy output; T = 0 only) with the first
-differing position and top-2 gap per prompt, and prompt-lookup tau. Byte and forward counts cover the
+differing position and top-2 gap per prompt, prompt-lookup tau, and for a hybrid ``drafter_share`` (the head's,
+prompt lookup's and both drafters' share of rounds and of accepted tokens, ``metrics.AcceptanceStats.share``) and
+``hybrid`` (its lookup branch and which serving engines run such a hybrid). Byte and forward counts cover the
 decode phase (after the prefill); tokens/s covers whole calls, prefill included. The text summary, TensorBoard
 scalars and figures of a report are in ``draftkit.decoding.report``.
 
@@ -39,8 +42,14 @@ import torch
 from draftkit.data.prompts import Prompt, encode_prompt
 from draftkit.decoding import cost
 from draftkit.decoding.drafters import Drafter, PromptLookupDrafter
-from draftkit.decoding.metrics import DISTRIBUTION_METRICS, KL_DEFINITION, AcceptanceStats, conditional_acceptance
-from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
+from draftkit.decoding.metrics import (
+    DISTRIBUTION_METRICS,
+    KL_DEFINITION,
+    AcceptanceStats,
+    acceptance_length,
+    conditional_acceptance,
+)
+from draftkit.decoding.tree import HYBRID_ENGINES, Eagle3TreeDrafter, TreeConfig, generate_tree, parse_lookup
 from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.sampling import DecodeConfig, NonFiniteLogitsError, check_sampling
 from draftkit.target.session import TargetSession
@@ -112,31 +121,53 @@ def check_head_matches_target(head, target, head_name: str = "head", target_name
 # -- evaluation ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Topology:
-    """One drafting configuration: a chain of k drafts per round (``tree`` None) or a tree (k = its depth)."""
+    """One drafting configuration: a chain of k drafts per round (``tree`` None), or a tree or a hybrid with
+    prompt lookup (``tree``; k = the most drafts a round can accept, ``TreeConfig.max_accept``)."""
 
     k: int
     tree: TreeConfig | None = None
 
+    @classmethod
+    def of(cls, tree: TreeConfig | None, k: int = 0) -> "Topology":
+        """The topology of a tree (or of the chain k when ``tree`` is None)."""
+        return cls(k) if tree is None else cls(tree.max_accept, tree)
+
     @property
     def name(self) -> str:
-        if self.tree is None:
+        tree = self.tree
+        if tree is None:
             return f"chain k={self.k}"
-        return f"tree depth={self.tree.depth} topk={self.tree.topk} N={self.tree.num_nodes}"
+        base = (f"chain k={tree.depth}" if tree.is_chain else
+                f"tree depth={tree.depth} topk={tree.topk} N={tree.num_nodes}")
+        return base + (f" + {tree.lookup_mode}={tree.lookup}" if tree.lookup else "")
 
     @classmethod
     def parse(cls, text: str, option: str = "--sweep") -> "Topology":
-        """``k=K`` (a chain of K drafts) or ``tree=D,K,N`` (``TreeConfig.parse``).
+        """``k=K`` (a chain of K drafts) or ``tree=D,K,N`` (``TreeConfig.parse``), either with a prompt-lookup
+        hybrid suffix ``+lookup=L`` or ``+switch=L`` (``tree.parse_lookup``), e.g. ``k=2+lookup=8``.
 
         Raises:
             ValueError: naming ``option`` and the entry, on anything else.
         """
         kind, _, value = text.strip().partition("=")
+        value, plus, extra = value.partition("+")
         if kind == "k" and value.isascii() and value.isdigit() and int(value) >= 1:
-            return cls(int(value))
+            if not plus:
+                return cls(int(value))
+            return cls.of(TreeConfig.chain(int(value), *parse_lookup(extra, f"{option} {text}")))
         if kind == "tree" and value:
-            tree = TreeConfig.parse(value, f"{option} {text}", auto=False)
-            return cls(tree.depth, tree)
-        raise ValueError(f"{option}: {text!r} is not k=K (K >= 1) or tree=DEPTH,TOPK,N")
+            return cls.of(TreeConfig.parse(value + plus + extra, f"{option} {text}", auto=False))
+        raise ValueError(f"{option}: {text!r} is not k=K (K >= 1) or tree=DEPTH,TOPK,N, each optionally with "
+                         "+lookup=L or +switch=L")
+
+    def report(self) -> dict | None:
+        """The report's ``hybrid`` block: the prompt-lookup branch and the engines that run such a hybrid; None
+        for the head alone."""
+        tree = self.tree
+        if tree is None or not tree.lookup:
+            return None
+        return {"lookup_tokens": tree.lookup, "mode": tree.lookup_mode, "lookup_ngram": "suffix of 3, then 2 tokens",
+                "engines": HYBRID_ENGINES}
 
 
 class _Tally:
@@ -188,9 +219,14 @@ class _Tally:
             "new_tokens": int(tot["tokens"]),
             "draft_ms_per_round": 1000 * tot["draft_s"] / max(1, stats.rounds),
             "verify_ms_per_round": 1000 * tot["verify_s"] / max(1, stats.rounds),
-            "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes},
+            "tree": None if tree is None else {"depth": tree.depth, "topk": tree.topk, "num_nodes": tree.num_nodes,
+                                               **({"lookup": tree.lookup, "lookup_mode": tree.lookup_mode}
+                                                  if tree.lookup else {})},
             "verified_tokens_per_round": 1 + sum(stats.drafted) / max(1, stats.rounds),
             "accepted_length_histogram": [stats.accepted.count(a) for a in range(k + 1)],
+            # which drafter proposed the verified and the accepted drafts (head, lookup, both); None for a chain
+            "drafter_share": stats.share(),
+            "hybrid": self.topology.report(),
             "topology": self.topology.name,
             "per_prompt": self.rows,
         }
@@ -247,6 +283,8 @@ def evaluate_drafter(
     calibration_tokens: int = 48,
     sweep: list[Topology] | None = None,
     trained_length: int | None = None,
+    hybrid: bool = True,
+    prompt_lookup_k: int | None = None,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
@@ -279,6 +317,9 @@ def evaluate_drafter(
         trained_length: the head's trained sequence length (tokens), when recorded: a prompt whose tokens plus
             ``max_new_tokens`` exceed it is warned about (index, id, both lengths) and listed in the report's
             ``setup.prompts_over_trained_length``.
+        hybrid: let ``auto`` also pick a hybrid of the head and prompt lookup (``TreeConfig.lookup``); off for a
+            head served where no engine runs both (the report's ``hybrid.engines``).
+        prompt_lookup_k: tokens per round of the prompt-lookup baseline (default: the main topology's k).
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
@@ -340,14 +381,16 @@ def evaluate_drafter(
     if auto:
         auto_report = _choose_topology(
             drafter, session, encoded, auto == "tree", calibration_prompts, calibration_tokens, cfg.eos_token_ids,
-            lambda i: _naming_prompt(i, prompts[i], target, drafter, f" (--{auto} auto calibration)"))
+            lambda i: _naming_prompt(i, prompts[i], target, drafter, f" (--{auto} auto calibration)"), hybrid)
         tree = auto_report.pop("_tree")
         k = tree.depth
-    if tree is not None and tree.is_chain and auto:
+    if tree is not None and tree.is_chain and not tree.lookup and auto:
         tree = None  # a chosen chain runs as the chain (the same drafts at T = 0)
-    if tree is not None:
-        k = tree.depth
-    topologies = list(dict.fromkeys([Topology(k, tree), *(sweep or [])]))  # the main one first, no duplicates
+    topologies = list(dict.fromkeys([Topology.of(tree, k), *(sweep or [])]))  # the main one first, no duplicates
+    k = topologies[0].k
+    if prompt_lookup_k is not None and prompt_lookup_k < 1:
+        raise ValueError(f"prompt_lookup_k must be >= 1, got {prompt_lookup_k}")
+    lookup_k = prompt_lookup_k or (tree.depth if tree is not None else k)
 
     def speculate(top: Topology, ids, run_cfg, g, kl=False):
         if top.tree is not None:
@@ -362,7 +405,7 @@ def evaluate_drafter(
                 speculate(top, encoded[0], short, gen(0))
 
     tallies = [_Tally(t) for t in topologies]
-    lookup_stats = AcceptanceStats(k)
+    lookup_stats = AcceptanceStats(lookup_k)
     tot: defaultdict[str, float] = defaultdict(float)  # plain and prompt-lookup totals over prompts
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
         base: dict[str, Any] = {"id": p.id, "prompt_tokens": int(ids.numel())}
@@ -379,7 +422,7 @@ def evaluate_drafter(
             for tally in tallies:  # every topology on this prompt before the next: load hits all alike
                 tally.add(speculate(tally.topology, ids, cfg, gen(i), collect_kl), plain, base, cfg.greedy)
             if prompt_lookup:
-                lookup = generate_speculative(session, PromptLookupDrafter(), ids, k, cfg, gen(i))
+                lookup = generate_speculative(session, PromptLookupDrafter(), ids, lookup_k, cfg, gen(i))
                 lookup_stats.extend(lookup.stats)
                 tot["lookup_tokens"] += len(lookup.tokens)
                 tot["lookup_s"] += lookup.seconds
@@ -421,10 +464,25 @@ def evaluate_drafter(
             "prompts_over_trained_length": over_trained,
             "device": str(device),
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
+            "cpu": cpu_name(),
+            "prompt_lookup_k": lookup_k if prompt_lookup else None,
         },
         "per_prompt": main["per_prompt"],
     }
     return report
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` where there is one, else ``platform.processor()``) and the vector
+    instruction set torch dispatches to (``torch.backends.cpu.get_cpu_capability()``), e.g.
+    ``"Intel(R) Xeon(R) ... (AVX512)"``."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[Topology]) -> tuple[int, str]:
@@ -436,10 +494,10 @@ def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[
     a deeper ``sweep`` entry sets the depth instead.
     """
     if auto:
-        depth = max(t.depth for t in cost.candidate_topologies(auto == "tree"))
+        depth = max(t.max_accept for t in cost.candidate_topologies(auto == "tree", lookups=HYBRID_LOOKUPS))
         name = f"the deepest --{auto} auto depth"
     elif tree is not None:
-        depth, name = tree.depth, "tree depth"
+        depth, name = tree.max_accept, "tree depth"
     else:
         depth, name = k, "k"
     deepest = max(sweep, key=lambda t: t.k, default=None)
@@ -448,23 +506,39 @@ def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[
     return depth, name
 
 
-def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos, naming=None) -> dict:
-    """Measure costs, calibrate tau and pick with ``decoding.cost``; the report's ``auto`` block (``naming``:
-    see ``cost.Naming``)."""
+HYBRID_LOOKUPS = (4, 8)
+"""Prompt-lookup continuation lengths (tokens) of the hybrids ``--k auto`` / ``--tree auto`` rate."""
+
+
+def choice_name(tree: TreeConfig) -> str:
+    """The report's ``auto.choice`` of a topology: ``chain k=K`` or ``D,K,N``, with its hybrid suffix
+    (``chain k=2+lookup=8``)."""
+    return (f"chain k={tree.depth}" if tree.is_chain else f"{tree.depth},{tree.topk},{tree.num_nodes}") + tree.suffix
+
+
+def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos, naming=None,
+                     hybrid: bool = True) -> dict:
+    """Measure costs, calibrate tau and pick with ``decoding.cost`` (among the head's shapes and, with ``hybrid``,
+    their prompt-lookup hybrids of :data:`HYBRID_LOOKUPS` tokens); the report's ``auto`` block (``naming``: see
+    ``cost.Naming``)."""
     if prompts < 1 or tokens < 2:
         raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
-    topologies = cost.candidate_topologies(tree)
-    rows = sorted({t.num_nodes + 1 for t in topologies})
+    topologies = cost.candidate_topologies(tree, lookups=HYBRID_LOOKUPS if hybrid else ())
+    head_rows = {t.num_nodes + 1 for t in topologies}
+    rows = sorted(head_rows | {n + t.lookup for n in head_rows for t in topologies if t.lookup})
     costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
     sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos, naming)
-    predictions = cost.predict(cost.calibrate_tau(drafter, session, sequences, topologies, naming), costs)
+    played = cost.calibrate_rounds(drafter, session, sequences, topologies, naming)
+    taus = {t: acceptance_length([p.accepted for p in rounds]) for t, rounds in played.items()}
+    seconds = {t: cost.round_seconds(t, rounds, costs) for t, rounds in played.items()}
+    predictions = cost.predict(taus, costs, seconds)
     best = cost.choose(predictions)
     session.pad_rows = costs.padding()  # every later forward (plain and speculative) runs the cheapest cover
     log.info("auto: %s; verify rows padded %s", "plain decoding" if best is None else
              f"{best.tree} (predicted {best.speedup:.3f}x)", session.pad_rows or "nowhere")
     return {
         "_tree": TreeConfig.chain(1) if best is None else best.tree,
-        "choice": "plain" if best is None else ("chain k=%d" % best.tree.depth if best.tree.is_chain else str(best.tree)),
+        "choice": "plain" if best is None else choice_name(best.tree),
         "predicted_speedup": 1.0 if best is None else best.speedup,
         "calibration": {"prompts": len(sequences), "tokens": tokens},
         "verify_padding": dict(session.pad_rows),  # {rows: rows run}

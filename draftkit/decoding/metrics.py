@@ -22,7 +22,11 @@ Definitions (eagle3-format.md §8):
   - ``expected_accept``: sum_v min(p_v, q_v) = 1 - TV(p, q) over the full vocab, the probability that
     speculative sampling accepts a draft token drawn from q at that context (arXiv 2211.17192, Thm 3.5).
     At T = 1 its mean over verified positions estimates the measured acceptance rate; at i > 1 it is
-    averaged over every drafted position, including those after a rejection.
+    averaged over every drafted position, including those after a rejection;
+- drafter share (:meth:`AcceptanceStats.share`, hybrid rounds of head and prompt lookup): a round is ``head``,
+  ``lookup`` or ``both`` by which drafters proposed its verified drafts, an accepted draft token by which
+  proposed it (``both``: the two proposed the same token at the same place); the report gives each kind's
+  fraction of rounds, of accepted draft tokens, and its tau.
 
 Shapes: k draft tokens per round, V target vocab, V_d draft vocab.
 """
@@ -35,6 +39,9 @@ import torch
 
 __all__ = [
     "AcceptanceStats",
+    "HEAD",
+    "LOOKUP",
+    "SOURCE_NAMES",
     "acceptance_length",
     "acceptance_per_position",
     "acceptance_rate",
@@ -57,6 +64,12 @@ KL_DEFINITION = (
     "draft vocab, which outside_mass_per_position reports"
 )
 """What a report's ``kl_per_position`` is, stated in the report itself."""
+
+
+HEAD, LOOKUP = 1, 2
+"""Bit masks of the drafters of a hybrid round (``decoding.tree.DraftTree.sources``)."""
+SOURCE_NAMES = {HEAD: "head", LOOKUP: "lookup", HEAD | LOOKUP: "both"}
+"""Report names of the source masks."""
 
 
 def accepted_prefix(matches: Sequence[int] | torch.Tensor) -> int:
@@ -197,8 +210,11 @@ class AcceptanceStats:
         # host-side report accumulators (whatever device decodes): one small copy per round in update()
         self._dist_sum = torch.zeros(len(DISTRIBUTION_METRICS), k, dtype=torch.float64, device="cpu")
         self._dist_count = torch.zeros(k, dtype=torch.long, device="cpu")
+        self.round_sources: list[int] = []  # per round: HEAD | LOOKUP mask of its drafters, 0 = not recorded
+        self.accepted_sources = [0] * 4  # accepted draft tokens per source mask
 
-    def update(self, accepted: int, drafted: int, dist: dict[str, torch.Tensor] | None = None) -> None:
+    def update(self, accepted: int, drafted: int, dist: dict[str, torch.Tensor] | None = None,
+               sources: tuple[int, list[int]] | None = None) -> None:
         """Record one round.
 
         Args:
@@ -206,11 +222,17 @@ class AcceptanceStats:
             drafted: draft tokens verified: k_r <= k for a chain (prompt lookup may draft fewer, or none);
                 a tree verifies N nodes, more than its depth k.
             dist: :func:`distribution_metrics` of this round ((k_r,) each), or None.
+            sources: (mask of the drafters that proposed the round's drafts, mask per accepted draft (at least
+                a_r of them; the first a_r count)), masks of :data:`HEAD` and :data:`LOOKUP`; None = not recorded.
         """
         if not 0 <= accepted <= min(drafted, self.k):
             raise ValueError(f"need 0 <= accepted <= drafted and accepted <= k={self.k}, got {accepted}, {drafted}")
         self.accepted.append(int(accepted))
         self.drafted.append(int(drafted))
+        self.round_sources.append(0 if sources is None else int(sources[0]))
+        if sources is not None:
+            for mask in sources[1][:accepted]:
+                self.accepted_sources[mask] += 1
         if dist is not None:
             n = dist["kl"].shape[0]
             self._dist_sum[:, :n] += torch.stack([dist[name].double().cpu() for name in DISTRIBUTION_METRICS])
@@ -224,6 +246,31 @@ class AcceptanceStats:
         self.drafted += other.drafted
         self._dist_sum += other._dist_sum
         self._dist_count += other._dist_count
+        self.round_sources += other.round_sources
+        self.accepted_sources = [a + b for a, b in zip(self.accepted_sources, other.accepted_sources)]
+
+    def share(self) -> dict | None:
+        """Each drafter's share (module docstring) over the rounds that recorded their sources; None when none did.
+
+        Returns:
+            ``{"rounds": {name: fraction}, "accepted_tokens": {name: fraction or None}, "tau": {name: tau or
+            None}, "round_counts": {name: int}, "accepted_counts": {name: int}}`` over the names ``head``,
+            ``lookup`` and ``both`` (:data:`SOURCE_NAMES`); a fraction of accepted tokens is None when no draft
+            was accepted.
+        """
+        recorded = [(s, a) for s, a in zip(self.round_sources, self.accepted) if s]
+        if not recorded:
+            return None
+        rounds = {name: [a for s, a in recorded if s == mask] for mask, name in SOURCE_NAMES.items()}
+        tokens = {name: self.accepted_sources[mask] for mask, name in SOURCE_NAMES.items()}
+        total = sum(tokens.values())
+        return {
+            "rounds": {name: len(acc) / len(recorded) for name, acc in rounds.items()},
+            "accepted_tokens": {name: n / total if total else None for name, n in tokens.items()},
+            "tau": {name: acceptance_length(acc) if acc else None for name, acc in rounds.items()},
+            "round_counts": {name: len(acc) for name, acc in rounds.items()},
+            "accepted_counts": tokens,
+        }
 
     @property
     def rounds(self) -> int:

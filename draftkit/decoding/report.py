@@ -55,7 +55,43 @@ def format_summary(report: dict) -> str:
             eq = "-" if r["greedy_equal"] is None else f"{r['greedy_equal']}/{report['num_prompts']}"
             lines.append(f"    {r['topology']:<30s} {_fmt(r['tau']):>6s} {_fmt(r['tokens_per_s'], '.2f'):>9s} "
                          f"{_fmt(r['speedup']):>8s} {_fmt(r['verified_tokens_per_round'], '.2f'):>15s} {eq:>13s}")
+    lines += _what_you_get(report)
     return "\n".join(lines)
+
+
+def _share(r: dict) -> str:
+    """``rounds head 80% lookup 15% both 5%, accepted 70/25/5``: a hybrid's drafter share (``metrics``)."""
+    share = r.get("drafter_share")
+    if not share or not r.get("hybrid"):
+        return ""
+    rounds = " ".join(f"{name} {100 * f:.0f}%" for name, f in share["rounds"].items())
+    acc = "/".join("-" if f is None else f"{100 * f:.0f}" for f in share["accepted_tokens"].values())
+    return f"  rounds {rounds}; accepted % head/lookup/both {acc}"
+
+
+def _what_you_get(report: dict) -> list[str]:
+    """Per drafter, in the timed dtype, on the named CPU: tokens/s and the ratio to plain decoding, with each
+    hybrid's drafter share and the float32 losslessness."""
+    setup = report["setup"]
+    plain = report["baseline_tokens_per_s"]
+    if plain is None:
+        return []
+    dtype = setup["target_dtype"] + (f" (head {setup['draft_dtype']})" if setup.get("draft_dtype") not in
+                                     (None, setup["target_dtype"]) else "")
+    lines = [f"  what you get: {setup.get('cpu') or setup['device']}, {setup['hardware']}, {dtype}, batch 1, "
+             f"{setup['max_new_tokens']} new tokens",
+             f"    {'plain decoding':<36s} {plain:8.2f} tokens/s  1.000x"]
+    lookup = report.get("prompt_lookup_tokens_per_s")
+    if lookup:
+        lines.append(f"    {'prompt lookup k=%s (no training)' % setup.get('prompt_lookup_k', report['k']):<36s} "
+                     f"{lookup:8.2f} tokens/s  {lookup / plain:.3f}x  tau {_fmt(report['prompt_lookup_tau'])}")
+    for r in report.get("sweep") or [dict(report, topology=setup["topology"])]:
+        lines.append(f"    {r['topology']:<36s} {_fmt(r['tokens_per_s'], '8.2f')} tokens/s  {_fmt(r['speedup'])}x  "
+                     f"tau {_fmt(r['tau'])}{_share(r)}")
+    auto = report.get("auto")
+    if auto:
+        lines.append(f"    cost model's pick: {auto['choice']}")
+    return lines
 
 
 def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: str = "eval") -> None:
@@ -91,7 +127,8 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
         plt.close(fig)
         auto = report.get("auto")
         if auto:
-            points = [(tuple(int(x) for x in p["tree"].split(",")), p["chain"], p) for p in auto["predictions"]]
+            points = [(tuple(int(x) for x in p["tree"].split("+")[0].split(",")), p["chain"], p)
+                      for p in auto["predictions"]]
             fig = _topology_figure(points, "predicted",
                                    f"cost model: choice {auto['choice']}, predicted {auto['predicted_speedup']:.2f}x", plt)
             writer.add_figure(f"{prefix}/auto_tau_and_tokens_per_s", fig, step)
@@ -100,7 +137,9 @@ def write_tensorboard(report: dict, log_dir: str | Path, step: int = 0, prefix: 
             points = []
             for r in report["sweep"]:
                 tree = r["tree"] or {"depth": r["k"], "topk": 1, "num_nodes": r["k"]}
-                points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), r["tree"] is None, r))
+                chain = tree["topk"] == 1 and tree["num_nodes"] == tree["depth"]
+                hybrid = f"+{tree['lookup_mode']}={tree['lookup']}" if tree.get("lookup") else None
+                points.append(((tree["depth"], tree["topk"], tree["num_nodes"]), chain, dict(r, hybrid=hybrid)))
                 for key in ("tau", "speedup"):
                     if r[key] is not None:  # no round (every prompt stopped at once), no baseline
                         writer.add_scalar(f"{prefix}/sweep/{r['topology'].replace(' ', '_')}/{key}", r[key], step)
@@ -113,17 +152,19 @@ def _topology_figure(points, what: str, title: str, plt):
     """tau and tokens/s against chain k, and against N for each tree (depth, top-k).
 
     Args:
-        points: ((depth, top-k, N), is_chain, {"tau": ..., "tokens_per_s": ...}) per topology.
+        points: ((depth, top-k, N), is_chain, {"tau": ..., "tokens_per_s": ..., "hybrid": suffix or None}) per
+            topology; a hybrid (``+lookup=8``) gets its own line.
         what: "predicted" or "measured" (axis labels).
     """
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), squeeze=False)
     lines: dict[str, list] = defaultdict(list)
     for shape, chain, p in points:
         d, tk, n = shape
-        lines["chain" if chain else f"depth {d} top-k {tk}"].append((d if chain else n, p))
+        name = ("chain" if chain else f"depth {d} top-k {tk}") + (p.get("hybrid") or "")
+        lines[name].append((d if chain else n, p))
     for name, pts in sorted(lines.items()):
         pts.sort(key=lambda x: x[0])
-        col = 0 if name == "chain" else 1
+        col = 0 if name.startswith("chain") else 1
         for row, key in enumerate(("tau", "tokens_per_s")):
             axes[row][col].plot([x for x, _ in pts], [p[key] for _, p in pts], marker="o", label=name)
     for col, xlabel in enumerate(("chain k", "tree N (verified nodes)")):

@@ -27,6 +27,15 @@ A round (EAGLE-2, arXiv 2406.16858, ``eagle/model/cnets.py::topK_genrate``; SGLa
 
 A chain of k drafts is the tree (depth k, top-k 1, N k): same drafts, same verify rows, same result.
 
+Hybrid rounds (``TreeConfig.lookup``): the prompt-lookup continuation of the sequence (``PromptLookupDrafter``,
+up to L tokens) joins the head's draft. ``lookup`` mode: it is one more root path of the tree (:func:`add_branch`;
+tokens the head also proposed are merged into its nodes), verified in the same forward under the same tree mask,
+so a round accepts the longer of the two matches. ``switch`` mode: when prompt lookup has a continuation it is the
+round's draft on its own (a chain; the head does not run), else the head's tree is. Either way the head's next
+step-0 rows are the target's aux states at the accepted positions, whichever drafter proposed them
+(``Eagle3Drafter.commit`` keeps the rows of a round the head sat out). Which drafter proposed each node is kept
+(``DraftTree.sources``) for the report's share of rounds and accepted tokens per drafter.
+
 Shapes: L tokens before the round's root, D depth, K top-k, N kept nodes, V target vocab, V_d draft
 vocab, H draft hidden.
 """
@@ -39,7 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from draftkit.sampling import check_finite_logits, probs_from_logits, sample_from_probs
-from draftkit.decoding.drafters import Eagle3Drafter
+from draftkit.decoding.drafters import Eagle3Drafter, PromptLookupDrafter
+from draftkit.decoding.metrics import HEAD, LOOKUP
 from draftkit.decoding.verify import GenerationResult, Round, speculative_loop
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -47,8 +57,12 @@ from draftkit.target.session import TargetSession
 __all__ = [
     "DraftTree",
     "Eagle3TreeDrafter",
+    "HYBRID_ENGINES",
+    "LOOKUP_MODES",
     "TreeConfig",
+    "add_branch",
     "generate_tree",
+    "parse_lookup",
     "select_nodes",
     "tree_greedy_accept",
     "tree_mask",
@@ -56,23 +70,63 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class TreeConfig:
-    """Tree topology.
+LOOKUP_MODES = ("lookup", "switch")
+"""How a prompt-lookup continuation joins a round (``TreeConfig.lookup_mode``): ``lookup`` = as one more branch
+of the head's tree, both verified in one forward; ``switch`` = instead of the head's draft, in the rounds where
+prompt lookup has one (the head drafts the others)."""
 
-    Args:
-        depth: D, draft tokens on the longest path (draft head passes per round); a chain's k.
-        topk: K, children proposed per expanded node and frontier width per depth.
-        num_nodes: N, draft nodes verified per round (the target runs N + 1 rows). SGLang's
-            ``--speculative-num-draft-tokens`` is N + 1.
+
+HYBRID_ENGINES = {
+    "llama.cpp": "runs the switch mode: --spec-type draft-eagle3,ngram-mod (a comma-separated chain of spec types; "
+                 "the n-gram draft is used when it has a match; --spec-ngram-mod-n-match/-n-min/-n-max set the "
+                 "n-gram); the lookup mode (both drafts in one verify) has no llama.cpp form",
+    "vllm": "not yet: one speculative method per server (eagle3 or ngram); an open pull request combines them",
+    "sglang": "not yet: one speculative algorithm per server (EAGLE3 or NGRAM)",
+    "trtllm": "not yet: one speculative decoding mode per engine",
+}
+"""Which serving engines can run a head + prompt-lookup hybrid (as of this draftkit version); evaluate reports and
+export sidecars carry it."""
+
+
+def parse_lookup(text: str, option: str) -> tuple[int, str]:
+    """``"lookup=L"`` or ``"switch=L"`` (a hybrid suffix, after ``+``) -> (L, mode).
 
     Raises:
-        ValueError: if a value is < 1 or N exceeds the candidates the rule produces (K + (D-1) K^2).
+        ValueError: naming ``option`` on anything else (L must be >= 1).
+    """
+    mode, _, value = text.partition("=")
+    if mode in LOOKUP_MODES and value.isascii() and value.isdigit() and int(value) >= 1:
+        return int(value), mode
+    raise ValueError(f"{option}: the hybrid suffix after '+' is lookup=L (a prompt-lookup branch of up to L tokens "
+                     f"joined to the head's draft) or switch=L (prompt lookup's draft instead of the head's when it "
+                     f"has one), L >= 1; got {text!r}")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree topology, optionally with a prompt-lookup continuation joined to the head's draft (a hybrid).
+
+    Args:
+        depth: D, draft tokens on the longest path of the head's tree (draft head passes per round); a chain's k.
+        topk: K, children proposed per expanded node and frontier width per depth.
+        num_nodes: N, head draft nodes verified per round (the target runs N + 1 rows, plus the lookup branch's
+            own nodes). SGLang's ``--speculative-num-draft-tokens`` is N + 1.
+        lookup: L, most prompt-lookup (n-gram) tokens joined per round; 0 = the head alone.
+        lookup_mode: how they join (:data:`LOOKUP_MODES`): ``lookup``, one more branch from the root, its
+            tokens shared with the head's tree merged into its nodes (verify rows N + 1 + the new ones);
+            ``switch``, the lookup chain alone when prompt lookup has a continuation (the head does not run
+            that round), else the head's tree.
+
+    Raises:
+        ValueError: if a value is < 1 (L < 0), the mode is unknown or N exceeds the candidates the rule produces
+            (K + (D-1) K^2).
     """
 
     depth: int
     topk: int
     num_nodes: int
+    lookup: int = 0
+    lookup_mode: str = "lookup"
 
     def __post_init__(self) -> None:
         if min(self.depth, self.topk, self.num_nodes) < 1:
@@ -82,19 +136,28 @@ class TreeConfig:
                 f"tree N={self.num_nodes} exceeds the {self.max_nodes} candidates of depth {self.depth} x top-k "
                 f"{self.topk} (K + (D-1) K^2); lower N or raise depth/topk"
             )
+        if self.lookup < 0 or self.lookup_mode not in LOOKUP_MODES:
+            raise ValueError(f"lookup must be >= 0 and lookup_mode one of {LOOKUP_MODES}, got {self.lookup}, "
+                             f"{self.lookup_mode!r}")
 
     @property
     def max_nodes(self) -> int:
         return self.topk + (self.depth - 1) * self.topk**2
 
+    @property
+    def max_accept(self) -> int:
+        """Most drafts one round can accept: the head tree's depth, or the lookup branch's length."""
+        return max(self.depth, self.lookup)
+
     @classmethod
-    def chain(cls, k: int) -> "TreeConfig":
-        """The chain of k drafts as a tree."""
-        return cls(k, 1, k)
+    def chain(cls, k: int, lookup: int = 0, lookup_mode: str = "lookup") -> "TreeConfig":
+        """The chain of k drafts as a tree (with a prompt-lookup branch of up to ``lookup`` tokens)."""
+        return cls(k, 1, k, lookup, lookup_mode)
 
     @classmethod
     def parse(cls, text: str, option: str = "--tree", auto: bool = True) -> "TreeConfig":
-        """Read ``"depth,topk,N"`` (e.g. ``"5,4,16"``).
+        """Read ``"depth,topk,N"`` (e.g. ``"5,4,16"``), optionally with a hybrid suffix ``+lookup=L`` or
+        ``+switch=L`` (:func:`parse_lookup`, e.g. ``"4,2,7+lookup=8"``).
 
         Args:
             text: the option's value.
@@ -102,22 +165,35 @@ class TreeConfig:
             auto: whether the option also takes ``auto`` (said in the error message).
 
         Raises:
-            ValueError: naming ``option`` when the text is not three integers or the tree is invalid.
+            ValueError: naming ``option`` when the text is not three integers (and a suffix) or the tree is invalid.
         """
-        parts = str(text).replace(" ", "").split(",")
+        head, plus, extra = str(text).replace(" ", "").partition("+")
+        parts = head.split(",")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(f"{option} takes depth,topk,N (e.g. 5,4,16){' or auto' if auto else ''}, got {text!r}")
+        lookup, mode = parse_lookup(extra, option) if plus else (0, "lookup")
         try:
-            return cls(*(int(p) for p in parts))
+            return cls(*(int(p) for p in parts), lookup, mode)
         except ValueError as exc:
             raise ValueError(f"{option}: {exc}") from exc
 
+    @property
+    def suffix(self) -> str:
+        """The hybrid suffix of :meth:`parse` (``"+lookup=8"``), or ``""`` for the head alone."""
+        return f"+{self.lookup_mode}={self.lookup}" if self.lookup else ""
+
     def __str__(self) -> str:
-        return f"{self.depth},{self.topk},{self.num_nodes}"
+        return f"{self.depth},{self.topk},{self.num_nodes}{self.suffix}"
 
     @property
     def is_chain(self) -> bool:
+        """The head drafts a chain (top-k 1, N = depth); a hybrid's lookup branch aside."""
         return self.topk == 1 and self.num_nodes == self.depth
+
+    @property
+    def head_only(self) -> "TreeConfig":
+        """The same head shape without the prompt-lookup branch."""
+        return TreeConfig(self.depth, self.topk, self.num_nodes)
 
 
 @dataclass
@@ -128,13 +204,22 @@ class DraftTree:
         tokens: (N,) int64 target ids.
         parents: (N,) int64 index of each node's parent, -1 for a child of the root.
         depths: (N,) int64 in 1..D.
-        scores: (N,) float32 cumulative draft log-probability.
+        scores: (N,) float32 cumulative draft log-probability (-inf for a node only prompt lookup proposed).
+        sources: (N,) int64 which drafter proposed each node, a bit mask of ``metrics.HEAD`` (1) and
+            ``metrics.LOOKUP`` (2); None = the head alone.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    sources: torch.Tensor | None = None
+
+    def node_sources(self) -> torch.Tensor:
+        """(N,) int64 :attr:`sources`, the head's mask (1) everywhere when None."""
+        if self.sources is None:
+            return torch.full_like(self.tokens, HEAD)
+        return self.sources
 
     def children(self) -> list[list[int]]:
         """Children of each flattened row (row 0 the root, row i + 1 node i), in node order."""
@@ -165,6 +250,51 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"tree node {i} has parent {p}: parents must precede their children")
         mask[i + 1] |= mask[p + 1]
     return mask
+
+
+def add_branch(tree: DraftTree, ids: torch.Tensor) -> DraftTree:
+    """Join a chain of draft tokens (a prompt-lookup continuation) to a tree as one more root path.
+
+    Steps: 1. walk from the root down the tree's nodes whose tokens equal ids[0], ids[1], ... (siblings hold
+    distinct tokens, so the walk is unique) and mark them as proposed by both drafters; 2. append the rest of
+    ``ids`` as a chain under the last node reached (a new branch, after every existing node, so parents still
+    precede children). Sibling tokens stay distinct, which greedy path acceptance and multi-draft rejection
+    sampling (:func:`tree_rejection_accept`) need. The verify of the joined tree is one forward whose tree mask
+    (:func:`tree_mask`) has the new branch as one more root path (as SAM-Decoding, arXiv 2411.10666, joins its
+    suffix-automaton draft to an EAGLE-2 tree; llama.cpp's ``--spec-type draft-eagle3,ngram-mod`` instead lets
+    the n-gram draft replace the head's, this module's ``switch`` mode).
+
+    Args:
+        tree: the head's tree (N nodes; may be empty).
+        ids: (m,) int64 target ids of the chain, ids[0] a child of the root.
+
+    Returns:
+        The joined :class:`DraftTree`: the N nodes as they were (sources gaining ``LOOKUP`` on the shared path),
+        then the m' <= m new nodes (source ``LOOKUP``, score -inf).
+    """
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    sources = tree.node_sources().clone()
+    row, shared = 0, 0
+    for t in ids.tolist():
+        nxt = next((c for c in kids[row] if tokens[c] == t), None)
+        if nxt is None:
+            break
+        sources[nxt] |= LOOKUP
+        row, shared = nxt + 1, shared + 1
+    rest = ids[shared:]
+    n, m = tree.tokens.shape[0], rest.shape[0]
+    dev = tree.tokens.device
+    new_parents = torch.arange(n - 1, n + m - 1, device=dev)  # (m,): each new node under the previous one
+    if m:
+        new_parents[0] = row - 1  # the last shared node (-1: the root)
+    first_depth = 1 + (int(tree.depths[row - 1]) if row else 0)
+    return DraftTree(
+        torch.cat([tree.tokens, rest]),  # (N + m,)
+        torch.cat([tree.parents, new_parents]),  # (N + m,)
+        torch.cat([tree.depths, first_depth + torch.arange(m, device=dev)]),  # (N + m,)
+        torch.cat([tree.scores, torch.full((m,), float("-inf"), device=dev)]),  # (N + m,)
+        torch.cat([sources, torch.full((m,), LOOKUP, dtype=torch.long, device=dev)]),  # (N + m,)
+    )
 
 
 def select_nodes(
@@ -242,25 +372,40 @@ def tree_rejection_accept(
 
 
 class Eagle3TreeDrafter(Eagle3Drafter):
-    """Tree drafting (EAGLE-2's rule) with an EAGLE3 head and its own KV cache; also drafts chains.
+    """Tree drafting (EAGLE-2's rule) with an EAGLE3 head and its own KV cache; also drafts chains, and hybrids
+    with prompt lookup (``TreeConfig.lookup``).
 
     Args:
         head: an :class:`~draftkit.heads.eagle3_llama.Eagle3LlamaHead` in eval mode, ``embed_tokens`` loaded.
+        lookup: the prompt-lookup drafter of hybrid rounds (default ``PromptLookupDrafter()``: suffixes of 3
+            then 2 tokens).
     """
+
+    def __init__(self, head, lookup: PromptLookupDrafter | None = None) -> None:
+        super().__init__(head)
+        self.lookup = lookup or PromptLookupDrafter()
 
     @torch.no_grad()
     def propose_tree(self, tokens: torch.Tensor, tree: TreeConfig) -> DraftTree:
-        """Feed the pending rows, then grow and prune the tree (:meth:`expand`).
+        """Feed the pending rows, then grow and prune the tree (:meth:`expand`); a hybrid joins the prompt-lookup
+        continuation of up to ``tree.lookup`` tokens (:func:`add_branch`), or in ``switch`` mode drafts it
+        alone when there is one: the head then does not run, and its pending rows wait, joined by the round's
+        accepted ones at :meth:`commit`.
 
         Args:
             tokens: (L+1,) the sequence so far.
             tree: the topology.
 
         Returns:
-            The N-node :class:`DraftTree`.
+            The :class:`DraftTree` (N head nodes, plus the lookup branch's new ones).
         """
+        extra = self.lookup.continuation(tokens, tree.lookup) if tree.lookup else tokens[:0]
+        if extra.numel() and tree.lookup_mode == "switch":
+            empty = tokens.new_zeros(0)
+            return add_branch(DraftTree(empty, empty, empty, empty.float()), extra)
         z, h = self.feed_pending(tokens)
-        return self.expand(z, h, tokens.shape[0] - 1, tree)
+        drafted = self.expand(z, h, tokens.shape[0] - 1, tree)
+        return add_branch(drafted, extra) if extra.numel() else drafted
 
     @torch.no_grad()
     def expand(self, z: torch.Tensor, h: torch.Tensor, L: int, tree: TreeConfig) -> DraftTree:
@@ -346,8 +491,9 @@ def generate_tree(
         generator: RNG for sampling (acceptance draws and corrections).
 
     Returns:
-        :class:`GenerationResult`; ``stats`` counts per round the accepted path length (<= depth) and
-        the N verified nodes as drafted.
+        :class:`GenerationResult`; ``stats`` counts per round the accepted path length (<= depth, or the lookup
+        branch's length) and the verified nodes as drafted, and which drafter proposed them
+        (``AcceptanceStats.share``).
 
     Raises:
         ValueError: on an empty prompt or one that does not fit the context window.
@@ -373,6 +519,12 @@ def generate_tree(
         drafter.commit(aux[rows])
         t3 = time.perf_counter()
         accepted = draft.tokens[path].tolist() if path else []
-        return Round(accepted, nxt, n, target.weight_bytes + drafter.round_bytes(tree.depth), t2 - t1, t3 - t2)
+        src = draft.node_sources().tolist()
+        kind = 0
+        for bit in src:
+            kind |= bit
+        head_passes = tree.depth if kind & HEAD else 0
+        return Round(accepted, nxt, n, target.weight_bytes + drafter.round_bytes(head_passes), t2 - t1, t3 - t2,
+                     sources=(kind, [src[i] for i in path]))
 
-    return speculative_loop(target, drafter, prompt_ids, cfg, tree_round, tree.depth, generator)
+    return speculative_loop(target, drafter, prompt_ids, cfg, tree_round, tree.max_accept, generator)

@@ -221,6 +221,8 @@ class Round:
         weight_bytes: weight bytes read by the round (target verify + draft passes).
         draft_seconds, verify_seconds: time split of the round (measurement excluded).
         dist: :func:`~draftkit.decoding.metrics.distribution_metrics` of the round ((drafted,) each), or None.
+        sources: (which drafters proposed the round's drafts, which proposed each accepted draft), bit masks of
+            ``metrics.HEAD`` and ``metrics.LOOKUP`` (``AcceptanceStats.update``); None = not recorded.
     """
 
     accepted: list[int]
@@ -230,6 +232,7 @@ class Round:
     draft_seconds: float
     verify_seconds: float
     dist: dict[str, torch.Tensor] | None = None
+    sources: tuple[int, list[int]] | None = None
 
 
 @torch.no_grad()
@@ -304,7 +307,7 @@ def speculative_loop(
             if len(tokens) >= cfg.max_new_tokens:
                 done = True
                 break
-        stats.update(counted, r.drafted, r.dist)
+        stats.update(counted, r.drafted, r.dist, r.sources)
         seq[L + 1:L + 2 + a] = torch.tensor(emitted, dtype=seq.dtype, device=seq.device)
         L += a + 1
     seconds = time.perf_counter() - t0 - t_metrics

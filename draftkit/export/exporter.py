@@ -210,6 +210,15 @@ def export_head_source(
     k = _draft_tokens(num_speculative_tokens, speculation)
     if speculation is not None:
         engine_options = {**engine_options, "tree": speculation.tree}
+        hybrid = (speculation.report or {}).get("hybrid")
+        if hybrid:
+            engine_options["hybrid"] = hybrid
+            if engine != "llamacpp":
+                log.warning(
+                    "%s: the report's choice was a hybrid with prompt lookup (+%s=%s); %s runs the head's shape "
+                    "only, so the report's speedup, which counted the lookup rounds, is not what it will serve "
+                    "(llama.cpp runs the hybrid: --to llamacpp)", engine, hybrid.get("mode"),
+                    hybrid.get("lookup_tokens"), engine)
     source = dataclasses.replace(source, target_name=serving_target_name(source, target_name))
 
     module = ENGINES[engine]

@@ -36,6 +36,7 @@ V_d draft vocab, N target layers.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -135,14 +136,19 @@ def target_gguf_path(source: HeadSource, target_gguf: str | None = None) -> str:
     return str(path)
 
 
-def launch_command(source: HeadSource, out_dir: str, k: int, target_gguf: str | None = None) -> str:
-    """The ``llama-server`` command for this export: the target GGUF, the head, a chain of k draft tokens."""
+def launch_command(source: HeadSource, out_dir: str, k: int, target_gguf: str | None = None,
+                   hybrid: dict | None = None) -> str:
+    """The ``llama-server`` command for this export: the target GGUF, the head, a chain of k draft tokens; with a
+    report's hybrid (``decoding.tree.TreeConfig.lookup``) the n-gram drafter joins as llama.cpp chains spec types
+    (``draft-eagle3,ngram-mod``: the n-gram draft is used when it has a match, draftkit's ``switch`` mode; its
+    ``lookup`` mode, both verified in one forward, has no llama.cpp form, so it is served the same way)."""
     try:
         target = target_gguf or target_gguf_path(source)
     except (ValueError, FileNotFoundError):
         target = "TARGET.gguf"
-    return (f"llama-server -m {target} -md {Path(out_dir) / GGUF_FILE} --spec-type draft-eagle3 "
-            f"--spec-draft-n-max {int(k)}")
+    spec = "draft-eagle3,ngram-mod" if hybrid else "draft-eagle3"
+    return shlex.join(["llama-server", "-m", str(target), "-md", str(Path(out_dir) / GGUF_FILE), "--spec-type", spec,
+                       "--spec-draft-n-max", str(int(k))])
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -341,7 +347,8 @@ def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, optio
     ``launch`` line and sidecar fields (``gguf_file``, ``target_gguf``).
 
     Args:
-        options: ``target_gguf`` (the target's GGUF; default :func:`target_gguf_path`), ``tree`` (refused).
+        options: ``target_gguf`` (the target's GGUF; default :func:`target_gguf_path`), ``tree`` (refused),
+            ``hybrid`` (a report's hybrid with prompt lookup: the launch line chains ``ngram-mod``).
 
     Raises:
         ValueError: for a head llama.cpp cannot serve (:func:`check_supported`), a tree (llama.cpp's EAGLE-3
@@ -359,7 +366,7 @@ def build_files(source: HeadSource, out_dir: str, dtype_name: str, k: int, optio
         _write_gguf(directory / GGUF_FILE, tensors, cfg, source.aux_layer_ids, dtype_name, name, target_gguf)
 
     return {"config": None, "engine_aux_layer_ids": [int(i) for i in source.aux_layer_ids],
-            "write_weights": write_weights, "launch": launch_command(source, out_dir, k, target_gguf),
+            "write_weights": write_weights, "launch": launch_command(source, out_dir, k, target_gguf, options.get("hybrid")),
             "sidecar": {"gguf_file": GGUF_FILE, "target_gguf": target_gguf}}
 
 

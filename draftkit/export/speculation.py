@@ -2,8 +2,11 @@
 
 The shape is given by hand (``draftkit export --tree 5,4,16``) or read from a ``draftkit evaluate`` report
 (``--from_report``): the cost model's choice when the report has an ``auto`` block (``evaluate --k auto`` /
-``--tree auto``), else the configuration the report measured (its ``tree`` block, or its chain ``k``). Each
-engine module turns the shape into its own settings (``speculation_settings``):
+``--tree auto``), else the configuration the report measured (its ``tree`` block, or its chain ``k``). A report
+whose shape is a hybrid with prompt lookup (``decoding.tree.TreeConfig.lookup``) gives the engines its head's
+shape, and the sidecar's ``speculation.hybrid`` says which engines run the lookup branch too (llama.cpp's
+``--spec-type draft-eagle3,ngram-mod``; vLLM, SGLang and TensorRT-LLM not yet). Each engine module turns the shape
+into its own settings (``speculation_settings``):
 
 - SGLang launch flags: chain k = num-steps k, eagle-topk 1, num-draft-tokens k + 1; tree D,K,N = num-steps D,
   eagle-topk K, num-draft-tokens N + 1 (the root counted);
@@ -117,8 +120,11 @@ class Speculation:
                 "--num_speculative_tokens"
             )
         tree = _report_tree(report, where)
+        hybrid = report.get("hybrid") if isinstance(report.get("hybrid"), dict) else None
         if auto is not None:
             expected = f"chain k={tree.depth}" if tree.is_chain else str(tree)
+            if hybrid is not None:
+                expected += f"+{hybrid.get('mode')}={hybrid.get('lookup_tokens')}"
             if auto.get("choice") != expected:
                 raise ValueError(f"{where}: auto.choice {auto.get('choice')!r} disagrees with the report's shape "
                                  f"{expected!r}; the report was edited or is damaged")
@@ -139,14 +145,19 @@ class Speculation:
             "dataset": setup.get("dataset"),
             "num_prompts": report.get("num_prompts"),
             "temperature": report.get("temperature"),
+            **({"hybrid": hybrid} if hybrid is not None else {}),
         }
         return cls(tree, REPORT_OPTION, provenance)
 
     def record(self, engine_settings: dict | None = None) -> dict:
         """The sidecar's ``speculation`` entry: the shape, the option that gave it, what the engine was given,
         and the report's provenance (None for a hand-given shape)."""
+        hybrid = (self.report or {}).get("hybrid")
         return {
             "topology": "chain" if self.is_chain else "tree",
+            # the report's shape was a hybrid with prompt lookup: the engine gets the head's shape; which engines
+            # run the lookup branch too (llama.cpp) is in ``hybrid.engines``
+            **({"hybrid": hybrid} if hybrid else {}),
             "depth": self.tree.depth,
             "topk": self.tree.topk,
             "num_nodes": self.tree.num_nodes,

@@ -342,7 +342,10 @@ class Eagle3Module(pl.LightningModule):
         else:
             raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
         init = None
-        if self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
+        resuming = self._trainer is not None and bool(getattr(self._trainer, "ckpt_path", None))
+        if self.hparams.init_head and resuming:  # the checkpoint holds the weights and d2t/t2d: the file may be gone
+            log.info("model.init_head %s: not read, resuming from %s", self.hparams.init_head, self._trainer.ckpt_path)
+        elif self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
             from draftkit.models.init_head import read_init_head
 
             init, _ = read_init_head(self.hparams.init_head, self.hparams.target, self.target.aux_layer_ids,
@@ -621,6 +624,11 @@ class Eagle3Module(pl.LightningModule):
                if stage == "train" else "; no accuracy or loss is reported for it")
         )
 
+    def _target_sharded(self) -> bool:
+        from draftkit.target.sharding import target_mesh
+
+        return target_mesh(self._trainer) is not None
+
     def _nonfinite_detail(self, batch: dict) -> str:
         """Why a batch's loss is non-finite, for the error: the rows with NaN/inf cached states (naming their
         shard and sequence), else non-finite head weights, else the batch's sources and the options to change."""
@@ -638,7 +646,9 @@ class Eagle3Module(pl.LightningModule):
             if rows:
                 return ("; ".join(rows) + "; delete that shard file and rerun `python -m draftkit cache-hidden-states` "
                         "with the same recipe and --output to rewrite it")
-        elif hasattr(self.target, "lm_logits"):  # online: the target's own outputs, recomputed on this error path
+        elif hasattr(self.target, "lm_logits") and not self._target_sharded():
+            # online: the target's own outputs, recomputed on this error path (not for a sharded target, whose
+            # forward needs every rank while only this one is here)
             target = self._nonfinite_target_outputs(batch)
             if target:
                 return target

@@ -281,12 +281,14 @@ class FrozenTarget(TargetFacts):
     def decoder_layer_state(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors of decoder layer ``index`` (``model.layers[index]``, :func:`check_decoder_layer`) by their
         names within the layer (``self_attn.q_proj.weight``, ...), in the target dtype; views of the target's own
-        weights: copy them, never train them.
+        weights: copy them, never train them. A target sharded by ``trainer.strategy fsdp_target`` gives whole
+        tensors, all-gathered (every rank must call it, as ``build`` does).
 
         Raises:
             ValueError: when ``index`` is not a layer of the target.
         """
-        return self.base.layers[check_decoder_layer(index, self.num_layers)].state_dict()
+        state = self.base.layers[check_decoder_layer(index, self.num_layers)].state_dict()
+        return {name: _whole(t) for name, t in state.items()}
 
     @torch.no_grad()
     def lm_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:

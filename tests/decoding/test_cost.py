@@ -14,6 +14,7 @@ from draftkit.decoding.cost import (
     monotone,
     predict,
 )
+from draftkit.decoding.metrics import HEAD
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
@@ -63,18 +64,24 @@ def test_candidate_topologies():
 
 
 def test_calibration_replays_greedy_tree_decoding(tiny, tiny_head):
-    """The calibration's rounds equal those greedy tree decoding actually plays (last round aside)."""
+    """The calibration's rounds equal those greedy tree decoding actually plays (last round aside): accepted
+    drafts, verified nodes (a hybrid's lookup nodes included) and whether the head drafted, for chains, trees and
+    both hybrid modes (this prompt's greedy output repeats itself, so prompt lookup drafts in some rounds)."""
     target, _ = tiny
     session = TargetSession(target)
     prompt = torch.tensor([256, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8])
     seqs = greedy_sequences(session, [prompt], 30)
-    topologies = [TreeConfig.chain(1), TreeConfig.chain(3), TreeConfig(3, 2, 5), TreeConfig(4, 3, 12)]
+    heads = [TreeConfig.chain(1), TreeConfig.chain(3), TreeConfig(3, 2, 5), TreeConfig(4, 3, 12)]
+    topologies = heads + [TreeConfig(3, 2, 5, 6), TreeConfig.chain(2, 4, "switch"), TreeConfig(4, 3, 12, 4, "switch")]
     rounds = calibrate_rounds(Eagle3TreeDrafter(tiny_head), session, seqs, topologies)
     for t in topologies:
         real = generate_tree(session, Eagle3TreeDrafter(tiny_head), prompt, t, DecodeConfig(max_new_tokens=30))
         assert real.tokens == seqs[0][1].tolist()
-        assert rounds[t][:-1] == real.stats.accepted[:-1], t
-        assert sum(a + 1 for a in rounds[t]) == 29  # every token after the first, once
+        assert [p.accepted for p in rounds[t][:-1]] == real.stats.accepted[:-1], t
+        assert [p.nodes for p in rounds[t][:-1]] == real.stats.drafted[:-1], t
+        assert [p.head for p in rounds[t]] == [bool(s & HEAD) for s in real.stats.round_sources], t
+        assert sum(p.accepted + 1 for p in rounds[t]) == 29  # every token after the first, once
+        assert all(p.head and p.nodes == t.num_nodes for p in rounds[t]) == (t in heads), t
 
 
 def test_measure_costs_shapes(tiny, tiny_head):

@@ -157,15 +157,18 @@ def test_bad_input_errors(tiny, tiny_head):
 def test_context_window_check_uses_the_depth_that_runs(tiny, tiny_head):
     target, tokenizer = tiny
     window = target.model.config.max_position_embeddings
-    prompt = [5] * (window - 4 - 5)  # prompt + max_new_tokens 4 + k 5 fills the window exactly
-    # --k/--tree auto may pick depth 6 (cost.candidate_topologies), not the k = 5 passed in: refused up front,
+    prompt = [5] * (window - 4 - 7)  # prompt + max_new_tokens 4 + k 7 fills the window exactly
+    # --k/--tree auto may pick depth 8 (cost.candidate_topologies), not the k = 5 passed in: refused up front,
     # before the calibration runs, naming the prompt
     for auto in ("k", "tree"):
         with pytest.raises(ValueError, match=rf"prompt 0: {len(prompt)} tokens \+ max_new_tokens 4 \+ the deepest "
-                                             rf"--{auto} auto depth 6 = {window + 1} does not fit .* of {window}"):
+                                             rf"--{auto} auto depth 8 = {window + 1} does not fit .* of {window}"):
             evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, auto=auto, warmup=False)
-    with pytest.raises(ValueError, match=rf"prompt 0: .* \+ tree depth 6 = {window + 1} does not fit"):
-        evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, tree=TreeConfig(6, 2, 8))
+    with pytest.raises(ValueError, match=rf"prompt 0: .* \+ tree depth 8 = {window + 1} does not fit"):
+        evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, tree=TreeConfig(8, 2, 8))
+    with pytest.raises(ValueError, match=rf"prompt 0: .* \+ tree depth 8 = {window + 1} does not fit"):  # a hybrid's
+        evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4,  # lookup branch counts
+                      tree=TreeConfig(3, 2, 4, 8))
     with pytest.raises(ValueError, match=r"prompt 0: 500 tokens \+ calibration_tokens 48 = 548 does not fit"):
         evaluate_head(tiny_head, target, tokenizer, [[5] * 500], max_new_tokens=4, auto="k", warmup=False)
     report = evaluate_head(tiny_head, target, tokenizer, [prompt], k=5, max_new_tokens=4, baseline=False,

@@ -182,3 +182,18 @@ def test_target_without_gguf_is_refused(tiny_target_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown dtype 'q8_0' for vllm"):
         export_checkpoint(ckpt, "vllm", tmp_path / "v", dtype="q8_0")
     assert not (tmp_path / "lc").exists()
+
+
+def test_launch_line_chains_ngram_mod_for_a_hybrid_report(tmp_path):
+    """A report whose choice was a hybrid with prompt lookup is served by llama.cpp as a chain of spec types (the
+    n-gram draft when it has a match); a plain chain stays draft-eagle3 alone; paths are shell-quoted."""
+    from types import SimpleNamespace
+
+    from draftkit.export.llamacpp import launch_command
+
+    source = SimpleNamespace()
+    out = tmp_path / "my head"
+    plain = launch_command(source, str(out), 3, target_gguf="t.gguf")
+    hybrid = launch_command(source, str(out), 3, target_gguf="t.gguf", hybrid={"mode": "switch", "lookup_tokens": 8})
+    assert plain == f"llama-server -m t.gguf -md '{out / GGUF_FILE}' --spec-type draft-eagle3 --spec-draft-n-max 3"
+    assert hybrid == plain.replace("--spec-type draft-eagle3 ", "--spec-type draft-eagle3,ngram-mod ")

@@ -45,8 +45,16 @@ def test_a_head_continues_on_other_data(tmp_path, monkeypatch, capsys):
         assert (sorted(same) == sorted(trained)) if init else "d2t" not in same
     # and trains on: exit 0, a new run (step count and schedule fresh)
     assert main(new + ["--model.init_head", str(ckpt), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]) == 0
-    assert torch.load(tmp_path / "next" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt",
-                      weights_only=False)["global_step"] == 2
+    last = tmp_path / "next" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+    # resumed with the same command after the init head moved away: the checkpoint holds the weights and vocab map
+    moved = tmp_path / "moved.ckpt"
+    ckpt.rename(moved)
+    assert main(new + ["--model.init_head", str(ckpt), "--trainer.max_steps", "3", "--trainer.val_check_interval", "2",
+                       "--ckpt_path", str(last)]) == 0
+    resumed = torch.load(last, weights_only=False)
+    assert resumed["global_step"] == 3 and torch.equal(resumed["state_dict"]["head.d2t"], trained["d2t"])
+    moved.rename(ckpt)
     # from an export directory too
     assert main(["export", str(ckpt), str(tmp_path / "exp"), "--to", "vllm", "--dtype", "float32"]) == 0
     cli = DraftkitCLI(args=new[1:] + ["--model.init_head", str(tmp_path / "exp")], run=False)
