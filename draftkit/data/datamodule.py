@@ -64,7 +64,7 @@ def _reason_counts(rows: list[dict]) -> dict[str, int]:
 
 
 def _count_reasons(rows: list[dict]) -> str:
-    """``"267 context-free prompt, 53 duplicate prompt"`` for rows with a ``reason``."""
+    """``"267 context-free prompt, 53 duplicate conversation"`` for rows with a ``reason``."""
     return ", ".join(f"{n} {reason}" for reason, n in _reason_counts(rows).items())
 
 

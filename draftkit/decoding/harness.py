@@ -464,7 +464,7 @@ def evaluate_drafter(
             "prompts_over_trained_length": over_trained,
             "device": str(device),
             "hardware": f"{platform.machine()} {os.cpu_count()} cpus, {threads} torch threads",
-            "cpu": cpu_name(),
+            "cpu": cpu_name() if torch.device(device).type == "cpu" else None,  # the summary names the device else
             "prompt_lookup_k": lookup_k if prompt_lookup else None,
         },
         "per_prompt": main["per_prompt"],
