@@ -517,6 +517,7 @@ class DraftkitCLI(LightningCLI):
         _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
         _check_context_window(self.config[self.subcommand])
         _check_memory(self.model, self.datamodule, self.trainer)
+        self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")  # build() skips model.init_head
         self._created_dirs = _claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
         self._run_start = _RunStart()

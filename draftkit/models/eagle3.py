@@ -342,9 +342,9 @@ class Eagle3Module(pl.LightningModule):
         else:
             raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
         init = None
-        resuming = self._trainer is not None and bool(getattr(self._trainer, "ckpt_path", None))
+        resuming = getattr(self, "resume_ckpt_path", None)  # set by `draftkit fit --ckpt_path` before set-up
         if self.hparams.init_head and resuming:  # the checkpoint holds the weights and d2t/t2d: the file may be gone
-            log.info("model.init_head %s: not read, resuming from %s", self.hparams.init_head, self._trainer.ckpt_path)
+            log.info("model.init_head %s: not read, resuming from %s", self.hparams.init_head, resuming)
         elif self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
             from draftkit.models.init_head import read_init_head
 

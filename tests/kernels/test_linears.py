@@ -240,8 +240,8 @@ def test_smollm2_packed_logits_and_greedy_decode(dtype):
             sum(m.weight.numel() for m in handle.modules) * model.dtype.itemsize)
         with torch.no_grad():
             got = model(ids).logits
-        if dtype == "float32":
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        if dtype == "float32":  # 30 layers of float32 sums in oneDNN's order: worst 1.65e-4 on AVX2, < 1e-4 on AVX512
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-4)
         assert _greedy(model, ids, 32) == greedy
 
 
