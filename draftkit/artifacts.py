@@ -241,6 +241,24 @@ def looks_like_path(ref: str) -> bool:
             or Path(ref).suffix in FILE_SUFFIXES)
 
 
+def safetensors_weight_map(model_dir: str | Path) -> dict[str, Path] | None:
+    """Tensor name -> safetensors file of a model directory: ``model.safetensors.index.json``'s ``weight_map`` (a
+    sharded checkpoint) or every tensor of ``model.safetensors``; None when the directory has neither (``.bin``
+    weights, a hub id). Reads only the index or the file's header.
+    """
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
 def resolve_model_dir(ref: str, option: str = "model.target") -> str:
     """Resolve a target reference to something ``from_pretrained`` loads; dequantize a GGUF file once.
 

@@ -144,3 +144,31 @@ def test_unknown_tiny_family_names_the_option_and_the_families():
 
     assert msg.endswith(", ".join(TINY_FAMILIES))
     assert {"llama", "qwen3_moe", "gpt_oss", "deepseek_v3", "gemma2", "gemma3_text"} <= set(msg.split(" of ")[-1].split(", "))
+
+
+def test_safetensors_weight_map_reads_single_file_index_or_nothing(tmp_path):
+    """One reader for a model directory's tensor -> file map: a single ``model.safetensors``, a sharded index, or
+    neither (None, so callers fall back or refuse)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from draftkit.artifacts import safetensors_weight_map
+
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file({"a.weight": torch.zeros(2), "b.weight": torch.ones(3)}, str(single / "model.safetensors"))
+    assert safetensors_weight_map(single) == {"a.weight": single / "model.safetensors",
+                                              "b.weight": single / "model.safetensors"}
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a.weight": torch.zeros(2)}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": torch.ones(3)}, str(sharded / "model-00002-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    assert safetensors_weight_map(sharded) == {"a.weight": sharded / "model-00001-of-00002.safetensors",
+                                               "b.weight": sharded / "model-00002-of-00002.safetensors"}
+
+    assert safetensors_weight_map(tmp_path) is None

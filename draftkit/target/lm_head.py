@@ -12,7 +12,6 @@ Shapes: B batch, T tokens, H_t target hidden, V target vocab.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -122,11 +121,13 @@ def _decoder_layer_from_files(path: Path, dtype: torch.dtype, index: int) -> dic
     """
     from transformers import AutoConfig
 
+    from draftkit.artifacts import safetensors_weight_map
+
     model = _meta_model(AutoConfig.from_pretrained(path))
     layer = model.get_decoder().layers[index]
     prefix = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}[id(layer)]
     names = {f"{prefix}.{k}": k for k in layer.state_dict()}
-    tensors = _read_tensors(path, list(names))
+    tensors = _read_tensors(safetensors_weight_map(path) or {}, list(names))
     lost = sorted(set(names) - set(tensors))
     if lost:
         raise ValueError(f"no tensors {lost} of decoder layer {index} in {path}")
@@ -158,20 +159,14 @@ def _weight_names(config) -> tuple[str, str, str | None, nn.Module | None]:
     return f"{names[id(emb)]}.weight", f"{names[id(out)]}.weight", norm_name, norm
 
 
-def _read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read the named tensors (those present) from ``model.safetensors`` or a sharded safetensors index."""
+def _read_tensors(weight_map: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors (those present) through ``weight_map`` (``draftkit.artifacts.safetensors_weight_map``)."""
     from safetensors import safe_open
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {n: model_dir / weight_map[n] for n in names if n in weight_map}
-    else:
-        files = {n: model_dir / "model.safetensors" for n in names}
     out = {}
-    for name, path in files.items():
-        with safe_open(str(path), framework="pt") as f:
-            if name in f.keys():
+    for name in names:
+        if name in weight_map:
+            with safe_open(str(weight_map[name]), framework="pt") as f:
                 out[name] = f.get_tensor(name)
     return out
 
@@ -194,13 +189,13 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_i
     """
     from transformers import AutoConfig
 
-    from draftkit.artifacts import resolve_model_dir
+    from draftkit.artifacts import resolve_model_dir, safetensors_weight_map
     from draftkit.precision import as_torch_dtype, default_device
 
     torch_dtype = as_torch_dtype(dtype, default_device(), "target dtype")
     path = Path(resolve_model_dir(ref))
-    has_safetensors = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
-    if not has_safetensors:
+    weight_map = safetensors_weight_map(path)
+    if weight_map is None:
         log.info("target %s has no local safetensors; loading the whole target for its LM head", ref)
         model, _ = load_target(ref, torch_dtype)
         cfg = text_config(model.config)
@@ -212,7 +207,7 @@ def load_target_lm_head(ref: str, dtype: str | torch.dtype = "auto", aux_layer_i
     config = AutoConfig.from_pretrained(path)
     text_cfg = text_config(config)
     emb_name, head_name, norm_name, norm = _weight_names(config)
-    tensors = _read_tensors(path, [n for n in (emb_name, head_name, norm_name) if n is not None])
+    tensors = _read_tensors(weight_map, [n for n in (emb_name, head_name, norm_name) if n is not None])
     if emb_name not in tensors:
         raise ValueError(f"target {ref}: no tensor {emb_name!r} in {path}")
     head = tensors.get(head_name)

@@ -20,7 +20,6 @@ Shapes: V target vocab, H_t target hidden, N target layers, W world size (data-p
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -78,24 +77,6 @@ def shard_target(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file of a model directory (``model.safetensors`` or a sharded index)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if not single.exists():
-        raise ValueError(
-            f"target {path} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
-            "trainer.strategy fsdp_target reads each rank's rows from them: save the target with "
-            "save_pretrained(safe_serialization=True), or use trainer.strategy ddp"
-        )
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
 def load_sharded_target(ref: str, dtype: str | torch.dtype, mesh, device: torch.device | str):
     """Load a frozen target already sharded across ``mesh``; each rank reads only its 1/W of each tensor.
 
@@ -123,13 +104,19 @@ def load_sharded_target(ref: str, dtype: str | torch.dtype, mesh, device: torch.
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from draftkit.artifacts import resolve_model_dir
+    from draftkit.artifacts import resolve_model_dir, safetensors_weight_map
     from draftkit.precision import as_torch_dtype
 
     device = torch.device(device)
     path = Path(resolve_model_dir(ref))
     torch_dtype = as_torch_dtype(dtype, device.type, "target dtype")
-    files = _weight_files(path)
+    files = safetensors_weight_map(path)
+    if files is None:
+        raise ValueError(
+            f"target {path} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
+            "trainer.strategy fsdp_target reads each rank's rows from them: save the target with "
+            "save_pretrained(safe_serialization=True), or use trainer.strategy ddp"
+        )
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
