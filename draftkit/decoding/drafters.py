@@ -182,6 +182,11 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def describe(self) -> str:
+        """The match rule in words, for reports (e.g. ``suffix of 3, then 2 tokens``)."""
+        lengths = ", then ".join(str(n) for n in range(self.max_ngram, self.min_ngram - 1, -1))
+        return f"suffix of {lengths} tokens"
+
     def reset(self, prompt_ids: torch.Tensor, aux: torch.Tensor) -> None:
         pass
 

@@ -166,7 +166,7 @@ class Topology:
         tree = self.tree
         if tree is None or not tree.lookup:
             return None
-        return {"lookup_tokens": tree.lookup, "mode": tree.lookup_mode, "lookup_ngram": "suffix of 3, then 2 tokens",
+        return {"lookup_tokens": tree.lookup, "mode": tree.lookup_mode, "lookup_ngram": PromptLookupDrafter().describe(),
                 "engines": HYBRID_ENGINES}
 
 

@@ -243,6 +243,7 @@ def test_evaluate_reports_each_drafters_share(tiny, tiny_head):
     assert sum(share["rounds"].values()) == pytest.approx(1.0)
     assert sum(share["accepted_tokens"].values()) == pytest.approx(1.0)
     assert hybrid["hybrid"]["engines"]["llama.cpp"].startswith("runs the switch mode: --spec-type draft-eagle3,ngram-mod")
+    assert hybrid["hybrid"]["lookup_ngram"] == "suffix of 3, then 2 tokens"
     assert report["setup"]["prompt_lookup_k"] == 4 and "(" in report["setup"]["cpu"]
 
 

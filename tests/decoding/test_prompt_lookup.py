@@ -66,3 +66,10 @@ def test_bad_ngram_bounds(bad):
 def test_prompt_lookup_equals_the_brute_force_reference(tokens, k, ngrams):
     """A 3-token alphabet makes several candidate matches per sequence the common case."""
     assert propose(tokens, k, *ngrams) == reference(tokens, k, *ngrams)
+
+
+def test_describe_names_the_suffix_lengths_tried():
+    from draftkit.decoding.drafters import PromptLookupDrafter
+
+    assert PromptLookupDrafter().describe() == "suffix of 3, then 2 tokens"
+    assert PromptLookupDrafter(max_ngram=4, min_ngram=1).describe() == "suffix of 4, then 3, then 2, then 1 tokens"
