@@ -109,6 +109,8 @@ def test_floor_rules_on_examples():
     assert floor_of("draftkit.heads.checkpoint") == 2 and floor_of("draftkit.heads.eagle3_llama") == 1
     assert floor_of("draftkit.kernels.ttt_attention") == 1 and floor_of("draftkit.kernels.option") == 2
     assert floor_of("draftkit.decoding.tree") == 3 and floor_of("draftkit.commands.evaluate") == 6
+    assert floor_of("draftkit.generation.hidden_states") == 2 and floor_of("draftkit.data.hidden_cache") == 2
+    assert floor_of("draftkit.decoding.lossless") == 3
     assert floor_of("draftkit.callbacks.export") == 5 and floor_of("draftkit") == 1
     with pytest.raises(KeyError, match="no floor"):
         floor_of("draftkit.somewhere_new")
@@ -139,3 +141,13 @@ def test_package_cycles_finds_a_pair_on_one_floor(tmp_path):
     (tmp_path / "b.py").write_text("def f():\n    from draftkit.decoding import tree\n")
     fake = [("draftkit.decoding.bench", tmp_path / "a.py"), ("draftkit.export.x", tmp_path / "b.py")]
     assert package_cycles(fake, tmp_path) == ["draftkit.decoding <-> draftkit.export: a.py:1 and b.py:2"]
+
+
+def test_data_does_not_run_the_target():
+    """``data/`` keeps formats, readers, splits and the datamodule; data made by running the target (regeneration,
+    the hidden-state cache writer) lives in ``generation/``. So of ``draftkit.target`` a ``data`` module imports
+    only the tokenizer facts (``target.tokens``)."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}" for name, path in MODULES
+           if name.startswith("draftkit.data.") for target, line in _imports(name, path)
+           if target.startswith("draftkit.target") and target != "draftkit.target.tokens"]
+    assert not bad, "\n".join(bad)

@@ -9,7 +9,7 @@ interrupted cache: complete shards are kept. Then train with ``--data.hidden_sta
 Extra ``--model.*``, ``--data.*`` and ``--trainer.*`` arguments override the recipe (e.g. ``--data.max_conversations 200``).
 Launched by ``torchrun --nproc_per_node N -m draftkit cache-hidden-states ...`` (``WORLD_SIZE`` > 1), every
 process runs the target on its own GPU (``cuda:LOCAL_RANK``; gloo on CPU) and writes its share of the shards;
-rank 0 checks the disk for the whole cache first and merges the index (``draftkit.data.hidden_cache``). The
+rank 0 checks the disk for the whole cache first and merges the index (``draftkit.generation.hidden_states``). The
 files equal those of one process. With ``--trainer.strategy fsdp_target`` the target is sharded across the
 processes (``draftkit.target.sharding``: no process loads it whole) and they run its forwards in lockstep. The
 forward runs under the recipe's precision (bf16 autocast for ``bf16-mixed``; unset = the precision policy,
@@ -96,7 +96,8 @@ def cache_hidden_states(
     import torch
 
     from draftkit.cli import DraftkitCLI
-    from draftkit.data.hidden_cache import AUTO, write_recipe_cache
+    from draftkit.data.hidden_cache import AUTO
+    from draftkit.generation.hidden_states import write_recipe_cache
     from draftkit.strategy import SHARDED_TARGET
 
     args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])

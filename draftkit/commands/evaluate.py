@@ -1,7 +1,8 @@
 """``draftkit evaluate``: acceptance length and speedup of a trained head on MT-bench or a prompt file.
 
 The harness (plain, speculative and prompt-lookup decoding per prompt, the report keys) is
-``draftkit.decoding.harness``; this verb loads the head and its target, runs it, and writes the report.
+``draftkit.decoding.harness``, the float32 lossless check ``draftkit.decoding.lossless``; this verb loads the head
+and its target (checked once per load), runs them, and writes the report.
 
 Shapes: none (a command).
 """
@@ -108,6 +109,7 @@ def evaluate(
 
     from draftkit.data.prompts import load_prompts
     from draftkit.decoding.harness import Topology, evaluate_head
+    from draftkit.decoding.lossless import lossless_block, lossless_pass
     from draftkit.decoding.report import format_summary, write_tensorboard
     from draftkit.export.head_target import load_head_and_target
     from draftkit.jsonio import check_writable, write_json_atomic
@@ -142,7 +144,7 @@ def evaluate(
             max_new_tokens=max_new_tokens, seed=seed, chat_template=meta.get("chat_template"), baseline=baseline,
             prompt_lookup=prompt_lookup, tree=tree_config, auto=auto, calibration_prompts=calibration_prompts,
             calibration_tokens=calibration_tokens, sweep=sweep_list, trained_length=meta.get("trained_length"),
-            hybrid=hybrid, prompt_lookup_k=prompt_lookup_k,
+            hybrid=hybrid, prompt_lookup_k=prompt_lookup_k, check=False,  # load_head_and_target checked it
         )
         kernels_record = {"kernels": applied.target.as_dict(), "head_kernels": applied.head.as_dict()}
     if not meta.get("trained_length"):
@@ -151,8 +153,16 @@ def evaluate(
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
                            draft_dtype=draft_dtype, precision=precision, **kernels_record)
     if lossless_check and baseline and temperature == 0:
-        report["lossless"] = _lossless(report, checkpoint, target_ref, device, dtype, draft_dtype, prompt_list,
-                                       max_new_tokens, seed, meta.get("chat_template"), kernels)
+        if dtype == draft_dtype == "float32":  # the timed run is the check
+            report["lossless"] = lossless_block(report, "timed run")
+        else:  # both again in float32, the timed copies freed first (compiled: auto's kernels, not a second compile)
+            del head, frozen
+            head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
+            with use_kernels("auto" if kernels == "compiled" else kernels, frozen, head):
+                report["lossless"] = lossless_pass(
+                    head, frozen, tokenizer, prompt_list, Topology.in_report(report), max_new_tokens=max_new_tokens,
+                    seed=seed, chat_template=meta.get("chat_template"), check=False,
+                )
     write_json_atomic(output, report)
     if tensorboard:
         write_tensorboard(report, tensorboard)
@@ -163,47 +173,3 @@ def evaluate(
               f" (speed above in {dtype})")
     print(f"report: {output}")
     return report
-
-
-def _lossless(report: dict, checkpoint: str, target_ref: str, device: str, dtype: str, draft_dtype: str, prompts,
-              max_new_tokens: int, seed: int, chat_template, kernels: str) -> dict:
-    """The report's ``lossless`` block: float32 greedy equality of speculative and plain decoding.
-
-    When the timed run was float32 (target and head), its own ``greedy_equal`` is the check; otherwise the head
-    and target are loaded again in float32 on ``device`` (the kernels chosen by ``kernels`` for float32; auto's
-    for ``compiled``) and every topology of the report (the main one and any ``--sweep`` entry, as they ran,
-    ``--k auto``'s choice included) decodes every prompt, untimed, beside plain decoding.
-
-    Returns:
-        ``{"dtype": "float32", "source": "timed run" | "float32 pass", "greedy_equal": int,
-        "greedy_near_ties": int, "per_topology": [{"topology", "greedy_equal", "greedy_near_ties"}, ...]}``.
-    """
-    from draftkit.decoding.harness import Topology, evaluate_head
-    from draftkit.decoding.tree import TreeConfig
-    from draftkit.export.head_target import load_head_and_target
-    from draftkit.kernels.option import use_kernels
-
-    def block(rep: dict, source: str) -> dict:
-        entries = rep["sweep"] or [rep]
-        return {"dtype": "float32", "source": source, "greedy_equal": rep["greedy_equal"],
-                "greedy_near_ties": rep["greedy_near_ties"],
-                "per_topology": [{"topology": e.get("topology", rep["setup"]["topology"]),
-                                  "greedy_equal": e["greedy_equal"], "greedy_near_ties": e["greedy_near_ties"]}
-                                 for e in entries]}
-
-    if dtype == "float32" and draft_dtype == "float32":
-        return block(report, "timed run")
-
-    def topology(entry: dict) -> Topology:
-        tree = entry.get("tree")
-        return Topology(entry["k"], None if tree is None else TreeConfig(**tree))
-
-    topologies = [topology(e) for e in (report["sweep"] or [report])]
-    head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
-    with use_kernels("auto" if kernels == "compiled" else kernels, frozen, head):
-        exact = evaluate_head(
-            head, frozen, tokenizer, prompts, k=topologies[0].k, tree=topologies[0].tree, temperature=0.0,
-            max_new_tokens=max_new_tokens, seed=seed, chat_template=chat_template, baseline=True,
-            prompt_lookup=False, collect_kl=False, warmup=False, sweep=topologies[1:] or None,
-        )
-    return block(exact, "float32 pass")

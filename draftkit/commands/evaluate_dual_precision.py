@@ -11,8 +11,8 @@ The target's decoder linears are quantized to int8 (``--scheme`` symmetric or as
 or per ``--group_size`` inputs (LM head kept 16-bit unless ``--quantize_lm_head``), the 4-bit model is the
 mid-point (or ``--slicing``) slice of the same codes; thresholds come from ``--budget`` on calibration prompts
 split off the same source (disjoint), or are given with ``--entropy_threshold``/``--margin_threshold``. See
-``draftkit.dual_precision`` for the protocol (its ``report`` module: the summary, figures and answer check) and
-dual-precision.md for definitions.
+``draftkit.dual_precision`` for the protocol (its ``harness`` module: the target loaded, quantized and evaluated;
+its ``report`` module: the summary, figures and answer check) and dual-precision.md for definitions.
 
 Shapes: P prompts, n generated tokens.
 """
@@ -20,11 +20,10 @@ Shapes: P prompts, n generated tokens.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Optional, Union
 
-from draftkit.data.prompts import TEMPLATES, encode_prompt, load_prompts, resolve_template, split_prompts
+from draftkit.data.prompts import TEMPLATES, load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic
 
 __all__ = ["SMOLLM2_REF", "evaluate_dual_precision"]
@@ -117,16 +116,11 @@ def evaluate_dual_precision(
     import torch
 
     from draftkit.dual_precision import METHODS, DualPrecisionConfig
-    from draftkit.dual_precision import evaluate_dual_precision as run
     from draftkit.dual_precision import report as dp_report
+    from draftkit.dual_precision.harness import evaluate_target
     from draftkit.jsonio import check_writable
     from draftkit.precision import DTYPES, precision_record
     from draftkit.quant import QuantConfig
-    from draftkit.target.frozen import load_target
-    from draftkit.kernels.linears import KERNELS
-    from draftkit.kernels.option import use_kernels
-    from draftkit.target.session import TargetSession
-    from draftkit.target.tokens import stop_token_ids
 
     if output:
         check_writable(output, "--output")  # before the quantization and decoding, not after
@@ -161,37 +155,11 @@ def evaluate_dual_precision(
         torch.set_num_threads(threads)
     precision = precision_record(dtype, "cpu")
     log.info("computing in %s (--dtype %s)", precision["dtype"], dtype)  # the policy's line above is its own choice
-    t_load = time.perf_counter()
-    model, tokenizer = load_target(target, precision["dtype"])
-    try:
-        lm = TargetSession.with_precision_switch(model, quant)
-    except ValueError as err:
-        raise ValueError(f"--target {target}: {err}") from err
-    applied = use_kernels(kernels, model, options=KERNELS)  # after quantizing: only the float linears left are packed
-    t_load = time.perf_counter() - t_load
-    eos = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-    chosen = resolve_template(template, tokenizer, target)
-    if template == "auto":
-        log.info("--template auto: %s (the tokenizer %s)", chosen,
-                 "has a chat template" if chosen == "chat" else "has no chat template")
-    template = chosen
-    quant_report = dp_report.quant_record(quant, lm)
     if record is None and output:
         record = str(Path(output).with_suffix(".prompts.jsonl"))
-    eval_ids = [encode_prompt(p, tokenizer, template) for p in evaluation]
-    calib_ids = [encode_prompt(p, tokenizer, template) for p in calib]
-    with applied:
-        report = run(
-            lm, eval_ids, calib_ids, config, eos, dp_report.answer_checker(tokenizer, evaluation), record=record,
-            record_header={"target": target, "dtype": precision["dtype"], "template": template, "quant": quant_report},
-        )
-        report["kernels"] = applied.target.as_dict()
-    report["target"] = target
-    report["dtype"] = precision["dtype"]
+    report = evaluate_target(target, evaluation, calib, config, quant, dtype=precision["dtype"], template=template,
+                             kernels=kernels, record=record)
     report["precision"] = precision
-    report["template"] = template
-    report["record"] = record
-    report["quant"] = quant_report
     report["prompts"] = {
         "source": prompts,
         "calibration_source": calibration_prompts if config.calibrate else None,
@@ -199,7 +167,6 @@ def evaluate_dual_precision(
         "calibration_ids": [p.id for p in calib],
         "overlap": overlap,
     }
-    report["timing_s"]["load_and_quantize"] = t_load
     report["torch_threads"] = torch.get_num_threads()
     if output:
         write_json_atomic(output, dp_report.json_safe(report), allow_nan=False)

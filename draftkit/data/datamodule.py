@@ -33,7 +33,7 @@ from draftkit.data.chat import (
     tokenize_conversation,
 )
 from draftkit.data.collate import SUPERVISE, collate, collate_offline
-from draftkit.data.hidden_cache import AUTO, HiddenStateCache, write_recipe_cache
+from draftkit.data.hidden_cache import AUTO, HiddenStateCache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
@@ -75,14 +75,6 @@ PROMPT_RULE_HINTS = {
     "duplicate conversation": "set data.dedup_prompts false to train exact copies several times per epoch",
 }
 """What to do about each reason of the prompt rule (``splits.PromptFilter``) when its drops stop set-up."""
-
-
-def _log_plan(plan: dict) -> None:
-    log.info(
-        "hidden-state cache %s: %.3f GB to write (%d bytes/token x %d tokens, %d shards; %d already complete), "
-        "%.1f GB free", plan["output"], plan["bytes_needed"] / 1e9, plan["bytes_per_token"], plan["tokens"],
-        plan["shards_todo"], plan["shards_done"], plan["bytes_free"] / 1e9,
-    )
 
 
 class ChatDataModule(pl.LightningDataModule):
@@ -183,7 +175,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.stats: dict = {}
         self.train_lengths = None
         self.hidden_states = None  # HiddenStateCache in offline mode
-        self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (write_auto_cache)
+        self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (generation.hidden_states)
         self._offline: dict = {}
 
     # -- tokenizer --------------------------------------------------------------------------------------
@@ -484,8 +476,8 @@ class ChatDataModule(pl.LightningDataModule):
         self.val_set = ds.select(val_idx).select_columns(cols)
         self.train_lengths = _lengths(self.train_set)
         if hp.hidden_states_cache == AUTO:
-            # written by write_auto_cache() when the module builds its head: after every callback's setup (where
-            # LayerSelection chooses the aux layers), so the cache holds the layers the head reads
+            # written by draftkit.generation.hidden_states.write_auto_cache when the module builds its head: after
+            # every callback's setup (where LayerSelection chooses the aux layers), so the cache holds those layers
             self.auto_cache_pending = True
         elif hp.hidden_states_cache:
             self.open_hidden_states(hp.hidden_states_cache)
@@ -499,30 +491,6 @@ class ChatDataModule(pl.LightningDataModule):
             self.stats["no_supervised_token"], "trainable" if hp.supervise == "all" else "assistant",
             len(self.stats["prompt_rule"]), _count_reasons(self.stats["prompt_rule"]) or "none",
         )
-
-    def write_auto_cache(self) -> None:
-        """``hidden_states_cache: auto``: every rank writes its share of (or finishes, or finds complete) the cache
-        of this run's target, data and aux layers with the trainer's module, precision and its own device; rank 0
-        merges the index; every rank then trains from it. The module calls it when it builds its head
-        (``Eagle3Module.build``), once the aux layers are final.
-
-        Raises:
-            ValueError: outside a trainer (the cache needs the module's target).
-        """
-        trainer = self.trainer
-        if trainer is None or trainer.lightning_module is None:
-            raise ValueError(
-                "data.hidden_states_cache: auto is resolved by `fit` (it needs the module's target); elsewhere "
-                "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
-            )
-        s = trainer.strategy
-        log.info("data.hidden_states_cache: auto: a complete cache for this target, data and aux layers is reused; "
-                 "otherwise one target pass over the data first (complete shards are kept)")
-        self.open_hidden_states(write_recipe_cache(
-            trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
-            rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
-        )["output"])
-        self.auto_cache_pending = False
 
     def open_hidden_states(self, path: str) -> None:
         """Train and validate from the hidden-state cache at ``path`` (after :meth:`setup`).

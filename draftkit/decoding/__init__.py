@@ -11,6 +11,8 @@
 - ``metrics``: acceptance length tau, per-position acceptance, acceptance rate, KL(target || draft).
 - ``harness``: :func:`~draftkit.decoding.harness.evaluate_head`, the harness of ``draftkit evaluate`` and the
   ``AcceptanceLengthMonitor`` callback.
+- ``lossless``: evaluate's lossless check: speculative greedy output equals plain greedy output in float32, for
+  every topology that ran.
 - ``report``: the text summary, TensorBoard scalars and figures of an evaluate report.
 - ``bench``: decode-speed measurement behind ``draftkit bench decode`` (per-round costs, speedup at a scripted
   acceptance).

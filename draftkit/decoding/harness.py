@@ -160,6 +160,14 @@ class Topology:
         raise ValueError(f"{option}: {text!r} is not k=K (K >= 1) or tree=DEPTH,TOPK,N, each optionally with "
                          "+lookup=L or +switch=L")
 
+    @classmethod
+    def in_report(cls, report: dict) -> list["Topology"]:
+        """Every topology a :func:`evaluate_drafter` report ran, the main one first (``--k auto``'s choice as it
+        ran): the inverse of the ``k`` and ``tree`` keys it writes for each (the top level, or each ``sweep``
+        entry)."""
+        entries = report["sweep"] or [report]
+        return [cls(e["k"], None if e["tree"] is None else TreeConfig(**e["tree"])) for e in entries]
+
     def report(self) -> dict | None:
         """The report's ``hybrid`` block: the prompt-lookup branch and the engines that run such a hybrid; None
         for the head alone."""
@@ -549,16 +557,18 @@ def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens
     }
 
 
-def evaluate_head(head, target, tokenizer, prompts, **kwargs) -> dict:
+def evaluate_head(head, target, tokenizer, prompts, *, check: bool = True, **kwargs) -> dict:
     """Evaluate an EAGLE3 head against its target; see :func:`evaluate_drafter` for the options.
 
     The head runs in its own dtype and device (its step-0 features are cast to it); it is put in eval mode
-    for the call and its previous mode restored.
+    for the call and its previous mode restored. ``check``: run :func:`check_head_matches_target` first (False
+    for a head its loader checked, ``export.head_target.load_head_and_target``: each load is checked once).
 
     Raises:
         ValueError: if the head does not match the target (names both), and as :func:`evaluate_drafter`.
     """
-    check_head_matches_target(head, target)
+    if check:
+        check_head_matches_target(head, target)
     was_training = head.training
     head.eval()
     try:

@@ -7,6 +7,7 @@
 - ``replay``: flip labels and gate scores on all-8-bit trajectories, gate quality, threshold calibration.
 - ``evaluate``: :class:`DualPrecisionConfig` and :func:`evaluate_dual_precision`, the orchestrator behind
   ``draftkit evaluate-dual-precision``.
+- ``harness``: ``evaluate_target``, that evaluation of a target reference (loaded, quantized, prompts encoded).
 - ``report``: the report's answer check, quantization record, text summary, TensorBoard figures, strict JSON.
 """
 

@@ -302,12 +302,14 @@ class Eagle3Module(pl.LightningModule):
         Raises:
             ValueError: if V_d > V, or V_d < V without a datamodule, or the hidden-state cache was built for
                 another target, target dtype or aux layers (naming the field); with ``hidden_states_cache: auto``
-                outside a trainer (``ChatDataModule.write_auto_cache``).
+                outside a trainer (``generation.hidden_states.write_auto_cache``).
         """
         if self.head is not None:
             return
         if getattr(dm, "auto_cache_pending", False):  # hidden_states_cache: auto, with the final aux layers
-            dm.write_auto_cache()
+            from draftkit.generation.hidden_states import write_auto_cache
+
+            write_auto_cache(dm)
         cache = getattr(dm, "hidden_states", None) if dm is not None else None
         if cache is not None:
             from draftkit.target.frozen import config_fingerprint

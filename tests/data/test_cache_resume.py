@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftkit.data.hidden_cache import HiddenStateCache, write_hidden_states
+from draftkit.data.hidden_cache import HiddenStateCache
+from draftkit.generation.hidden_states import write_hidden_states
 
 FP = {"target": "t", "target_config": "c", "target_dtype": "bfloat16", "aux_layer_ids": [1, 2], "tokenizer": "k", "data": "d"}
 H = 4
@@ -65,7 +66,7 @@ def test_a_torn_finished_shard_is_rewritten_on_resume(tmp_path, tear):
 
 
 def test_the_cache_checks_free_space_before_writing(tmp_path, monkeypatch):
-    import draftkit.data.hidden_cache as offline
+    import draftkit.generation.hidden_states as offline
 
     real = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(offline.shutil, "disk_usage", lambda p: real._replace(free=100))

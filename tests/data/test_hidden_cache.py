@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from draftkit.artifacts import resolve_artifact
 from draftkit.cli import DraftkitCLI
 from draftkit.data.collate import collate_offline
-from draftkit.data.hidden_cache import HiddenStateCache, OfflineDataset, bytes_per_token, plan_shards, write_hidden_states
+from draftkit.data.hidden_cache import HiddenStateCache, OfflineDataset, bytes_per_token, plan_shards
+from draftkit.generation.hidden_states import write_hidden_states
 from draftkit.target.lm_head import TargetLMHead
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def test_resume_writes_only_missing_shards(tmp_path):
 
 
 def test_disk_short_is_an_error_before_writing(tmp_path, monkeypatch):
-    import draftkit.data.hidden_cache as offline
+    import draftkit.generation.hidden_states as offline
 
     real = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(offline.shutil, "disk_usage", lambda p: real._replace(free=100))

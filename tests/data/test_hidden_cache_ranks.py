@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-import draftkit.data.hidden_cache as hidden_cache
-from draftkit.data.hidden_cache import HiddenStateCache, bytes_per_token, write_hidden_states
+import draftkit.generation.hidden_states as writer
+from draftkit.data.hidden_cache import HiddenStateCache, bytes_per_token, plan_shards
+from draftkit.generation.hidden_states import write_hidden_states
 
 FP = {"target": "t", "target_config": "c", "target_dtype": "bfloat16", "aux_layer_ids": [1, 2], "tokenizer": "k", "data": "d"}
 H, V = 4, 50  # H_t of the tiny target, its vocab; 2 aux layers -> aux width 8
@@ -174,12 +175,12 @@ def test_the_disk_check_counts_the_whole_cache_before_any_rank_writes(tmp_path, 
     """With 2 ranks, rank 0 counts every rank's shards (the whole cache: bytes per token x all tokens plus the
     headers), refuses before anything is written, and rank 1 raises the same error from the broadcast."""
     rows = _rows()
-    shards = [s for split, n in (("train", 13), ("val", 3)) for s in hidden_cache.plan_shards(
+    shards = [s for split, n in (("train", 13), ("val", 3)) for s in plan_shards(
         [len(r["input_ids"]) for r in rows[:n]], split, 16)]
     tokens = sum(len(r["input_ids"]) for r in rows) + sum(len(r["input_ids"]) for r in rows[:3])
     need = bytes_per_token(H, 2) * tokens + sum(8 * (s["rows"][1] - s["rows"][0] + 1) + 4096 for s in shards)
     assert bytes_per_token(H, 2) == 2 * 3 * H + 5
-    monkeypatch.setattr(hidden_cache, "_free_bytes", lambda path: need - 1)
+    monkeypatch.setattr(writer, "_free_bytes", lambda path: need - 1)
     sent, plans = [], []
 
     def rank0_broadcast(obj):
@@ -199,7 +200,7 @@ def test_the_disk_check_counts_the_whole_cache_before_any_rank_writes(tmp_path, 
         _write(out, target, rank=1, world_size=2, barrier=no_barrier, broadcast=lambda obj: sent[0])
     assert rank1.value.errno == 28 and target.calls == 0
     assert not out.exists()
-    monkeypatch.setattr(hidden_cache, "_free_bytes", lambda path: need)  # exactly enough: written
+    monkeypatch.setattr(writer, "_free_bytes", lambda path: need)  # exactly enough: written
     assert _write(out, _TinyTarget())["bytes_needed"] == need
 
 

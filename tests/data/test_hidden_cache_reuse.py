@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftkit.cli import DraftkitCLI
-from draftkit.data.hidden_cache import write_recipe_cache
+from draftkit.generation.hidden_states import write_recipe_cache
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-debug.yaml"

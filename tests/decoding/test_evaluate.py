@@ -356,6 +356,23 @@ def test_main_times_in_the_policy_dtype_and_checks_losslessness_in_float32(
     assert "kernels must be one of auto, onednn, stock, compiled, got 'fast'" in capsys.readouterr().err
 
 
+def test_each_head_load_is_checked_against_its_target_once(tmp_path, ckpt, prompts_file, fake_precision, monkeypatch):
+    """The head-vs-target check runs once per load: once for a float32 run (one load), twice for a bfloat16 run
+    whose lossless pass loads the head and the target again in float32 (the harness does not check again)."""
+    import draftkit.decoding.harness as harness
+
+    calls = []
+    real = harness.check_head_matches_target
+    monkeypatch.setattr(harness, "check_head_matches_target", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "4", "--num_prompts",
+              "1", "--k", "2", "--prompt_lookup", "false", "--output", str(tmp_path / "report.json")]
+    assert main([*common, "--dtype", "float32"]) == 0 and len(calls) == 1
+    calls.clear()
+    fake_precision("bfloat16", 0.5)
+    assert main(common) == 0 and len(calls) == 2
+    assert [next(t.parameters()).dtype for t in calls] == [torch.bfloat16, torch.float32]
+
+
 def test_main_packs_the_target_and_the_head_with_the_same_results(tmp_path, ckpt, prompts_file, monkeypatch):
     """--kernels onednn (the size floor lifted for the tiny models) packs every linear of the target and of the
     draft head, reports both, and decodes as stock kernels do in float32: the same tau, acceptance per position

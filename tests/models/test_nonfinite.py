@@ -207,7 +207,7 @@ def test_interrupt_checkpoint_skips_nan_weights(offline_module, tmp_path):
 def test_cache_writer_refuses_non_finite_target_states(tmp_path):
     """A target whose states of one conversation (token 99 in it) are NaN: the cache writer names the split row
     and record and writes no shard, so no cache on disk holds NaN."""
-    from draftkit.data.hidden_cache import write_hidden_states
+    from draftkit.generation.hidden_states import write_hidden_states
 
     rows = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "record": "a.jsonl:1"},
             {"input_ids": [4, 99, 5, 6], "loss_mask": [0, 1, 1, 1], "record": "a.jsonl:2"}]

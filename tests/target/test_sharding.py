@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from draftkit.data.hidden_cache import write_hidden_states
+from draftkit.generation.hidden_states import write_hidden_states
 from draftkit.target.frozen import FrozenTarget, load_target
 from draftkit.target.sharding import load_sharded_target, resident_bytes
 from draftkit.testing import build_tiny_target
