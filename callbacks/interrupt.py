@@ -22,6 +22,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from draftkit.models.guards import head_is_finite
+
 __all__ = ["InterruptCheckpoint"]
 
 
@@ -67,9 +69,8 @@ class InterruptCheckpoint(Callback):
         error is left to surface (the module's ``on_save_checkpoint`` would refuse it anyway)."""
         if trainer.state.fn != TrainerFn.FITTING or not self._started:
             return
-        finite = getattr(pl_module, "head_is_finite", None)
-        ok = finite() if finite is not None else all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()
-                                                      if p.is_floating_point())
+        ok = head_is_finite(pl_module.head) if hasattr(pl_module, "head") else all(
+            bool(torch.isfinite(p).all()) for p in pl_module.parameters() if p.is_floating_point())
         if not ok:
             rank_zero_warn(f"InterruptCheckpoint: not writing {self.ckpt_path}: the weights hold NaN/inf")
             return

@@ -122,11 +122,13 @@ MUTANTS: dict[str, list[Mutant]] = {
           MODULE, "-k", "accuracy", issue="17.1"),
         M("entropy-key-offset", "key_offset=-1, downweight=cfg.downweight", "key_offset=1, downweight=cfg.downweight",
           MODULE, "-k", "entropy", issue="17.3"),
-        M("init-from-target-ignored", "if self.hparams.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
-          issue="17.11"),
         M("ttt-decay-power", "(self.ttt.decay ** k) * loss_sum", "(self.ttt.decay ** (k + 1)) * loss_sum",
           MODULE, "-k", "reference"),
         M("ttt-positions", "positions + k, ttt_cache", "positions, ttt_cache", MODULE, "-k", "reference"),
+    ],
+    "draftkit/models/start.py": [
+        M("init-from-target-ignored", "if hp.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
+          issue="17.11"),
     ],
     "draftkit/models/ttt.py": [
         M("acc-counts-mismatches", "correct = (logits.argmax(-1) == teacher_argmax)",

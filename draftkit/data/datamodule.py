@@ -500,17 +500,21 @@ class ChatDataModule(pl.LightningDataModule):
             len(self.stats["prompt_rule"]), _count_reasons(self.stats["prompt_rule"]) or "none",
         )
 
-    def write_auto_cache(self) -> None:
+    def write_auto_cache(self, model) -> None:
         """``hidden_states_cache: auto``: every rank writes its share of (or finishes, or finds complete) the cache
-        of this run's target, data and aux layers with the trainer's module, precision and its own device; rank 0
-        merges the index; every rank then trains from it. The module calls it when it builds its head
-        (``Eagle3Module.build``), once the aux layers are final.
+        of this run's target, data and aux layers with ``model``'s target, the trainer's precision and its own
+        device; rank 0 merges the index; every rank then trains from it. The module calls it with itself when it
+        builds its head (``Eagle3Module.build``), once the aux layers are final.
+
+        Args:
+            model: the ``Eagle3Module`` that owns the target (its ``target_handle``, through
+                ``load_target_model``/``release_target_model``) and the aux layers.
 
         Raises:
-            ValueError: outside a trainer (the cache needs the module's target).
+            ValueError: outside a trainer (the cache is written with the trainer's ranks and precision).
         """
         trainer = self.trainer
-        if trainer is None or trainer.lightning_module is None:
+        if trainer is None:
             raise ValueError(
                 "data.hidden_states_cache: auto is resolved by `fit` (it needs the module's target); elsewhere "
                 "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
@@ -519,7 +523,7 @@ class ChatDataModule(pl.LightningDataModule):
         log.info("data.hidden_states_cache: auto: a complete cache for this target, data and aux layers is reused; "
                  "otherwise one target pass over the data first (complete shards are kept)")
         self.open_hidden_states(write_recipe_cache(
-            trainer.lightning_module, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
+            model, self, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
             rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
         )["output"])
         self.auto_cache_pending = False

@@ -8,7 +8,8 @@ import torch
 from decoding_stubs import make_head
 
 from draftkit.commands import main as draftkit_main
-from draftkit.decoding.harness import _first_diff, check_head_matches_target, evaluate_head
+from draftkit.decoding.harness import _first_diff, evaluate_head
+from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.decoding.tree import TreeConfig
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.target.frozen import FrozenTarget, load_target
