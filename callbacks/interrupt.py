@@ -9,7 +9,7 @@ silently restored the stopped state, past draftkit's resume-option check (change
 the restored step). So this callback is not an ``OnExceptionCheckpoint``: it acts only inside ``fit`` once
 training has started (an error before that leaves nothing to resume), removes the file only when a ``fit`` ends
 cleanly (its ``last.ckpt`` then supersedes it), and a ``fit`` resumes from it only through ``--ckpt_path``
-(``draftkit.cli`` refuses a fresh ``fit`` while the file holds a stopped run's state, printing the command that
+(``draftkit.fit_run`` refuses a fresh ``fit`` while the file holds a stopped run's state, printing the command that
 resumes it).
 """
 
@@ -43,7 +43,7 @@ class InterruptCheckpoint(Callback):
 
     FILE_EXTENSION = ".ckpt"
     STOPPED_STATE = True
-    """Marks a writer of a stopped run's state for ``draftkit.cli`` (which may not import ``draftkit.callbacks``):
+    """Marks a writer of a stopped run's state for ``draftkit.fit_run`` (which may not import ``draftkit.callbacks``):
     it reports :attr:`ckpt_path` when :attr:`written`, and refuses a fresh ``fit`` that would overwrite it."""
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
@@ -52,7 +52,7 @@ class InterruptCheckpoint(Callback):
         self.dirpath = dirpath
         self.filename = filename
         self.written = False
-        """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.cli`` to report an interrupted fit)."""
+        """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.fit_run`` to report an interrupted fit)."""
         self._started = False
 
     @property
