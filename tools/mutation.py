@@ -531,6 +531,9 @@ ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_r
                    "tests/export/test_engine_config_fields.py")
 TESTS: dict[str, tuple[str, ...]] = {
     "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py",),
+    "draftkit/models/guards.py": ("tests/models/test_nonfinite.py", "tests/models/test_val_nothing_to_measure.py",
+                                  "tests/models/test_tau_sim_coverage.py", "tests/models/test_eagle3_module.py"),
+    "draftkit/fit_run.py": ("tests/test_resume_options.py", "tests/test_interrupted_fit.py", "tests/test_fit_setup.py"),
     "draftkit/models/ttt.py": ("tests/models/test_eagle3_module.py", "tests/models/test_ttt_schedule.py"),
     "draftkit/models/schedule.py": ("tests/models/test_eagle3_module.py", "tests/models/test_ttt_schedule.py",
                                     "tests/callbacks/"),

@@ -175,8 +175,8 @@ class Eagle3Module(pl.LightningModule):
 
     def load_target_model(self):
         """(HF model, tokenizer) of the frozen target, loaded once by :attr:`target_handle` (every rank must call
-        it: under ``trainer.strategy fsdp_target`` each loads its shard); the module's own ``build``, the
-        hidden-state cache writer and the callbacks that read the target all load it here."""
+        it: under ``trainer.strategy fsdp_target`` each loads its shard): the hidden-state cache writer and the
+        callbacks that read the target load it here, :meth:`build` through the same handle."""
         self.resolve_target_dtype()
         return self.target_handle.load(self._trainer)
 
