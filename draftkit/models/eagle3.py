@@ -26,12 +26,13 @@ import torch
 from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
+from draftkit.heads.checkpoint import (check_resumed_aux_ids, checkpoint_metadata, checkpoint_tensors,
+                                       read_training_state)
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead
-from draftkit.heads.checkpoint import checkpoint_metadata, checkpoint_tensors, check_resumed_aux_ids, read_training_state
 from draftkit.models import guards, schedule
 from draftkit.models.config import EntropyFilterConfig, OptimConfig, TTTConfig
-from draftkit.models.start import check_start_options, draft_vocab, read_init, start_head
 from draftkit.models.schedule import RESUME_KEY
+from draftkit.models.start import check_start_options, draft_vocab, read_init, start_head
 from draftkit.models.ttt import draft_accuracy, later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
 from draftkit.target.handle import TargetHandle
 
