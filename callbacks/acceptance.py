@@ -19,7 +19,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from draftkit.data.prompts import load_prompts
-from draftkit.decoding.harness import check_head_matches_target, evaluate_drafter
+from draftkit.decoding.harness import evaluate_drafter
+from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.drafters import Eagle3Drafter
 from draftkit.target.frozen import FrozenTarget

@@ -9,7 +9,7 @@ silently restored the stopped state, past draftkit's resume-option check (change
 the restored step). So this callback is not an ``OnExceptionCheckpoint``: it acts only inside ``fit`` once
 training has started (an error before that leaves nothing to resume), removes the file only when a ``fit`` ends
 cleanly (its ``last.ckpt`` then supersedes it), and a ``fit`` resumes from it only through ``--ckpt_path``
-(``draftkit.cli`` refuses a fresh ``fit`` while the file holds a stopped run's state, printing the command that
+(``draftkit.fit_run`` refuses a fresh ``fit`` while the file holds a stopped run's state, printing the command that
 resumes it).
 """
 
@@ -21,6 +21,8 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+
+from draftkit.models.guards import head_is_finite
 
 __all__ = ["InterruptCheckpoint"]
 
@@ -41,7 +43,7 @@ class InterruptCheckpoint(Callback):
 
     FILE_EXTENSION = ".ckpt"
     STOPPED_STATE = True
-    """Marks a writer of a stopped run's state for ``draftkit.cli`` (which may not import ``draftkit.callbacks``):
+    """Marks a writer of a stopped run's state for ``draftkit.fit_run`` (which may not import ``draftkit.callbacks``):
     it reports :attr:`ckpt_path` when :attr:`written`, and refuses a fresh ``fit`` that would overwrite it."""
 
     def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
@@ -50,7 +52,7 @@ class InterruptCheckpoint(Callback):
         self.dirpath = dirpath
         self.filename = filename
         self.written = False
-        """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.cli`` to report an interrupted fit)."""
+        """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.fit_run`` to report an interrupted fit)."""
         self._started = False
 
     @property
@@ -67,9 +69,8 @@ class InterruptCheckpoint(Callback):
         error is left to surface (the module's ``on_save_checkpoint`` would refuse it anyway)."""
         if trainer.state.fn != TrainerFn.FITTING or not self._started:
             return
-        finite = getattr(pl_module, "head_is_finite", None)
-        ok = finite() if finite is not None else all(bool(torch.isfinite(p).all()) for p in pl_module.parameters()
-                                                      if p.is_floating_point())
+        ok = head_is_finite(pl_module.head) if hasattr(pl_module, "head") else all(
+            bool(torch.isfinite(p).all()) for p in pl_module.parameters() if p.is_floating_point())
         if not ok:
             rank_zero_warn(f"InterruptCheckpoint: not writing {self.ckpt_path}: the weights hold NaN/inf")
             return

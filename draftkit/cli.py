@@ -8,188 +8,31 @@ Precision: ``trainer.precision`` left unset (null) and ``model.target_dtype: aut
 precision policy (``draftkit.precision``) for the trainer's accelerator before anything is instantiated
 (``bf16-mixed``/``bfloat16`` where the device computes bf16 fast, ``32-true``/``float32`` otherwise); an
 explicit value wins. The choice and its reason go to the logger's hparams and the end-of-fit summary.
+
+A fit's life around Lightning's loop (resume checks, the run directory, interrupts, the final ``last.ckpt``) is
+``draftkit.fit_run``.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
-from pathlib import Path
 
-from jsonargparse import ActionConfigFile, Namespace
+from jsonargparse import ActionConfigFile
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from draftkit.models.schedule import RESUME_KEY
+from draftkit.fit_run import (
+    RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
+    save_final_last, trainer_record, with_step,
+)
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 from draftkit.strategy import check_strategy
 
 __all__ = ["DraftkitCLI", "load_recipe"]
-
-
-RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
-
-
-SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("trainer.max_steps", "trainer.max_epochs", "trainer.max_time", "trainer.min_steps", "trainer.min_epochs"),
-     "limits: they say when to stop, not how a step trains"),
-    (("trainer.val_check_interval", "trainer.check_val_every_n_epoch", "trainer.limit_val_batches",
-      "trainer.num_sanity_val_steps"), "validation: when and how much it measures; it never updates the head"),
-    (("trainer.log_every_n_steps", "trainer.enable_progress_bar", "trainer.enable_model_summary"),
-     "logging and display intervals"),
-    (("trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.accelerator"),
-     "the processes a step runs on (data.batch_size is checked against them: the global batch must stay)"),
-    (("trainer.callbacks", "trainer.enable_checkpointing"), "the monitor and callbacks: they watch and save the run"),
-    (("trainer.logger", "trainer.default_root_dir"), "paths that only say where to write"),
-    (("data.num_workers", "data.num_proc"), "loader and tokenizer processes: the rows and batches are the same"),
-)
-"""Options that ``fit --ckpt_path`` lets change (each change is logged once), with the reason; every other
-``model.*``/``data.*`` option that differs from the checkpoint's is refused (:func:`_check_resume_options`)."""
-
-RESOLVED_ON_RUN = {"model.aux_layer_ids": None, "model.target_dtype": "auto", "data.hidden_states_cache": "auto",
-                   "trainer.precision": None}
-"""Options whose placeholder a run replaces in place (and the checkpoint stores resolved): the placeholder in
-the resumed run's config means "the checkpoint's value", not a change."""
-
-NOT_COMPARED = ("data.tokenizer",)
-"""Linked to ``model.target``, which is compared."""
-
-
-def _plain(value):
-    """A config value as plain JSON types (tuples -> lists, Namespaces -> dicts, objects -> their repr)."""
-    import json
-
-    if isinstance(value, Namespace):
-        value = value.as_dict()
-    return json.loads(json.dumps(value, default=repr))
-
-
-def _flatten(prefix: str, values: dict, nested: bool = True) -> dict:
-    """``{"model.optim.lr": 0.001, ...}`` from nested dicts (lists and class_path dicts are kept whole)."""
-    out = {}
-    for key, value in values.items():
-        if str(key).startswith("_"):
-            continue  # Lightning's _instantiator / _class_path
-        name = f"{prefix}.{key}"
-        if nested and isinstance(value, dict) and "class_path" not in value:
-            out.update(_flatten(name, value))
-        else:
-            out[name] = value
-    return out
-
-
-def _trainer_record(config) -> dict:
-    """The run's ``trainer.*`` options as plain values, stored in every checkpoint under ``RESUME_KEY``."""
-    return _flatten("trainer", _plain(config.trainer), nested=False)
-
-
-def _same(name: str, old, new) -> bool:
-    """Whether a resumed run's ``new`` value of option ``name`` is the checkpoint's ``old`` one."""
-    if old == new or (name in RESOLVED_ON_RUN and new == RESOLVED_ON_RUN[name] and old is not None):
-        return True
-    return isinstance(old, str) and isinstance(new, str) and os.path.exists(old) and os.path.exists(new) \
-        and os.path.samefile(old, new)  # one data file named from another directory
-
-
-def _world(trainer: dict) -> int | None:
-    """Processes of a trainer record (``devices`` x ``num_nodes``), None when ``devices`` is not a count."""
-    devices = trainer.get("trainer.devices")
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    count = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) and devices > 0 else None
-    return None if count is None else count * int(trainer.get("trainer.num_nodes") or 1)
-
-
-def _check_resume_options(config, ckpt: dict, path: str) -> None:
-    """Compare a resumed fit's ``model.*``, ``data.*`` and ``trainer.*`` options with the checkpoint's.
-
-    The checkpoint's model and data options are the ``hyper_parameters`` / ``datamodule_hyper_parameters``
-    that ``save_hyperparameters`` stores; its trainer options are ``RESUME_KEY`` (written by ``_RunStart``).
-    A change listed in :data:`SAFE_ON_RESUME` is logged once (``old -> new``); ``data.batch_size`` may change
-    only together with the processes, keeping the global batch (``batch_size x devices x num_nodes``). An
-    option the checkpoint does not store (written by an older draftkit) is reported and not compared.
-
-    Raises:
-        ValueError: for any other difference (LightningCLI would otherwise replace the new ``model.*`` values
-            with the checkpoint's without a word), naming each option, the checkpoint's and the new value, and
-            how to proceed; raised before anything is instantiated.
-    """
-    safe = {name for names, _ in SAFE_ON_RESUME for name in names}
-    stored = {**_flatten("model", ckpt.get("hyper_parameters") or {}),
-              **_flatten("data", ckpt.get("datamodule_hyper_parameters") or {}),
-              **(ckpt.get(RESUME_KEY) or {})}
-    current = {**_flatten("model", _plain(config.model)), **_flatten("data", _plain(config.data)),
-               **_trainer_record(config)}
-    if not ckpt.get(RESUME_KEY):
-        rank_zero_info(f"resuming {path}: the checkpoint stores no trainer options (an older draftkit); "
-                       "trainer options are not compared")
-    old_world, new_world = _world(stored), _world(current)
-    refused, missing = [], []
-    for name, new in current.items():
-        if name in NOT_COMPARED or (name.startswith("trainer.") and not ckpt.get(RESUME_KEY)):
-            continue
-        if name not in stored:
-            missing.append(f"{name} (this run: {new!r})")
-            continue
-        old = stored[name]
-        if _same(name, old, new):
-            continue
-        global_batch_kept = name == "data.batch_size" and old_world and new_world and old * old_world == new * new_world
-        if name in safe or global_batch_kept:
-            why = f" (global batch {old * old_world} kept)" if global_batch_kept else ""
-            rank_zero_info(f"resuming {path}: {name} changed {old!r} -> {new!r}{why}")
-        else:
-            hint = " (it may change only with trainer.devices, keeping the global batch)" if name == "data.batch_size" else ""
-            refused.append(f"{name} is {new!r} in this run but {old!r} in the checkpoint{hint}")
-    if missing:
-        rank_zero_info(f"resuming {path}: the checkpoint stores no {', '.join(missing)} (written by an older "
-                       "draftkit): not compared")
-    if refused:
-        raise ValueError(
-            f"--ckpt_path {path}: {'; '.join(refused)}. Resuming continues the checkpoint's run, so these options "
-            "cannot change: drop the flag (or set the recipe value back to the checkpoint's) to resume, or start a "
-            f"new run without --ckpt_path to train with the new values (--model.init_head {path} starts it from this "
-            "head's weights and draft vocab, e.g. to continue it on new data). Options that may change on resume: "
-            + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
-        )
-
-
-def _continue_run_dir(config) -> None:
-    """Point a resumed fit's TensorBoard logger at the version directory of the run that wrote its checkpoint.
-
-    ``fit --ckpt_path FILE`` would otherwise open a new ``version_N``: the learning curve splits in two and
-    ``ModelCheckpoint``, whose default ``dirpath`` lies below the version directory, drops its best-k record
-    (Lightning reloads it only for an unchanged ``dirpath``). TensorBoard appends a new event file, so the run
-    continues as one. Applies to the default logger and to a ``TensorBoardLogger`` without a ``version``, and only
-    when the checkpoint's directory (``RUN_DIR_KEY``, written by ``_RunStart``) lies under the configured
-    ``save_dir/name``; anything else is left as configured (a ``CSVLogger`` would delete the old metrics file).
-    """
-    path = config.get("ckpt_path")
-    if not path or not os.path.isfile(path):
-        return
-    logger = config.trainer.logger
-    if logger is None or logger is True:
-        args = Namespace(save_dir=config.trainer.default_root_dir or os.getcwd(), name="lightning_logs", version=None)
-    elif isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger"):
-        args = logger.init_args
-    else:
-        return
-    if args.get("version") is not None:
-        return
-    import torch
-
-    log_dir = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(RUN_DIR_KEY)
-    if not log_dir or Path(log_dir).parent.resolve() != (Path(args.save_dir) / (args.name or "")).resolve():
-        return
-    args.version = Path(log_dir).name
-    if logger is None or logger is True:
-        config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=args)
-    rank_zero_info(f"resuming {path}: logging into its run directory {log_dir}")
 
 
 def _device_type(accelerator) -> str:
@@ -211,92 +54,6 @@ class _LogHyperparams(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         for logger in trainer.loggers:
             logger.log_hyperparams(self.params)
-
-
-class _RunStart(Callback):
-    """The optimizer step a run starts from, read once a checkpoint is restored (``on_train_start``), and a first
-    Ctrl-C turned into SIGTERM: Lightning stops at the next loop boundary on SIGTERM (and the recipes'
-    ``InterruptCheckpoint`` writes a state that resumes exactly), while a raw KeyboardInterrupt can land inside
-    an optimizer step and checkpoint parameters one update ahead of their counters. A second Ctrl-C interrupts
-    at once. Only where SIGINT has Python's default handler (not in a background job that ignores it). Every
-    checkpoint records the logger directory, so that ``fit --ckpt_path`` continues that run (``_continue_run_dir``)."""
-
-    step = 0
-    ctrl_c = False
-    """Whether a Ctrl-C asked this run to stop."""
-    stopped: BaseException | None = None
-    """The exception that stopped a fit after training started (``SIGTERMException`` for Ctrl-C/SIGTERM)."""
-    saved_last: str = ""
-    """``last.ckpt`` written at the step a SIGTERM/Ctrl-C stopped at ("" when none was)."""
-    trainer_options: dict | None = None
-    """The run's trainer options (``_trainer_record``), stored in every checkpoint for resume checks."""
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        """Read the start step; install the Ctrl-C handler (after Lightning's own signal set-up, which restores
-        the handlers it found when fit ends)."""
-        self.step = trainer.global_step
-        self._started = True
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return  # SIGINT ignored (a background job) or handled by the caller: leave it so
-
-        def first_ctrl_c(signum, frame):
-            self.ctrl_c = True
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            rank_zero_info("Ctrl-C: stopping at the next step boundary (Ctrl-C again to interrupt at once)")
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        self._previous = signal.signal(signal.SIGINT, first_ctrl_c)
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        """Record the run's logger directory, so that a resume continues it (``_continue_run_dir``), and its
-        trainer options, so that a resume can compare them (``_check_resume_options``)."""
-        if trainer.logger is not None and trainer.logger.log_dir:
-            checkpoint[RUN_DIR_KEY] = str(trainer.logger.log_dir)
-        if self.trainer_options is not None:
-            checkpoint[RESUME_KEY] = self.trainer_options
-
-    def _restore(self) -> None:
-        if hasattr(self, "_previous"):
-            signal.signal(signal.SIGINT, self._previous)
-            del self._previous
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._restore()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """Restore the Ctrl-C handler; after a SIGTERM or Ctrl-C stop during training (raised at a step boundary,
-        so the state is consistent) write ``last.ckpt`` at the current step (``_save_final_last``), so that no step
-        is lost even without an ``InterruptCheckpoint``."""
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-        self._restore()
-        if trainer.state.fn != "fit" or not hasattr(self, "_started"):
-            return
-        self.stopped = exception
-        if isinstance(exception, SIGTERMException):
-            try:
-                self.saved_last = _save_final_last(trainer, trainer.checkpoint_callback)
-            except Exception as exc:  # noqa: BLE001 - e.g. NaN weights: reported, the stop itself is what counts
-                rank_zero_info(f"fit stopped: last.ckpt not written at step {trainer.global_step}: {exc}")
-
-
-
-def _resume_command(args: list[str], path: str) -> str:
-    """The shell-safe ``python -m draftkit fit ...`` command line that resumes ``path``: ``args`` (the fit's
-    arguments) with any ``--ckpt_path`` replaced."""
-    kept, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == "--ckpt_path":
-            skip = True
-        elif not a.startswith("--ckpt_path="):
-            kept.append(a)
-    if not kept or kept[0] != "fit":
-        kept.insert(0, "fit")
-    return shlex.join(["python", "-m", "draftkit", *kept, "--ckpt_path", str(path)])
 
 
 def _check_context_window(config) -> None:
@@ -321,82 +78,6 @@ def _check_context_window(config) -> None:
             f"(max_position_embeddings={window}): the target's states past {window} tokens are not the ones it "
             f"serves; set data.max_length to at most {window}"
         )
-
-
-def _claim_run_dir(logger) -> list[str]:
-    """Create a new run's ``version_N`` directory at once, so that two fits started together with the same
-    ``trainer.default_root_dir`` get one each (Lightning picks the next free number when it first writes, so both
-    took ``version_0``): ``mkdir`` is atomic, a number another run took is skipped. Applies to a local
-    TensorBoard or CSV logger without a ``version``; others are left as configured.
-
-    Returns:
-        the directories created, deepest first (the version directory and any parent that did not exist), for
-        :meth:`DraftkitCLI._remove_run_dir`; empty when nothing was claimed.
-    """
-    if logger is None or getattr(logger, "_version", 0) is not None or not hasattr(logger, "_get_next_version"):
-        return []
-    root = str(logger.root_dir)
-    if "://" in root:
-        return []
-    missing, parent = [], Path(root)
-    while not parent.exists():
-        missing.append(str(parent))
-        parent = parent.parent
-    os.makedirs(root, exist_ok=True)
-    n = logger._get_next_version()
-    while True:
-        path = os.path.join(root, f"version_{n}")
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            n += 1
-            continue
-        logger._version = n
-        return [path, *missing]
-
-
-def _writes_stopped_state(callback) -> bool:
-    """Whether ``callback`` writes a stopped run's state for ``--ckpt_path`` (``STOPPED_STATE`` set, as
-    ``draftkit.callbacks.interrupt.InterruptCheckpoint`` does; its ``ckpt_path`` and ``written`` are read)."""
-    return bool(getattr(callback, "STOPPED_STATE", False))
-
-
-def _check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
-    """Refuse a ``fit`` without ``--ckpt_path`` that would resume implicitly or overwrite a stopped run's state.
-
-    Lightning turns ``fit(ckpt_path=None)`` into ``"last"`` (its newest ``OnExceptionCheckpoint`` or ``last.ckpt``)
-    whenever an ``OnExceptionCheckpoint`` is registered, past draftkit's resume-option check; and an
-    ``InterruptCheckpoint`` file of a stopped run would be overwritten by this run's stop (or deleted at its end).
-    A resume goes through ``--ckpt_path`` only (checked by ``_check_resume_options``).
-
-    Raises:
-        ValueError: naming the callback or the stopped run's checkpoint (its step and run directory) and the
-            command that resumes it; raised before the target is loaded or anything is written.
-    """
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-
-    if ckpt_path:
-        return
-    for cb in trainer.callbacks:
-        if isinstance(cb, OnExceptionCheckpoint):
-            raise ValueError(
-                "trainer.callbacks: lightning's OnExceptionCheckpoint makes a fit without --ckpt_path resume "
-                "silently from its file or a last.ckpt, past the resume-option check; use "
-                "draftkit.callbacks.interrupt.InterruptCheckpoint (same init_args) and resume with --ckpt_path"
-            )
-        if _writes_stopped_state(cb) and os.path.isfile(cb.ckpt_path):
-            import torch
-
-            try:
-                ckpt = torch.load(cb.ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-                what = f"the state of a stopped run at step {ckpt.get('global_step')} (run directory {ckpt.get(RUN_DIR_KEY)})"
-            except Exception:  # noqa: BLE001 - an unreadable file is still someone's; name it
-                what = "a file this run's InterruptCheckpoint would overwrite"
-            raise ValueError(
-                f"{cb.ckpt_path} holds {what}: this fit has no --ckpt_path, so it would start a new run and "
-                f"overwrite that state. Resume it (the options are checked against it): "
-                f"{_resume_command(args, cb.ckpt_path)} ; or move that file away to start a new run"
-            )
 
 
 class DraftkitCLI(LightningCLI):
@@ -428,22 +109,22 @@ class DraftkitCLI(LightningCLI):
         parser.link_arguments("model.target", "data.tokenizer")
 
     def _parse_ckpt_path(self) -> None:
-        """``fit --ckpt_path``: refuse options that differ from the checkpoint's (``_check_resume_options``)
+        """``fit --ckpt_path``: refuse options that differ from the checkpoint's (``check_resume_options``)
         before LightningCLI fills ``model.*`` from the checkpoint's hyperparameters (which then changes only
-        the placeholders of ``RESOLVED_ON_RUN``)."""
+        the placeholders of ``fit_run.RESOLVED_ON_RUN``)."""
         config = self.config.get(self.config.get("subcommand") or "", None)
         path = config.get("ckpt_path") if config is not None else None
         if self.config.get("subcommand") == "fit" and path and os.path.isfile(path):
             import torch
 
-            _check_resume_options(config, torch.load(path, map_location="cpu", mmap=True, weights_only=False), path)
+            check_resume_options(config, torch.load(path, map_location="cpu", mmap=True, weights_only=False), path)
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy(config)  # an FSDP/DeepSpeed/... recipe stops here, before any model is loaded
         if self.subcommand == "fit":
-            _continue_run_dir(config)
+            continue_run_dir(config)
         device = _device_type(config.trainer.accelerator)
         requested = {"trainer_precision": config.trainer.precision, "target_dtype": config.model.target_dtype}
         config.trainer.precision = resolve_trainer_precision(config.trainer.precision, device)
@@ -462,7 +143,7 @@ class DraftkitCLI(LightningCLI):
         except BaseException as exc:
             run = getattr(self, "_run_start", None)
             if subcommand == "fit" and run is not None and not hasattr(run, "_started"):
-                self._remove_run_dir()  # stopped during set-up: nothing to resume, nothing to keep
+                remove_run_dir(getattr(self, "_created_dirs", []), self.trainer)  # stopped in set-up: nothing to keep
             if isinstance(exc, ValueError) and "`val_check_interval`" in str(exc):
                 raise ValueError(
                     f"trainer.val_check_interval={self.trainer.val_check_interval} exceeds the "
@@ -472,56 +153,20 @@ class DraftkitCLI(LightningCLI):
             if not isinstance(exc, (SystemExit, KeyboardInterrupt)) or subcommand != "fit" or run is None \
                     or run.stopped is None:
                 raise
-            raise SystemExit(self._report_stop(run)) from exc
-
-    def _remove_run_dir(self) -> None:
-        """Remove the run directory :func:`_claim_run_dir` created (config, hparams, event files, skip list), and
-        the parents it created when they are empty, after a fit stopped before training started."""
-        import shutil
-
-        created = getattr(self, "_created_dirs", [])
-        if created and self.trainer.is_global_zero:
-            shutil.rmtree(created[0], ignore_errors=True)
-            for parent in created[1:]:
-                try:
-                    os.rmdir(parent)
-                except OSError:
-                    break  # another run wrote there meanwhile
-
-    def _report_stop(self, run: _RunStart) -> int:
-        """Log where a stopped fit's state went and the command that resumes it; return the exit code."""
-        trainer = self.trainer
-        written = [cb.ckpt_path for cb in trainer.callbacks if _writes_stopped_state(cb) and cb.written]
-        written += [run.saved_last] if run.saved_last and run.saved_last not in written else []
-        how = "Ctrl-C" if run.ctrl_c else "SIGTERM" if type(run.stopped).__name__ == "SIGTERMException" else \
-            "an immediate interrupt (second Ctrl-C)"
-        lines = [f"\ndraftkit fit stopped by {how} at optimizer step {trainer.global_step} "
-                 f"({trainer.global_step - run.step} in this run)."]
-        if written:
-            lines.append("  state written: " + ", ".join(_with_step(p) for p in written))
-            lines.append(f"  resume (the options are checked against it): {_resume_command(self._argv, written[0])}")
-        else:
-            ckpt = trainer.checkpoint_callback
-            last = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt else ""
-            lines.append("  no checkpoint written at the stop (add draftkit.callbacks.interrupt.InterruptCheckpoint, "
-                         "or ModelCheckpoint save_last: true); latest checkpoint: " + _with_step(last))
-            if last:
-                lines.append(f"  resume from it: {_resume_command(self._argv, last)}")
-        rank_zero_info("\n".join(lines))
-        return 130 if run.ctrl_c or isinstance(run.stopped, KeyboardInterrupt) else 143
+            raise SystemExit(report_stop(self.trainer, run, self._argv)) from exc
 
     def before_validate(self) -> None:
         _check_context_window(self.config[self.subcommand])
 
     def before_fit(self) -> None:
-        _check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
         _check_context_window(self.config[self.subcommand])
         _check_memory(self.model, self.datamodule, self.trainer)
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")  # build() skips model.init_head
-        self._created_dirs = _claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
+        self._created_dirs = claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
-        self._run_start = _RunStart()
-        self._run_start.trainer_options = _trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
+        self._run_start = RunStart()
+        self._run_start.trainer_options = trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
         self.trainer.callbacks.append(self._run_start)
         # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
         self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))
@@ -530,7 +175,7 @@ class DraftkitCLI(LightningCLI):
         trainer = self.trainer
         ckpt = trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", "") if ckpt else ""
-        last = _save_final_last(trainer, ckpt)
+        last = save_final_last(trainer, ckpt)
         logdir = trainer.logger.log_dir if trainer.logger else trainer.default_root_dir
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         steps = trainer.global_step - self._run_start.step
@@ -547,7 +192,7 @@ class DraftkitCLI(LightningCLI):
             f"(requested {p['requested']['trainer_precision'] or 'auto'}/{p['requested']['target_dtype']}; "
             f"auto on this machine: {auto['reason']})\n"
             f"  time budget: {budget}\n"
-            f"  best checkpoint: {_with_step(best)}\n  last checkpoint: {_with_step(last)}\n"
+            f"  best checkpoint: {with_step(best)}\n  last checkpoint: {with_step(last)}\n"
             f"  TensorBoard logs: {logdir}  ({shlex.join(['tensorboard', '--logdir', str(logdir)])})\n"
             f"  validation: {metrics}"
         )
@@ -580,47 +225,6 @@ def _check_memory(model, dm, trainer) -> None:
         4 if hp["target_dtype"] == "float32" else 2, data["max_length"], data["batch_size"], model.ttt.steps,
         hp["draft_vocab_size"], hp["aux_layer_ids"], gpu_bytes,
     ))
-
-
-def _stored_step(path: str) -> int | None:
-    """The ``global_step`` stored in checkpoint ``path`` (None when it cannot be read)."""
-    import torch
-
-    try:
-        return int(torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("global_step"))
-    except Exception:  # noqa: BLE001 - a missing or unreadable file is reported as "(none)"/no step
-        return None
-
-
-def _with_step(path: str) -> str:
-    """``path (step N)`` for the end-of-fit summary, ``(none)`` for no path."""
-    if not path:
-        return "(none)"
-    step = _stored_step(path)
-    return f"{path} (step {step})" if step is not None else path
-
-
-def _save_final_last(trainer, ckpt) -> str:
-    """Make ``last.ckpt`` hold the final optimizer step and return its path ("" when there is no last checkpoint).
-
-    Lightning's ``ModelCheckpoint(save_last=True)`` refreshes ``last.ckpt`` only together with a save it makes on
-    a validation or epoch end, so a run whose monitored metric falls (or whose last steps follow the last
-    validation) leaves ``last.ckpt`` at an earlier step. After fit the trainer's state is written to that path
-    again when its stored ``global_step`` differs from ``trainer.global_step``. Called on every rank
-    (``trainer.save_checkpoint`` is collective)."""
-    if ckpt is None or not getattr(ckpt, "save_last", None):
-        return getattr(ckpt, "last_model_path", "") if ckpt else ""
-    last = getattr(ckpt, "last_model_path", "") or ""
-    if not last:
-        if not ckpt.dirpath:
-            return ""
-        last = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
-    stored = _stored_step(last) if os.path.isfile(last) else None
-    if stored != trainer.global_step and trainer.global_step > 0:
-        trainer.save_checkpoint(last)
-        ckpt.last_model_path = last
-        rank_zero_info(f"last checkpoint {last}: written at the final step {trainer.global_step} (held {stored})")
-    return last
 
 
 class _RecipeReader(DraftkitCLI):

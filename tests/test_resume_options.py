@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftkit.cli import RESUME_KEY, DraftkitCLI, _check_resume_options, load_recipe
+from draftkit.cli import DraftkitCLI, load_recipe
 from draftkit.commands import main
+from draftkit.fit_run import check_resume_options
+from draftkit.models.schedule import RESUME_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/tiny-debug.yaml"
@@ -76,7 +78,7 @@ def test_an_option_the_checkpoint_lacks_is_reported_not_refused(two_steps, monke
     del saved["hyper_parameters"]["serving_k"], saved[RESUME_KEY]  # as an older draftkit wrote it
     config = load_recipe([RECIPE], ["--model.serving_k", "2", "--trainer.max_steps", "9"])
     with caplog.at_level(logging.INFO):
-        _check_resume_options(config, saved, "old.ckpt")
+        check_resume_options(config, saved, "old.ckpt")
     assert "resuming old.ckpt: the checkpoint stores no trainer options (an older draftkit)" in caplog.text
     assert "resuming old.ckpt: the checkpoint stores no model.serving_k (this run: 2) (written by an older" in caplog.text
 
@@ -88,9 +90,9 @@ def test_the_batch_size_may_change_only_keeping_the_global_batch(two_steps, monk
     saved["datamodule_hyper_parameters"]["batch_size"] = 2
     saved[RESUME_KEY]["trainer.devices"] = 2  # a 2-process run resumed on one process
     with caplog.at_level(logging.INFO):
-        _check_resume_options(load_recipe([RECIPE], ["--trainer.max_steps", "2"]), saved, "ddp.ckpt")
+        check_resume_options(load_recipe([RECIPE], ["--trainer.max_steps", "2"]), saved, "ddp.ckpt")
     assert "resuming ddp.ckpt: data.batch_size changed 2 -> 4 (global batch 4 kept)" in caplog.text
     assert "resuming ddp.ckpt: trainer.devices changed 2 -> 1" in caplog.text
     with pytest.raises(ValueError, match=r"data.batch_size is 3 in this run but 2 in the checkpoint \(it may change "
                                          r"only with trainer.devices, keeping the global batch\)"):
-        _check_resume_options(load_recipe([RECIPE], ["--data.batch_size", "3"]), saved, "ddp.ckpt")
+        check_resume_options(load_recipe([RECIPE], ["--data.batch_size", "3"]), saved, "ddp.ckpt")

@@ -122,11 +122,13 @@ MUTANTS: dict[str, list[Mutant]] = {
           MODULE, "-k", "accuracy", issue="17.1"),
         M("entropy-key-offset", "key_offset=-1, downweight=cfg.downweight", "key_offset=1, downweight=cfg.downweight",
           MODULE, "-k", "entropy", issue="17.3"),
-        M("init-from-target-ignored", "if self.hparams.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
-          issue="17.11"),
         M("ttt-decay-power", "(self.ttt.decay ** k) * loss_sum", "(self.ttt.decay ** (k + 1)) * loss_sum",
           MODULE, "-k", "reference"),
         M("ttt-positions", "positions + k, ttt_cache", "positions, ttt_cache", MODULE, "-k", "reference"),
+    ],
+    "draftkit/models/start.py": [
+        M("init-from-target-ignored", "if hp.init_from_target:", "if False:", MODULE, "-k", "init_from_target",
+          issue="17.11"),
     ],
     "draftkit/models/ttt.py": [
         M("acc-counts-mismatches", "correct = (logits.argmax(-1) == teacher_argmax)",
@@ -529,6 +531,9 @@ ROUNDTRIP_TESTS = ("tests/export/test_layer_ids.py", "tests/export/test_export_r
                    "tests/export/test_engine_config_fields.py")
 TESTS: dict[str, tuple[str, ...]] = {
     "draftkit/models/eagle3.py": ("tests/models/test_eagle3_module.py",),
+    "draftkit/models/guards.py": ("tests/models/test_nonfinite.py", "tests/models/test_val_nothing_to_measure.py",
+                                  "tests/models/test_tau_sim_coverage.py", "tests/models/test_eagle3_module.py"),
+    "draftkit/fit_run.py": ("tests/test_resume_options.py", "tests/test_interrupted_fit.py", "tests/test_fit_setup.py"),
     "draftkit/models/ttt.py": ("tests/models/test_eagle3_module.py", "tests/models/test_ttt_schedule.py"),
     "draftkit/models/schedule.py": ("tests/models/test_eagle3_module.py", "tests/models/test_ttt_schedule.py",
                                     "tests/callbacks/"),

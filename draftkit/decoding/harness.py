@@ -51,13 +51,13 @@ from draftkit.decoding.metrics import (
 )
 from draftkit.decoding.tree import HYBRID_ENGINES, Eagle3TreeDrafter, TreeConfig, generate_tree, parse_lookup
 from draftkit.decoding.verify import generate_plain, generate_speculative
+from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.sampling import DecodeConfig, NonFiniteLogitsError, check_sampling
 from draftkit.target.session import TargetSession
 from draftkit.target.tokens import stop_token_ids
 
 __all__ = [
     "Topology",
-    "check_head_matches_target",
     "evaluate_drafter",
     "evaluate_head",
 ]
@@ -84,38 +84,6 @@ def _as_prompts(prompts) -> list[Prompt]:
         else:
             raise ValueError(f"prompt {i}: expected a string, messages, token ids or Prompt, got {type(p).__name__}")
     return out
-
-
-# -- heads --------------------------------------------------------------------------------------------------
-def check_head_matches_target(head, target, head_name: str = "head", target_name: str = "target") -> None:
-    """Check that a head can read this target's aux states and vocabulary, and that its weights are finite
-    (``heads.checkpoint.check_finite``; the tokenizer is checked where the head is loaded).
-
-    Raises:
-        ValueError: naming the head's and the target's values for every mismatch, or the non-finite tensors.
-    """
-    from draftkit.heads.checkpoint import check_finite
-
-    check_finite(dict(head.named_parameters()), head_name)
-    cfg = head.config
-    width = len(target.aux_layer_ids) * target.hidden_size
-    problems = []
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab size: {head_name} V={cfg.vocab_size}, {target_name} V={target.vocab_size}")
-    if cfg.target_hidden_size != target.hidden_size:
-        problems.append(
-            f"hidden size: {head_name} was trained on H_t={cfg.target_hidden_size}, {target_name} has H_t={target.hidden_size}"
-        )
-    elif cfg.num_aux_layers * cfg.target_hidden_size != width:
-        problems.append(
-            f"aux width: {head_name} fc reads {cfg.num_aux_layers}x{cfg.target_hidden_size}, {target_name} gives "
-            f"{len(target.aux_layer_ids)}x{target.hidden_size} (aux ids {target.aux_layer_ids})"
-        )
-    if problems:
-        raise ValueError(
-            f"{head_name} does not match {target_name}: " + "; ".join(problems)
-            + ". Evaluate a head with the target it was trained for."
-        )
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------

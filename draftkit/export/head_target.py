@@ -2,7 +2,7 @@
 vLLM comparison (``benchmarks/vllm_compare.py``).
 
 It sits in ``export/`` beside ``load.load_head`` (the head from a ``.ckpt`` or an export directory), which it
-calls; the match check is ``decoding.harness.check_head_matches_target``.
+calls; the match check is ``heads.checkpoint.check_head_matches_target``.
 
 Shapes: none (loading).
 """
@@ -72,8 +72,8 @@ def load_head_and_target(
             (aux width, vocabulary, non-finite weights: ``check_head_matches_target``; the tokenizer:
             ``heads.checkpoint.check_tokenizer``), naming both.
     """
-    from draftkit.decoding.harness import check_head_matches_target
     from draftkit.export.load import load_head
+    from draftkit.heads.checkpoint import check_head_matches_target
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
     from draftkit.target.frozen import FrozenTarget, load_target
 

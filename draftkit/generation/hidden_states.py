@@ -506,20 +506,22 @@ def _log_plan(plan: dict) -> None:
     )
 
 
-def write_auto_cache(dm) -> None:
+def write_auto_cache(dm, model) -> None:
     """``hidden_states_cache: auto``: every rank writes its share of (or finishes, or finds complete) the cache
-    of this run's target, data and aux layers with the trainer's module, precision and its own device; rank 0
-    merges the index; every rank then trains from it (``dm.open_hidden_states``). The module calls it when it
-    builds its head (``Eagle3Module.build``), once the aux layers are final.
+    of this run's target, data and aux layers with ``model``'s target, the trainer's precision and its own device;
+    rank 0 merges the index; every rank then trains from it (``dm.open_hidden_states``). The module calls it with
+    itself when it builds its head (``Eagle3Module.build``), once the aux layers are final.
 
     Args:
-        dm: a ``ChatDataModule`` after ``setup``, attached to a trainer whose module owns the target.
+        dm: a ``ChatDataModule`` after ``setup``, attached to a trainer.
+        model: the ``Eagle3Module`` that owns the target (its ``target_handle``, through
+            ``load_target_model``/``release_target_model``) and the aux layers.
 
     Raises:
-        ValueError: outside a trainer (the cache needs the module's target).
+        ValueError: outside a trainer (the cache is written with the trainer's ranks and precision).
     """
     trainer = dm.trainer
-    if trainer is None or trainer.lightning_module is None:
+    if trainer is None:
         raise ValueError(
             "data.hidden_states_cache: auto is resolved by `fit` (it needs the module's target); elsewhere "
             "write the cache with `python -m draftkit cache-hidden-states --recipe ...` and pass its directory"
@@ -528,7 +530,7 @@ def write_auto_cache(dm) -> None:
     log.info("data.hidden_states_cache: auto: a complete cache for this target, data and aux layers is reused; "
              "otherwise one target pass over the data first (complete shards are kept)")
     dm.open_hidden_states(write_recipe_cache(
-        trainer.lightning_module, dm, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
+        model, dm, str(trainer.precision), on_plan=_log_plan, device=str(s.root_device),
         rank=s.global_rank, world_size=s.world_size, barrier=s.barrier, broadcast=s.broadcast,
     )["output"])
     dm.auto_cache_pending = False

@@ -8,7 +8,11 @@ rebuild it: ``head_config`` (:class:`Eagle3Config` fields, including ``aux_layer
 
 :func:`read_checkpoint` checks a checkpoint against its target (names, shapes, draft vocab, hidden size,
 vocabulary, aux ids); :func:`head_from_checkpoint` builds the head from what it read, so a checkpoint
-``evaluate`` accepts is one ``export`` accepts.
+``evaluate`` accepts is one ``export`` accepts. The metadata's writer sits beside its readers:
+:func:`checkpoint_tensors` and :func:`checkpoint_metadata` (what ``Eagle3Module.on_save_checkpoint`` stores),
+:func:`read_training_state` and :func:`check_resumed_aux_ids` (what a resumed run reads back).
+:func:`check_head_matches_target` checks a head built in memory against a loaded target (evaluate, bench, the
+acceptance callback).
 
 Shapes: H draft hidden, H_t target hidden, n aux layers, I MLP width, A heads, A_kv kv heads, d head dim,
 V target vocab, V_d draft vocab, N target layers.
@@ -16,6 +20,7 @@ V target vocab, V_d draft vocab, N target layers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +33,9 @@ from draftkit.selection.layers import default_aux_layer_ids, validate_aux_layer_
 from draftkit.target.frozen import text_config
 
 __all__ = [
-    "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_tokenizer", "expected_tensor_specs",
-    "head_from_checkpoint", "read_checkpoint", "target_architecture",
+    "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_head_matches_target",
+    "check_resumed_aux_ids", "check_tokenizer", "checkpoint_metadata", "checkpoint_tensors", "expected_tensor_specs",
+    "head_from_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,94 @@ def target_architecture(config) -> dict:
     return {f: getattr(cfg, f, None) for f in ARCHITECTURE_FIELDS}
 
 
+# -- writing: what a training run stores, and what a resumed run reads back ----------------------------------
+def checkpoint_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a training checkpoint keeps of a module's ``state_dict``: the head's (:data:`HEAD_PREFIX`)
+    without the frozen ``embed_tokens`` copy and the rotary buffers, and the metrics' states (``train_``,
+    ``val_``, ``kept_``); never the target."""
+    return {
+        k: v for k, v in state_dict.items()
+        if k.startswith(HEAD_PREFIX) and not k.startswith((f"{HEAD_PREFIX}embed_tokens.", f"{HEAD_PREFIX}rotary_emb."))
+        or k.startswith(("train_", "val_", "kept_"))
+    }
+
+
+def checkpoint_metadata(head_config: Eagle3Config, target: str, target_config, target_dtype: str,
+                        chat_template: str | None, tokenizer_fingerprint: str | None, ttt: dict,
+                        training: dict) -> dict:
+    """``checkpoint["draftkit"]``: what every verb reads back to rebuild and check the head, and the training
+    state a resumed run continues from.
+
+    Args:
+        head_config: the head's shape (stored as ``head_config``, the aux ids included).
+        target: the recipe's target reference.
+        target_config: the target's Hugging Face config (its :func:`target_architecture` is stored: evaluate and
+            export refuse a target of another architecture).
+        target_dtype: the resolved dtype the target ran in.
+        chat_template: the training template, or None for the tokenizer's own.
+        tokenizer_fingerprint: ``draftkit.target.tokens.tokenizer_identity`` of the training tokenizer.
+        ttt: the TTT settings (steps, decay).
+        training: ``tokens_trained``, ``trained_length`` (the longest sequence trained, tokens; 0 = none: evaluate
+            warns past it, exports carry it), ``lr_horizon``, ``lr_anchor`` (a tuple or None) and
+            ``planned_total`` (:func:`read_training_state` reads them back).
+    """
+    return {
+        "head_config": dataclasses.asdict(head_config),
+        "target": target,
+        "target_architecture": target_architecture(target_config),
+        "target_dtype": target_dtype,
+        "chat_template": chat_template,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "ttt": ttt,
+        "tokens_trained": training["tokens_trained"],
+        "trained_length": training["trained_length"] or None,
+        "lr_horizon": training["lr_horizon"],
+        "lr_anchor": None if training["lr_anchor"] is None else list(training["lr_anchor"]),
+        "planned_total": training["planned_total"],
+    }
+
+
+def read_training_state(meta: dict, max_steps=None) -> dict:
+    """The training state of :func:`checkpoint_metadata`, as a resumed run continues from it.
+
+    Args:
+        meta: ``checkpoint["draftkit"]``.
+        max_steps: the checkpoint's recorded ``trainer.max_steps``: the ``planned_total`` of checkpoints written
+            before it was stored (when a positive int; else None).
+
+    Returns:
+        ``tokens_trained`` (int; 0 when absent), ``trained_length`` (int; 0 = none), ``lr_horizon``,
+        ``lr_anchor`` ((W, a, p_a) or None: absent in checkpoints written before re-planning, the first plan)
+        and ``planned_total`` (int or None).
+    """
+    anchor = meta.get("lr_anchor")
+    planned = meta.get("planned_total")
+    if planned is None:
+        planned = max_steps if isinstance(max_steps, int) and max_steps > 0 else None
+    return {
+        "tokens_trained": int(meta.get("tokens_trained", 0)),
+        "trained_length": int(meta.get("trained_length") or 0),
+        "lr_horizon": meta.get("lr_horizon"),
+        "lr_anchor": None if anchor is None else (int(anchor[0]), int(anchor[1]), float(anchor[2])),
+        "planned_total": None if planned is None else int(planned),
+    }
+
+
+def check_resumed_aux_ids(meta: dict, aux_layer_ids: list[int]) -> None:
+    """Refuse to resume a checkpoint whose head read other aux layers than this run's head.
+
+    Raises:
+        ValueError: naming both lists (nothing is compared when the checkpoint records none).
+    """
+    stored = meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")
+    if stored and list(stored) != list(aux_layer_ids):
+        raise ValueError(
+            f"checkpoint aux layers {list(stored)} differ from this run's "
+            f"{list(aux_layer_ids)}; use the recipe the checkpoint was trained with"
+        )
+
+
+# -- reading ------------------------------------------------------------------------------------------------
 def _check_architecture(path: Path, meta: dict, target_ref: str, tcfg) -> None:
     """Refuse a ``--target`` of another architecture than the head's training target (:data:`ARCHITECTURE_FIELDS`
     as stored, or read from the training target's config for checkpoints written before they were stored; not
@@ -170,6 +264,40 @@ def check_tokenizer(meta: dict, tokenizer, where: str) -> None:
             f"{where} was trained with tokenizer fingerprint {expected}, but the target's tokenizer "
             f"({getattr(tokenizer, 'name_or_path', '?')}) has {actual}: another vocabulary, special tokens or chat "
             "template, so its token ids mean other tokens; use the target the head was trained with"
+        )
+
+
+def check_head_matches_target(head, target, head_name: str = "head", target_name: str = "target") -> None:
+    """Check that a head can read this target's aux states and vocabulary, and that its weights are finite
+    (:func:`check_finite`; the tokenizer is checked where the head is loaded, :func:`check_tokenizer`).
+
+    Args:
+        head: an ``Eagle3LlamaHead`` (its ``config``: V, H_t, n aux states).
+        target: a ``draftkit.target.frozen.FrozenTarget`` (``vocab_size``, ``hidden_size``, ``aux_layer_ids``).
+        head_name, target_name: how the error names them (e.g. the checkpoint and the target reference).
+
+    Raises:
+        ValueError: naming the head's and the target's values for every mismatch, or the non-finite tensors.
+    """
+    check_finite(dict(head.named_parameters()), head_name)
+    cfg = head.config
+    width = len(target.aux_layer_ids) * target.hidden_size
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size: {head_name} V={cfg.vocab_size}, {target_name} V={target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(
+            f"hidden size: {head_name} was trained on H_t={cfg.target_hidden_size}, {target_name} has H_t={target.hidden_size}"
+        )
+    elif cfg.num_aux_layers * cfg.target_hidden_size != width:
+        problems.append(
+            f"aux width: {head_name} fc reads {cfg.num_aux_layers}x{cfg.target_hidden_size}, {target_name} gives "
+            f"{len(target.aux_layer_ids)}x{target.hidden_size} (aux ids {target.aux_layer_ids})"
+        )
+    if problems:
+        raise ValueError(
+            f"{head_name} does not match {target_name}: " + "; ".join(problems)
+            + ". Evaluate a head with the target it was trained for."
         )
 
 

@@ -1,11 +1,12 @@
 """``Eagle3Module``: online EAGLE3 training of a draft head on a frozen target (arXiv 2503.01840).
 
 Each training step runs the frozen target once (no grad) to get the aux hidden states and logits, then
-unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4). The objective (which rows step k
-supervises, the teacher, the soft cross-entropy, tau_sim) is ``draftkit.models.ttt``; the learning-rate schedule
-and its re-planner are ``draftkit.models.schedule``. Read top to bottom: the config groups, then
-``Eagle3Module``: set-up, checkpoints, the TTT loss, the non-finite guard, the training and validation hooks,
-the schedule's hooks and the optimizers.
+unrolls K training-time-test (TTT) steps of the head (eagle3-format.md §4). Read top to bottom: set-up,
+checkpoints, the TTT loss, the training and validation hooks, the schedule's hooks and the optimizers. Beside it
+in ``draftkit.models``: the objective (``ttt``), the schedule and its re-planner (``schedule``), the config groups
+(``config``), the head a run starts from (``start``) and the guards that stop a run that cannot teach the head
+(``guards``); the frozen target is one ``draftkit.target.handle.TargetHandle`` shared with the hidden-state cache
+writer and the callbacks, and the checkpoint metadata is written beside its reader (``draftkit.heads.checkpoint``).
 
 Offline mode (the datamodule's ``hidden_states_cache``): batches carry the cached aux and last hidden states,
 the target forward is skipped and only the target's LM head is loaded (``draftkit.target.lm_head``) to turn
@@ -19,97 +20,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
 from torchmetrics import MeanMetric
 
 from draftkit.analysis.token_entropy import entropy_filter_weights
-from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
-from draftkit.heads.checkpoint import HEAD_PREFIX, target_architecture
-from draftkit.models import schedule
+from draftkit.heads.checkpoint import (check_resumed_aux_ids, checkpoint_metadata, checkpoint_tensors,
+                                       read_training_state)
+from draftkit.heads.eagle3_llama import Eagle3LlamaHead
+from draftkit.models import guards, schedule
+from draftkit.models.config import EntropyFilterConfig, OptimConfig, TTTConfig
 from draftkit.models.schedule import RESUME_KEY
+from draftkit.models.start import check_start_options, draft_vocab, read_init, start_head
 from draftkit.models.ttt import draft_accuracy, later_rows, shift, soft_ce, tau_sim, teacher_distribution, ttt_targets
-from draftkit.precision import DTYPES, default_device, resolve_dtype
-from draftkit.selection.vocab import VocabMap
+from draftkit.target.handle import TargetHandle
 
-__all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig", "NonFiniteTrainingError"]
+__all__ = ["Eagle3Module", "TTTConfig", "OptimConfig", "EntropyFilterConfig"]
 
 log = logging.getLogger(__name__)
-
-LOW_DRAFT_COVERAGE = 0.5
-"""``val/draft_coverage`` below this warns: most drafts are then rejected whatever the head learns."""
-
-
-
-@dataclass
-class TTTConfig:
-    """Training-time test."""
-
-    steps: int = 7
-    """K, draft steps unrolled per training step."""
-    decay: float = 0.8
-    """Weight of step k is decay**k."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"model.ttt.steps must be >= 1, got {self.steps}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"model.ttt.decay must be in (0, 1], got {self.decay}")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW (or Muon on the hidden matrices) with linear warmup and cosine decay (per optimizer step)."""
-
-    lr: float = 1e-4
-    """Peak learning rate."""
-    optimizer: str = "adamw"
-    """``adamw``, or ``muon``: Muon on ``fc`` and the decoder layer's matrices, AdamW on norms and ``lm_head``,
-    one lr (``draftkit.models.muon``)."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 50
-    """Optimizer steps of linear warmup from 0 (at most half the schedule's horizon)."""
-    min_lr_ratio: float = 0.1
-    """Cosine floor as a fraction of lr."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"bad model.optim {self}: need lr > 0, warmup_steps >= 0, 0 <= min_lr_ratio <= 1")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"model.optim.optimizer must be adamw or muon, got {self.optimizer!r}")
-
-
-@dataclass
-class EntropyFilterConfig:
-    """Token prediction-entropy filter on the loss (first source document: "filter low-entropy tokens").
-
-    Positions whose target next-token entropy (nats) is below the threshold are dropped or down-weighted,
-    after the assistant mask. Off by default (see the recipe for the ablation).
-    """
-
-    mode: str = "off"
-    """``off``, ``drop`` or ``downweight``."""
-    threshold: float | None = None
-    """Absolute entropy threshold in nats."""
-    quantile: float | None = None
-    """Or: drop the lowest quantile of supervised positions in each batch."""
-    downweight: float = 0.1
-    """Weight given to low-entropy positions in ``downweight`` mode."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("off", "drop", "downweight"):
-            raise ValueError(f"model.entropy_filter.mode must be off, drop or downweight, got {self.mode!r}")
-        if self.mode != "off" and (self.threshold is None) == (self.quantile is None):
-            raise ValueError("model.entropy_filter: give exactly one of threshold or quantile")
-
-
-class NonFiniteTrainingError(ValueError):
-    """A training or validation batch gave a NaN/inf loss or gradient: ``fit`` stops before the optimizer
-    step (the weights stay finite) and before any metric or checkpoint is written from it. The message names
-    the batch's source (the offline cache shard and sequence, or the records) and what to change."""
 
 
 class Eagle3Module(pl.LightningModule):
@@ -190,18 +119,7 @@ class Eagle3Module(pl.LightningModule):
         super().__init__()
         if draft_vocab_size < 1:
             raise ValueError(f"model.draft_vocab_size must be >= 1, got {draft_vocab_size}")
-        if freeze_lm_head and not init_from_target:
-            raise ValueError(
-                "model.freeze_lm_head: true keeps lm_head at the target's rows, so it needs model.init_from_target: "
-                "true (a frozen random lm_head would never learn); set both, or leave freeze_lm_head false"
-            )
-        if init_head is not None and init_decoder_from_target_layer is not None:
-            raise ValueError(
-                "model.init_head and model.init_decoder_from_target_layer both start the draft decoder layer: set one "
-                "(init_head continues a trained head; init_decoder_from_target_layer starts a new one from a target layer)"
-            )
-        if target_dtype not in DTYPES:
-            raise ValueError(f"model.target_dtype must be one of {', '.join(DTYPES)}, got {target_dtype!r}")
+        check_start_options(init_from_target, freeze_lm_head, init_head, init_decoder_from_target_layer)
         if not hidden_state_noise >= 0:
             raise ValueError(f"model.hidden_state_noise must be >= 0 (half-width of the uniform noise), got {hidden_state_noise}")
         self.save_hyperparameters()
@@ -212,7 +130,9 @@ class Eagle3Module(pl.LightningModule):
             entropy_filter if isinstance(entropy_filter, EntropyFilterConfig) else EntropyFilterConfig(**entropy_filter)
         )
         self.strict_loading = False  # the frozen target and the embedding copy are not checkpointed
-        self.target = None
+        self.target_handle = TargetHandle(target, target_dtype)
+        """The frozen target this run loads once and shares (cache writer, callbacks): ``load_target_model``."""
+        self.target = None  # what the loss reads: a FrozenTarget (online) or the target's LM head (offline)
         self.head: Eagle3LlamaHead | None = None
         self.chat_template = None
         self.tokenizer_fingerprint: str | None = None  # target.tokens.tokenizer_identity of the training tokenizer
@@ -249,43 +169,26 @@ class Eagle3Module(pl.LightningModule):
         self.hparams.aux_layer_ids = list(ids)
 
     def resolve_target_dtype(self) -> str:
-        """Resolve ``target_dtype: auto`` for the trainer's device (no trainer: the default device), in place."""
-        device = self.trainer.strategy.root_device.type if self._trainer is not None else default_device()
-        self.hparams.target_dtype = resolve_dtype(self.hparams.target_dtype, device, "model.target_dtype")
+        """Resolve ``target_dtype: auto`` for the trainer's device (no trainer: the default device), in place
+        (``TargetHandle.resolve_dtype``)."""
+        self.hparams.target_dtype = self.target_handle.resolve_dtype(self._trainer)
         return self.hparams.target_dtype
 
     def load_target_model(self):
-        """(HF model, tokenizer) of the frozen target, loaded once; under ``trainer.strategy fsdp_target`` sharded
-        across the ranks (``draftkit.target.sharding``), so every rank must call it."""
-        if getattr(self, "_target_model", None) is None:
-            from draftkit.target.frozen import load_target
-            from draftkit.target.sharding import load_sharded_target, target_mesh
-
-            mesh = target_mesh(self._trainer)  # trainer.strategy fsdp_target: each rank loads only its shard
-            self._target_model = (
-                load_target(self.hparams.target, self.resolve_target_dtype()) if mesh is None else
-                load_sharded_target(self.hparams.target, self.resolve_target_dtype(), mesh, self.trainer.strategy.root_device)
-            )
-        return self._target_model
+        """(HF model, tokenizer) of the frozen target, loaded once by :attr:`target_handle` (every rank must call
+        it: under ``trainer.strategy fsdp_target`` each loads its shard): the hidden-state cache writer and the
+        callbacks that read the target load it here, :meth:`build` through the same handle."""
+        self.resolve_target_dtype()
+        return self.target_handle.load(self._trainer)
 
     def release_target_model(self) -> None:
-        """Drop the full target :meth:`load_target_model` holds (after the offline cache is written, training
-        needs only its LM head: ~16 GB per GPU freed for an 8B bf16 target); a later call loads it again (the
-        acceptance monitor on rank 0)."""
-        self._target_model = None
+        """Drop the full target (``TargetHandle.release``); a later :meth:`load_target_model` loads it again."""
+        self.target_handle.release()
 
     def prepare_data(self) -> None:
         """Checks that need only the target's config, run before Lightning writes anything (logger files,
-        checkpoints): an entropy filter that would remove every position (:meth:`_check_filter_keeps_tokens`)."""
-        if self.entropy_filter.mode == "off":
-            return
-        from transformers import AutoConfig
-
-        from draftkit.artifacts import resolve_model_dir
-
-        config = AutoConfig.from_pretrained(resolve_model_dir(self.hparams.target, "model.target"))
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self._check_filter_keeps_tokens(text.vocab_size)
+        checkpoints): an entropy filter that would remove every position (``guards.check_filter_for_target``)."""
+        guards.check_filter_for_target(self.entropy_filter, self.hparams.target)
 
     def setup(self, stage: str) -> None:
         self.build(self.trainer.datamodule if self._trainer is not None else None)
@@ -309,22 +212,10 @@ class Eagle3Module(pl.LightningModule):
         if getattr(dm, "auto_cache_pending", False):  # hidden_states_cache: auto, with the final aux layers
             from draftkit.generation.hidden_states import write_auto_cache
 
-            write_auto_cache(dm)
-        cache = getattr(dm, "hidden_states", None) if dm is not None else None
-        if cache is not None:
-            from draftkit.target.frozen import config_fingerprint
-            from draftkit.target.lm_head import load_target_lm_head
-
-            self.target = load_target_lm_head(self.hparams.target, self.resolve_target_dtype(), self.hparams.aux_layer_ids)
-            cache.check({
-                "target": self.hparams.target, "target_config": config_fingerprint(self.target.config),
-                "target_dtype": self.hparams.target_dtype, "aux_layer_ids": list(self.target.aux_layer_ids),
-            })
-        else:
-            from draftkit.target.frozen import FrozenTarget
-
-            model, tokenizer = self.load_target_model()
-            self.target = FrozenTarget(model, self.hparams.aux_layer_ids)
+            write_auto_cache(dm, self)
+        self.resolve_target_dtype()
+        self.target = self.target_handle.training_target(self.hparams.aux_layer_ids, getattr(dm, "hidden_states", None),
+                                                         self._trainer)
         self.hparams.aux_layer_ids = self.target.aux_layer_ids
         vocab_size = self.target.vocab_size
         if self.hparams.draft_vocab_size > vocab_size:
@@ -333,147 +224,57 @@ class Eagle3Module(pl.LightningModule):
             )
         counts = dm.token_counts(vocab_size) if dm is not None and hasattr(dm, "token_counts") else None
         if counts is not None:
-            vocab = VocabMap.from_counts(counts, self.hparams.draft_vocab_size)
             self.chat_template = dm.hparams.chat_template
             if hasattr(dm, "load_tokenizer"):
                 from draftkit.target.tokens import tokenizer_identity
 
                 self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
-        elif self.hparams.draft_vocab_size == vocab_size or self.hparams.init_head:
-            vocab = VocabMap.from_ids(torch.arange(vocab_size), vocab_size)
-        else:
-            raise ValueError("a draft vocab smaller than the target's needs a datamodule to count tokens")
-        init = None
-        resuming = getattr(self, "resume_ckpt_path", None)  # set by `draftkit fit --ckpt_path` before set-up
-        if self.hparams.init_head and resuming:  # the checkpoint holds the weights and d2t/t2d: the file may be gone
-            log.info("model.init_head %s: not read, resuming from %s", self.hparams.init_head, resuming)
-        elif self.hparams.init_head:  # a trained head's map replaces the counted one (its lm_head rows are its ids)
-            from draftkit.models.init_head import read_init_head
-
-            init, _ = read_init_head(self.hparams.init_head, self.hparams.target, self.target.aux_layer_ids,
-                                     self.hparams.draft_vocab_size)
-            vocab = VocabMap(d2t=init.d2t.clone(), t2d=init.t2d.clone())
-        vocab.validate()
-        self._check_filter_keeps_tokens(vocab_size)
-        cfg = Eagle3Config.from_target_config(
-            self.target.config, self.target.aux_layer_ids, self.hparams.draft_vocab_size,
-            norm_before_residual=self.hparams.norm_before_residual, norm_before_fc=self.hparams.norm_before_fc,
-            fc_norm=self.hparams.fc_norm, norm_output=self.hparams.norm_output,
-        )
-        self.head = Eagle3LlamaHead(cfg)
-        self.head.set_vocab(vocab.d2t, vocab.t2d)
-        self.head.load_embedding(self.target.input_embeddings().float())
-        if self.hparams.init_from_target:
-            norm = self.target.final_norm_weight()
-            self.head.init_from_target(self.target.lm_head_weight().float(), None if norm is None else norm.float())
-        if init is not None:
-            from draftkit.models.init_head import check_same_head_shape, load_into
-
-            check_same_head_shape(init.config, cfg, self.hparams.init_head)
-            load_into(self.head, init)
-            log.info("model.init_head: starting from the weights and draft vocab of %s", self.hparams.init_head)
-        self.head.lm_head.weight.requires_grad_(not self.hparams.freeze_lm_head)
-        layer = self.hparams.init_decoder_from_target_layer
-        if layer is not None:
-            try:
-                self.head.init_decoder_from_target_layer(self.target.decoder_layer_state(layer), self.target.config)
-            except ValueError as e:
-                raise ValueError(f"model.init_decoder_from_target_layer={layer}: {e}; choose another layer or set "
-                                 f"it to null (random)") from e
+        # resume_ckpt_path: set by `draftkit fit --ckpt_path` before set-up (the checkpoint holds the weights)
+        init = read_init(self.hparams, self.target.aux_layer_ids, getattr(self, "resume_ckpt_path", None))
+        vocab = draft_vocab(vocab_size, self.hparams.draft_vocab_size, counts, init, self.hparams.init_head)
+        guards.check_filter_keeps_tokens(self.entropy_filter, vocab_size)
+        self.head = start_head(self.target, vocab, self.hparams, init)
         coverage = float(counts[vocab.t2d].sum()) / max(1, int(counts.sum())) if counts is not None else None
         log.info(
             "target %s: N=%d layers, aux ids %s, draft vocab %d/%d%s", self.hparams.target, self.target.num_layers,
-            self.target.aux_layer_ids, cfg.draft_vocab_size, vocab_size,
+            self.target.aux_layer_ids, self.head.config.draft_vocab_size, vocab_size,
             f" (covers {coverage:.1%} of the data's assistant tokens; of the target's own top tokens: "
             "val/draft_coverage)" if coverage is not None else "",
         )
 
-    def _check_filter_keeps_tokens(self, vocab_size: int) -> None:
-        """Refuse an entropy filter that removes every position: entropy is at most ln V nats, so a ``drop``
-        threshold above it (or ``downweight: 0``) leaves no trainable token.
-
-        Raises:
-            ValueError: naming the threshold, ln V and the options to change.
-        """
-        cfg = self.entropy_filter
-        removes = cfg.mode == "drop" or (cfg.mode == "downweight" and cfg.downweight == 0)
-        if removes and cfg.threshold is not None and cfg.threshold > math.log(vocab_size):
-            raise ValueError(
-                f"no trainable tokens: model.entropy_filter.threshold={cfg.threshold} nats exceeds ln V = "
-                f"{math.log(vocab_size):.3f} nats, the largest entropy a {vocab_size}-token distribution can have, "
-                f"so mode={cfg.mode} removes every position; lower the threshold or use model.entropy_filter.quantile"
-            )
-
-    def _no_signal(self, where: str) -> RuntimeError:
-        """The error for a run whose batches carry no trainable token."""
-        cfg = self.entropy_filter
-        filt = "off" if cfg.mode == "off" else f"{cfg.mode} (threshold {cfg.threshold}, quantile {cfg.quantile})"
-        return RuntimeError(
-            f"no trainable tokens: {where} had no supervised position after the assistant mask, the entropy filter "
-            f"(model.entropy_filter: {filt}) and the draft-vocab mask (the target's top token must be among the "
-            f"model.draft_vocab_size={self.hparams.draft_vocab_size} draft ids); the head received no update"
-        )
-
     # -- checkpoint -------------------------------------------------------------------------------------
-    def head_is_finite(self) -> bool:
-        """True when every floating-point tensor of the head is finite (one ``isfinite().all()`` per tensor)."""
-        return self.head is None or all(
-            bool(torch.isfinite(t).all()) for t in self.head.state_dict().values() if t.is_floating_point()
-        )
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep the head's tensors and the metrics' states, and add the ``draftkit`` metadata.
+        """Keep the head's tensors and the metrics' states, and add the ``draftkit`` metadata
+        (``heads.checkpoint.checkpoint_tensors`` and ``checkpoint_metadata``, beside the one reader).
 
         Raises:
             NonFiniteTrainingError: when a head tensor is NaN/inf (naming them), so that no checkpoint
                 (``ModelCheckpoint``'s best/last, an interrupt checkpoint) is ever written from such weights.
         """
-        if not self.head_is_finite():
-            bad = [k for k, t in self.head.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-            raise NonFiniteTrainingError(
-                f"not saving a checkpoint at step {self.trainer.global_step if self._trainer is not None else '?'}: "
-                f"the head's {', '.join(bad)} hold NaN/inf; lower model.optim.lr or set trainer.gradient_clip_val"
-            )
-        checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items()
-            if k.startswith(HEAD_PREFIX) and not k.startswith((f"{HEAD_PREFIX}embed_tokens.", f"{HEAD_PREFIX}rotary_emb."))
-            or k.startswith(("train_", "val_", "kept_"))
-        }
-        checkpoint["draftkit"] = {
-            "head_config": dataclasses.asdict(self.head.config),
-            "target": self.hparams.target,
-            "target_architecture": target_architecture(self.target.config),  # evaluate/export refuse another
-            "target_dtype": self.hparams.target_dtype,
-            "chat_template": self.chat_template,
-            "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "ttt": dataclasses.asdict(self.ttt),
-            "tokens_trained": self.tokens_trained,
-            # the longest sequence trained (tokens; this rank's batches): evaluate warns past it, exports carry it
-            "trained_length": self.trained_length or None,
-            "lr_horizon": self.lr_horizon,
-            "lr_anchor": None if self.lr_anchor is None else list(self.lr_anchor),
-            "planned_total": self.planned_total,
-        }
+        guards.check_head_finite(self.head, self.trainer.global_step if self._trainer is not None else "?")
+        checkpoint["state_dict"] = checkpoint_tensors(checkpoint["state_dict"])
+        checkpoint["draftkit"] = checkpoint_metadata(
+            self.head.config, self.hparams.target, self.target.config, self.hparams.target_dtype, self.chat_template,
+            self.tokenizer_fingerprint, dataclasses.asdict(self.ttt), {
+                "tokens_trained": self.tokens_trained, "trained_length": self.trained_length,
+                "lr_horizon": self.lr_horizon, "lr_anchor": self.lr_anchor, "planned_total": self.planned_total,
+            })
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the training state a resumed run continues from (``heads.checkpoint.read_training_state``).
+
+        Raises:
+            ValueError: when the checkpoint's head read other aux layers than this run's.
+        """
         meta = checkpoint.get("draftkit")
-        if meta:
-            self.tokens_trained = int(meta.get("tokens_trained", 0))
-            self.trained_length = int(meta.get("trained_length") or 0)
-            self.lr_horizon = meta.get("lr_horizon")
-            anchor = meta.get("lr_anchor")  # absent in checkpoints written before re-planning: the first plan
-            self.lr_anchor = None if anchor is None else (int(anchor[0]), int(anchor[1]), float(anchor[2]))
-            planned = meta.get("planned_total")
-            if planned is None:  # written before planned_total was stored: its max_steps, when it set one
-                steps = (checkpoint.get(RESUME_KEY) or {}).get("trainer.max_steps")
-                planned = steps if isinstance(steps, int) and steps > 0 else None
-            self._resumed_total = None if planned is None else int(planned)
-        stored = (meta["head_config"].get("aux_layer_ids") or meta.get("aux_layer_ids")) if meta else None
-        if stored and self.head is not None and list(stored) != list(self.head.config.aux_layer_ids):
-            raise ValueError(
-                f"checkpoint aux layers {list(stored)} differ from this run's "
-                f"{self.head.config.aux_layer_ids}; use the recipe the checkpoint was trained with"
-            )
+        if not meta:
+            return
+        state = read_training_state(meta, (checkpoint.get(RESUME_KEY) or {}).get("trainer.max_steps"))
+        self.tokens_trained, self.trained_length = state["tokens_trained"], state["trained_length"]
+        self.lr_horizon, self.lr_anchor = state["lr_horizon"], state["lr_anchor"]
+        self._resumed_total = state["planned_total"]
+        if self.head is not None:
+            check_resumed_aux_ids(meta, self.head.config.aux_layer_ids)
 
     # -- training ---------------------------------------------------------------------------------------
     def _loss_weights(self, loss_mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -601,101 +402,16 @@ class Eagle3Module(pl.LightningModule):
             stats.append((loss_sum.detach(), correct_sum.detach(), w_sum.detach(), scored.detach()))
         return total, stats
 
-    # -- non-finite guard ------------------------------------------------------------------------------
     def _check_finite_loss(self, total: torch.Tensor, batch: dict, batch_idx: int, stage: str) -> None:
-        """Stop on a NaN/inf loss before anything uses it (backward, metrics, checkpoints): one
-        ``isfinite`` per batch, summed over ranks under DDP so that every rank stops together.
-
-        Raises:
-            NonFiniteTrainingError: naming the step, the batch and its source (:meth:`_nonfinite_detail`).
-        """
-        bad = ~torch.isfinite(total.detach())
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if world > 1:
-            bad = self.trainer.strategy.reduce(bad.float(), reduce_op="sum") > 0
-        if not bool(bad):
-            return
-        step = self.trainer.global_step if self._trainer is not None else 0
-        if bool(torch.isfinite(total.detach())):
-            where = "another rank's batch (see that rank's error)"
-        else:
-            where = self._nonfinite_detail(batch)
-        raise NonFiniteTrainingError(
-            f"non-finite {stage} loss ({float(total)}) at optimizer step {step}, {stage} batch {batch_idx}: {where}"
-            + ("; stopped before the optimizer step, the weights stay finite and no checkpoint is written from it"
-               if stage == "train" else "; no accuracy or loss is reported for it")
-        )
-
-    def _target_sharded(self) -> bool:
-        from draftkit.target.sharding import target_mesh
-
-        return target_mesh(self._trainer) is not None
-
-    def _nonfinite_detail(self, batch: dict) -> str:
-        """Why a batch's loss is non-finite, for the error: the rows with NaN/inf cached states (naming their
-        shard and sequence), else non-finite head weights, else the batch's sources and the options to change."""
-        sources = batch.get("source")
-        n = batch["input_ids"].shape[0]
-        name = (lambda i: sources[i]) if sources else (lambda i: f"batch row {i}")
-        if "aux_hidden_states" in batch:
-            rows = []
-            for i in range(n):
-                counts = [f"{int((~torch.isfinite(batch[key][i])).sum())} NaN/inf values in {key}"
-                          for key in ("aux_hidden_states", "last_hidden_state")
-                          if not bool(torch.isfinite(batch[key][i]).all())]
-                if counts:
-                    rows.append(f"{name(i)} has {' and '.join(counts)}")
-            if rows:
-                return ("; ".join(rows) + "; delete that shard file and rerun `python -m draftkit cache-hidden-states` "
-                        "with the same recipe and --output to rewrite it")
-        elif hasattr(self.target, "lm_logits") and not self._target_sharded():
-            # online: the target's own outputs, recomputed on this error path (not for a sharded target, whose
-            # forward needs every rank while only this one is here)
-            target = self._nonfinite_target_outputs(batch)
-            if target:
-                return target
-        bad = [k for k, p in self.head.named_parameters() if not bool(torch.isfinite(p).all())]
-        listed = ", ".join(name(i) for i in range(n)) if sources else "its records are not named"
-        if bad:
-            return f"the head's {', '.join(bad)} are already NaN/inf (batch: {listed})"
-        return (f"its inputs are finite ({listed}), the loss overflowed: lower model.optim.lr, set "
-                "trainer.gradient_clip_val or train in trainer.precision 32-true")
-
-    def _nonfinite_target_outputs(self, batch: dict) -> str | None:
-        """The error detail when the frozen target's own outputs on ``batch`` (aux and last hidden states, logits,
-        at the real tokens) hold NaN/inf, e.g. a target that overflows in float16; None when they are finite."""
-        mask = batch["attention_mask"].bool()  # (B, T)
-        out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"], compute_logits=False)
-        parts = {"aux hidden states": out.aux_hidden_states[mask], "last hidden state": out.last_hidden_state[mask]}
-        with torch.no_grad():
-            parts["logits"] = self.target.lm_logits(parts["last hidden state"])  # (n, V)
-        counts = [f"{int((~torch.isfinite(t)).sum())} NaN/inf values in its {what}" for what, t in parts.items()
-                  if not bool(torch.isfinite(t).all())]
-        if not counts:
-            return None
-        return (f"the target's own outputs are non-finite ({', '.join(counts)}) with model.target_dtype="
-                f"{self.hparams.target_dtype}: the target overflows in that dtype, whatever the head or the learning "
-                "rate; set model.target_dtype to float32 (or bfloat16, whose range is float32's)")
+        """``guards.check_finite_loss``, explained by this module's head and target (``guards.nonfinite_detail``)."""
+        guards.check_finite_loss(total, stage, batch_idx, self._trainer, lambda: guards.nonfinite_detail(
+            batch, self.head, self.target, self.hparams.target_dtype, self.target_handle.sharded(self._trainer)))
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Refuse NaN/inf gradients before the optimizer step (one ``isfinite`` per parameter, one sync), so
-        that the weights stay finite. Skipped under ``16-mixed``, whose gradient scaler skips such steps itself.
-
-        Raises:
-            NonFiniteTrainingError: naming the parameters, the step and the last batch's source.
-        """
-        if self._batch_empty or str(self.trainer.precision) == "16-mixed":
-            return
-        named = [(k, p.grad) for k, p in self.head.named_parameters() if p.grad is not None]
-        if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
-            return
-        bad = [k for k, g in named if not bool(torch.isfinite(g).all())]
-        batch_idx, sources = self._last_batch
-        raise NonFiniteTrainingError(
-            f"non-finite gradients of {', '.join(bad)} at optimizer step {self.trainer.global_step}, train batch "
-            f"{batch_idx} ({', '.join(sources) if sources else 'its records are not named'}); stopped before the "
-            "optimizer step, the weights stay finite; lower model.optim.lr or set trainer.gradient_clip_val"
-        )
+        """Refuse NaN/inf gradients before the optimizer step (``guards.check_finite_grads``), so that the weights
+        stay finite. Skipped under ``16-mixed``, whose gradient scaler skips such steps itself."""
+        if not self._batch_empty and str(self.trainer.precision) != "16-mixed":
+            guards.check_finite_grads(self.head, self.trainer.global_step, *self._last_batch)
 
     def on_train_start(self) -> None:
         """A run resumed under another step limit (``fit --ckpt_path ... --trainer.max_steps M``) keeps its LR
@@ -776,7 +492,8 @@ class Eagle3Module(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         updates, empty = self._epoch_batches
         if empty and not updates:
-            raise self._no_signal(f"every one of the {empty} training batches of epoch {self.current_epoch}")
+            raise guards.no_signal(self.entropy_filter, self.hparams.draft_vocab_size,
+                                   f"every one of the {empty} training batches of epoch {self.current_epoch}")
 
     def on_validation_epoch_start(self) -> None:
         self._val_weight = torch.zeros(self.ttt.steps, dtype=torch.float64, device=self.device)  # (K,) supervised
@@ -812,15 +529,19 @@ class Eagle3Module(pl.LightningModule):
             ValueError: during fit, when a TTT step had no supervised row while a callback monitors
                 ``val/tau_sim`` (``ModelCheckpoint`` would raise after training started): at the sanity check
                 when it saw every validation batch (before any optimizer step), else at the first validation;
-                naming ``data.val_size``, ``data.path`` and what to change (:meth:`_nothing_to_measure`).
+                naming ``data.val_size``, ``data.path`` and what to change (``guards.check_validation_measured``).
         """
         weight = self.trainer.strategy.reduce(self._val_weight, reduce_op="sum")  # (K,) over ranks
         scored = self.trainer.strategy.reduce(self._val_scored, reduce_op="sum")  # (K,)
-        if scored[0] > 0:
-            self._log_draft_coverage(float(weight[0] / scored[0]))
+        if scored[0] > 0:  # scored rows whose target top token is a draft id: the most val/acc_0 can reach
+            self.log("val/draft_coverage", float(weight[0] / scored[0]))
+            if not getattr(self, "_coverage_warned", False):  # warned once, the sanity check included
+                self._coverage_warned = guards.warn_low_draft_coverage(float(weight[0] / scored[0]),
+                                                                       self.hparams.draft_vocab_size)
         fitting = self.trainer.state.fn == "fit" and not self.trainer.sanity_checking
         if fitting and self.trainer.global_step == 0 and self.empty_batches:
-            raise self._no_signal(f"every one of the {self.empty_batches} training batches before validation")
+            raise guards.no_signal(self.entropy_filter, self.hparams.draft_vocab_size,
+                                   f"every one of the {self.empty_batches} training batches before validation")
         accs = []
         for k in range(self.ttt.steps):
             if weight[k] > 0:  # measured: some row's target top token is a draft id
@@ -837,46 +558,8 @@ class Eagle3Module(pl.LightningModule):
             self.log("val/tau_sim", tau_sim(accs), prog_bar=True)
             self.log(f"val/tau_sim_k{k}", tau_sim(accs[:k]))
         else:
-            empty = [k for k in range(self.ttt.steps) if not weight[k] > 0]
-            monitors = sorted({str(cb.monitor) for cb in self.trainer.callbacks
-                               if str(getattr(cb, "monitor", None) or "").startswith("val/tau_sim")})
-            # the rows depend only on the data, the target and the draft vocab, not on the head's weights: a
-            # sanity check that saw every validation batch already knows, before the first optimizer step
-            complete = not self.trainer.sanity_checking or self.trainer.num_sanity_val_batches == self.trainer.num_val_batches
-            if monitors and complete and self.trainer.state.fn == "fit":
-                raise self._nothing_to_measure(empty, monitors)
-            log.warning("val/tau_sim not logged: TTT steps %s had no supervised row in validation", empty)
-
-    def _log_draft_coverage(self, coverage: float) -> None:
-        """Log ``val/draft_coverage``, the fraction of scored validation rows whose target top token is a draft id
-        (the most ``val/acc_0`` can reach), and warn once below :data:`LOW_DRAFT_COVERAGE` (sanity check included)."""
-        self.log("val/draft_coverage", coverage)
-        if coverage < LOW_DRAFT_COVERAGE and not getattr(self, "_coverage_warned", False):
-            self._coverage_warned = True
-            log.warning(
-                "validation: the target's top token is a draft id at only %.1f%% of the scored positions; "
-                "val/acc_k and val/tau_sim count the others as misses (as decoding rejects them): raise "
-                "model.draft_vocab_size (now %d) or train on data the target answers like", 100 * coverage,
-                self.hparams.draft_vocab_size)
-
-    def _nothing_to_measure(self, empty: list[int], monitors: list[str]) -> ValueError:
-        """The error for a validation split without a supervised row at some TTT step while a callback
-        (``ModelCheckpoint``, ``EarlyStopping``) monitors ``val/tau_sim``, which then can never be logged."""
-        dm = self.trainer.datamodule
-        hp = getattr(dm, "hparams", {})
-        n = len(dm.val_set) if getattr(dm, "val_set", None) is not None else "?"
-        return ValueError(
-            f"validation has nothing to measure: its {n} sequence(s) (data.val_size={hp.get('val_size')} held out "
-            f"from data.path={hp.get('path')}; trainer.limit_val_batches={self.trainer.limit_val_batches}) have no "
-            f"supervised row at TTT step(s) {empty} (step k supervises row p when token p+2+k is an assistant token "
-            f"and the target's top token after p+1+k is one of the model.draft_vocab_size="
-            f"{self.hparams.draft_vocab_size} draft ids), so {', '.join(monitors)}, which a callback monitors, "
-            "is never logged; raise data.val_size (or hold out conversations with longer assistant turns), raise "
-            "model.draft_vocab_size or lower model.ttt.steps; "
-            + ("stopped at the sanity check, before the first optimizer step" if self.trainer.sanity_checking
-               else f"stopped at optimizer step {self.trainer.global_step}")
-            + ", no checkpoint written"
-        )
+            guards.check_validation_measured(self.trainer, [k for k in range(self.ttt.steps) if not weight[k] > 0],
+                                             self.hparams.draft_vocab_size)
 
     # -- schedule ---------------------------------------------------------------------------------------
     def lr_factor(self, step: int, default_total: int | None = None) -> float:
@@ -909,15 +592,7 @@ class Eagle3Module(pl.LightningModule):
         self.lr_horizon = horizon
 
     def configure_optimizers(self):
-        cfg = self.optim
-        if cfg.optimizer == "muon":
-            from draftkit.models.muon import MuonWithAdamW, split_muon_params
-
-            opt = MuonWithAdamW(*split_muon_params(self.head), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                betas=tuple(cfg.betas))
-        else:
-            params = [p for p in self.head.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+        opt = self.optim.build(self.head)
         estimated = self.trainer.estimated_stepping_batches
         default_total = max(1, int(estimated)) if math.isfinite(estimated) else None
         self.planned_total = default_total

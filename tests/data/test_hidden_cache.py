@@ -176,7 +176,7 @@ def test_offline_training_equals_online(tiny_cache, dtype, rtol):
     perturbs losses and first gradients by < 2 % and the total weight update by < 5 % (relative L2)."""
     online, dm_on = _built(["--model.target_dtype", dtype])
     offline, dm_off = _built(["--model.target_dtype", dtype, "--data.hidden_states_cache", str(tiny_cache[dtype])])
-    assert isinstance(offline.target, TargetLMHead) and getattr(offline, "_target_model", None) is None
+    assert isinstance(offline.target, TargetLMHead) and not offline.target_handle.loaded
     offline.head.load_state_dict(online.head.state_dict())
     models = (online, offline)
     params = [[p for p in m.head.parameters() if p.requires_grad] for m in models]
@@ -317,7 +317,7 @@ def test_fit_with_auto_cache_writes_it_once_and_trains_offline(tiny_cache, tmp_p
     a = DraftkitCLI(args=["fit", "--recipe", RECIPE, "--recipe", str(_override(tmp_path / "a", 2)),
                           "--data.hidden_states_cache", "auto"])
     assert isinstance(a.model.target, TargetLMHead)
-    assert getattr(a.model, "_target_model", None) is None  # the full target is released once the cache is written
+    assert not a.model.target_handle.loaded  # the full target is released once the cache is written
     root = Path(a.datamodule.hparams.hidden_states_cache)
     assert root.parent == cache_dir() / "hidden-states"
     shards = sorted(root.glob("*.safetensors"))

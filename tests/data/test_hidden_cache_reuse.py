@@ -69,7 +69,7 @@ def test_a_complete_cache_is_reused_without_the_target(recipe, monkeypatch):
     assert _files(root) == before  # nothing rewritten, the index included
     dry = write_recipe_cache(model, dm, "32-true", dry_run=True)
     assert dry["shards_todo"] == 0 and "tokens_written" not in dry and counter["loads"] == 1
-    assert getattr(model, "_target_model", None) is None
+    assert not model.target_handle.loaded
     dm.open_hidden_states(again["output"])  # what fit does next: the reused cache opens and matches the data
     assert len(dm._offline["train"]) == len(dm.train_set) > 0
 

@@ -8,7 +8,8 @@ import torch
 from decoding_stubs import make_head
 
 from draftkit.commands import main as draftkit_main
-from draftkit.decoding.harness import _first_diff, check_head_matches_target, evaluate_head
+from draftkit.decoding.harness import _first_diff, evaluate_head
+from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.decoding.tree import TreeConfig
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.target.frozen import FrozenTarget, load_target
@@ -360,10 +361,13 @@ def test_each_head_load_is_checked_against_its_target_once(tmp_path, ckpt, promp
     """The head-vs-target check runs once per load: once for a float32 run (one load), twice for a bfloat16 run
     whose lossless pass loads the head and the target again in float32 (the harness does not check again)."""
     import draftkit.decoding.harness as harness
+    import draftkit.heads.checkpoint as checkpoint
 
     calls = []
-    real = harness.check_head_matches_target
-    monkeypatch.setattr(harness, "check_head_matches_target", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    real = checkpoint.check_head_matches_target
+    counted = lambda *a, **kw: calls.append(a[1]) or real(*a, **kw)  # noqa: E731
+    for module in (harness, checkpoint):  # the harness imports it by name; the loader reads it from heads.checkpoint
+        monkeypatch.setattr(module, "check_head_matches_target", counted)
     common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "4", "--num_prompts",
               "1", "--k", "2", "--prompt_lookup", "false", "--output", str(tmp_path / "report.json")]
     assert main([*common, "--dtype", "float32"]) == 0 and len(calls) == 1

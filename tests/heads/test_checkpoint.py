@@ -14,7 +14,10 @@ from export_helpers import make_head, save_tiny_target, write_checkpoint  # noqa
 
 from draftkit.export.load import load_head  # noqa: E402
 from draftkit.export import export_checkpoint  # noqa: E402
-from draftkit.heads.checkpoint import head_from_checkpoint, read_checkpoint  # noqa: E402
+from draftkit.heads.checkpoint import (  # noqa: E402
+    check_resumed_aux_ids, checkpoint_metadata, checkpoint_tensors, head_from_checkpoint, read_checkpoint,
+    read_training_state,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +124,39 @@ def test_aux_ids_other_than_the_fused_count_are_refused_both_ways(target_dir, tm
     ckpt = write_checkpoint(tmp_path / "h.ckpt", head, target_dir, stored)
     with pytest.raises(ValueError, match=rf"{len(stored)} aux layer ids .* but fc reads 3 aux states"):
         read_checkpoint(ckpt)
+
+
+def test_the_metadata_written_is_the_metadata_read_back(target_dir):
+    """checkpoint_metadata (what Eagle3Module.on_save_checkpoint stores) and its readers: the training state
+    round-trips (lr_anchor a list on disk, a tuple back), an older checkpoint's max_steps stands in for
+    planned_total, and a resume on other aux layers is refused."""
+    from transformers import AutoConfig
+
+    from draftkit.heads.eagle3_llama import Eagle3Config
+
+    config = AutoConfig.from_pretrained(target_dir)
+    head_config = Eagle3Config.from_target_config(config, [2, 4, 5], 64)
+    training = {"tokens_trained": 1234, "trained_length": 0, "lr_horizon": 90, "lr_anchor": (10, 40, 0.25),
+                "planned_total": 100}
+    meta = checkpoint_metadata(head_config, "tiny", config, "float32", None, "fp", {"steps": 3, "decay": 0.8}, training)
+    assert meta["head_config"]["aux_layer_ids"] == [2, 4, 5] and meta["head_config"]["draft_vocab_size"] == 64
+    assert (meta["target"], meta["target_dtype"], meta["tokenizer_fingerprint"]) == ("tiny", "float32", "fp")
+    assert meta["target_architecture"]["num_hidden_layers"] == config.num_hidden_layers
+    assert meta["trained_length"] is None and meta["lr_anchor"] == [10, 40, 0.25]
+    assert read_training_state(meta) == training
+    older = {k: v for k, v in meta.items() if k not in ("planned_total", "lr_anchor", "tokens_trained")}
+    assert read_training_state(older, max_steps=7) == {**training, "tokens_trained": 0, "lr_anchor": None,
+                                                       "planned_total": 7}
+    assert read_training_state(older, max_steps=-1)["planned_total"] is None
+    check_resumed_aux_ids(meta, [2, 4, 5])
+    check_resumed_aux_ids({"head_config": {}}, [1, 2, 3])  # none recorded: nothing to compare
+    with pytest.raises(ValueError, match=r"checkpoint aux layers \[2, 4, 5\] differ from this run's \[1, 2, 3\]"):
+        check_resumed_aux_ids(meta, [1, 2, 3])
+
+
+def test_checkpoint_tensors_keep_the_head_and_the_metrics_only():
+    t = torch.zeros(1)
+    state = {"head.fc.weight": t, "head.embed_tokens.weight": t, "head.rotary_emb.inv_freq": t,
+             "target.model.layers.0.weight": t, "val_acc.0.mean_value": t, "train_x": t, "kept_fraction.weight": t}
+    assert sorted(checkpoint_tensors(state)) == ["head.fc.weight", "kept_fraction.weight", "train_x",
+                                                 "val_acc.0.mean_value"]

@@ -13,7 +13,8 @@ import yaml
 
 from draftkit.artifacts import resolve_artifact
 from draftkit.cli import DraftkitCLI
-from draftkit.models.eagle3 import Eagle3Module, NonFiniteTrainingError
+from draftkit.models.eagle3 import Eagle3Module
+from draftkit.models.guards import NonFiniteTrainingError
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-debug.yaml"
