@@ -60,7 +60,8 @@ studies ran before the default moved to ``norm_before_fc`` + ``norm_output``, an
 
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
-``eval.json`` exists, so the script resumes. The best checkpoint (``ModelCheckpoint``'s monitor,
+``eval.json`` exists, so the script resumes; a fit it stopped mid-way continues from its ``last.ckpt`` (written at each
+validation; ``fit --ckpt_path`` resumes exactly), so a study can span sessions. The best checkpoint (``ModelCheckpoint``'s monitor,
 ``val/tau_sim``) is evaluated. It prints a table and writes ``OUT/summary.json``: per run the aux layers,
 steps, training tokens, ``val/tau_sim`` (teacher-forced, on the arm's own validation split, so comparable only
 between arms with the same data) and MT-bench τ (counts the bonus token) and α_1; per arm the mean over
@@ -177,29 +178,38 @@ def _run(cmd: list[str], cwd: Path, log: Path, threads: int) -> None:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed with exit code {rc}; see {log}")
 
 
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """``last.ckpt`` of the run's newest ``lightning_logs/version_N`` (by number), or None before any was written."""
+    lasts = sorted(run_dir.glob("checkpoints/*/lightning_logs/version_*/checkpoints/last.ckpt"),
+                   key=lambda p: int(p.parents[1].name.split("_")[1]))
+    return lasts[-1] if lasts else None
+
+
 def best_checkpoint(run_dir: Path) -> Path:
     """The best checkpoint of the run's newest ``lightning_logs/version_N`` (``ModelCheckpoint``'s own record).
 
     Raises:
         FileNotFoundError: if the run wrote no checkpoint.
     """
-    lasts = sorted(run_dir.glob("checkpoints/*/lightning_logs/version_*/checkpoints/last.ckpt"),
-                   key=lambda p: int(p.parents[1].name.split("_")[1]))
-    if not lasts:
+    last = last_checkpoint(run_dir)
+    if last is None:
         raise FileNotFoundError(f"no last.ckpt under {run_dir}/checkpoints: did the fit run?")
-    ckpt = torch.load(lasts[-1], map_location="cpu", weights_only=False)
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
     state = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]
     best = Path(state["best_model_path"])
     return best if best.is_absolute() else REPO / best  # fit runs from the repository root
 
 
-def fit_args(study: Study, arm: str, seed: int, run_dir: Path, max_steps: int | None) -> list[str]:
+def fit_args(study: Study, arm: str, seed: int, run_dir: Path, max_steps: int | None,
+             resume: Path | None = None) -> list[str]:
     """The ``draftkit fit`` arguments of one (arm, seed): the recipe stack, the seed for init and data, the output
-    folder, and with ``max_steps`` a fixed step budget in place of the recipe's wall time."""
+    folder, with ``max_steps`` a fixed step budget in place of the recipe's wall time, and with ``resume`` the
+    checkpoint an unfinished run continues from (``--ckpt_path``: exact, the same batches and schedule)."""
     recipes = [a for r in study.base + study.arms[arm] for a in ("--recipe", str(r))]
     budget = [] if max_steps is None else ["--trainer.max_time", "null", "--trainer.max_steps", str(max_steps)]
+    again = [] if resume is None else ["--ckpt_path", str(resume)]
     return [*recipes, "--seed_everything", str(seed), "--data.seed", str(seed),
-            "--trainer.default_root_dir", str(run_dir / "checkpoints" / arm), *budget]
+            "--trainer.default_root_dir", str(run_dir / "checkpoints" / arm), *budget, *again]
 
 
 def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
@@ -210,13 +220,15 @@ def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
     start = time.time()
     if not report.exists():
         if not fitted.exists():
+            # an unfinished run (the study was stopped) continues from its last validation's last.ckpt
+            resume = last_checkpoint(run_dir)
             # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
-            _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps)],
+            _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps, resume)],
                  REPO, log, args.threads)
             fitted.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
         _run([sys.executable, "-m", "draftkit", "evaluate", "--checkpoint", str(best_checkpoint(run_dir)),
               "--prompts", "mt-bench", "--num_prompts", str(args.num_prompts), "--max_new_tokens",
-              str(args.max_new_tokens), "--k", str(args.k), "--dtype", "bfloat16", "--baseline", "false",
+              str(args.max_new_tokens), "--k", str(args.k), "--dtype", args.dtype, "--baseline", "false",
               "--prompt_lookup", "false", "--threads", str(args.threads), "--output", "eval.json"],
              run_dir, log, args.threads)
     ckpt = torch.load(best_checkpoint(run_dir), map_location="cpu", weights_only=False)
@@ -277,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="draft tokens per round")
+    p.add_argument("--dtype", default="auto", help="evaluate's dtype: auto = the precision policy's (bfloat16 where "
+                   "this CPU computes it fast, float32 on AVX2-only CPUs, where bf16 runs ~60x slower); the studies "
+                   "in benchmarks/README.md before 2026-12 ran bfloat16 on AVX512-BF16 cores, which auto picks there")
     p.add_argument("--summarize_only", action="store_true", help="tabulate the finished runs; train nothing")
     args = p.parse_args(argv)
     study = STUDIES[args.study]

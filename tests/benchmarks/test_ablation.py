@@ -205,3 +205,38 @@ def test_turns_length_study_arms_set_only_their_data_and_length(arm, monkeypatch
     assert cli.datamodule.hparams.max_conversations is None and cli.datamodule.hparams.val_size == 32
     assert cli.datamodule.hparams.batch_size == 4 and cli.datamodule.hparams.hidden_states_cache is None
     assert cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3 and cli.trainer.max_steps == 600
+
+
+def test_a_stopped_fit_continues_from_its_last_checkpoint(tmp_path, benchmark_module):
+    """A study stopped mid-fit (no fit.done) reruns that fit with --ckpt_path at the newest version's last.ckpt,
+    so the arm ends on the same batches and schedule; a run with no checkpoint yet starts fresh."""
+    import argparse
+
+    mod = benchmark_module("ablation")
+    study = mod.STUDIES["decoder-init"]
+    args = argparse.Namespace(max_steps=200, threads=1, num_prompts=2, max_new_tokens=4, k=2, dtype="auto")
+    fits = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(cmd, cwd, log, threads):
+        fits.append(cmd)
+        raise Stop  # the fit's command is all this test needs
+
+    mod_run, mod._run = mod._run, fake_run
+    try:
+        with pytest.raises(Stop):
+            mod.run_one(study, "random", 0, tmp_path, args)
+        assert "--ckpt_path" not in fits[-1]
+        for version in (1, 10, 2):
+            d = tmp_path / "random-s0" / "checkpoints" / "random" / "lightning_logs" / f"version_{version}" / "checkpoints"
+            d.mkdir(parents=True)
+            (d / "last.ckpt").write_bytes(b"")
+        with pytest.raises(Stop):
+            mod.run_one(study, "random", 0, tmp_path, args)
+    finally:
+        mod._run = mod_run
+    cmd = fits[-1]
+    assert cmd[cmd.index("--ckpt_path") + 1] == str(d.parents[1] / "version_10" / "checkpoints" / "last.ckpt")
+    assert cmd[cmd.index("--trainer.max_steps") + 1] == "200"
