@@ -26,12 +26,14 @@ from draftkit.jsonio import short_hash
 
 __all__ = [
     "ReadSummary",
+    "decode_file",
     "describe_skips",
     "read_conversations",
     "normalize_record",
     "tokenize_conversation",
     "tokenization_fingerprint",
     "TemplateError",
+    "unencodable_at",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,7 @@ def _json_type(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _unencodable(text: str) -> int | None:
+def unencodable_at(text: str) -> int | None:
     """Index of the first character UTF-8 cannot encode (a lone surrogate), or None."""
     try:
         text.encode("utf-8")
@@ -182,7 +184,7 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
             return None, ("missing content", f"turn {i} has no content/value")
         if not isinstance(content, str):
             return None, ("non-string content", f"turn {i} content is {_json_type(content)}")
-        bad = _unencodable(content)
+        bad = unencodable_at(content)
         if bad is not None:
             return None, ("unencodable text",
                           f"turn {i} has U+{ord(content[bad]):04X} at character {bad} (a lone surrogate or an "
@@ -235,7 +237,7 @@ def _gunzip(path: Path, data: bytes) -> bytes:
     return text
 
 
-def _decode(path: Path) -> str:
+def decode_file(path: Path) -> str:
     """A data file's text: UTF-8 without its byte-order mark, or UTF-16/UTF-32 with one (:data:`BOMS`); an
     invalid byte becomes a lone surrogate (``surrogateescape``), which :func:`normalize_record` then names in
     its record; ``.gz`` files are decompressed first (:func:`_gunzip`)."""
@@ -249,7 +251,7 @@ def _decode(path: Path) -> str:
 def _iter_json_array(path: Path, summary: ReadSummary):
     """Yield ``(name, record)`` for the elements of a top-level JSON array, tolerating a file cut off
     mid-record."""
-    text = _decode(path)
+    text = decode_file(path)
     decoder = json.JSONDecoder()
     pos = 0
     n = len(text)
@@ -300,7 +302,7 @@ def _iter_json_array(path: Path, summary: ReadSummary):
 def _iter_jsonl(path: Path, summary: ReadSummary):
     """Yield ``(name, record)`` per non-blank line; LF or CRLF line ends, a byte-order mark on any line
     (concatenated files) ignored; a line that is not JSON is skipped and named."""
-    for lineno, line in enumerate(_decode(path).split("\n"), 1):
+    for lineno, line in enumerate(decode_file(path).split("\n"), 1):
         line = line.lstrip("\ufeff").strip()
         if not line:
             continue
