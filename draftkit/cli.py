@@ -433,10 +433,11 @@ class DraftkitCLI(LightningCLI):
         the placeholders of ``RESOLVED_ON_RUN``)."""
         config = self.config.get(self.config.get("subcommand") or "", None)
         path = config.get("ckpt_path") if config is not None else None
-        if self.config.get("subcommand") == "fit" and path and os.path.isfile(path):
-            import torch
+        if self.config.get("subcommand") == "fit" and path and path not in ("best", "last", "hpc") \
+                and not path.startswith("registry"):  # Lightning's names; a file is read or refused naming it
+            from draftkit.heads.checkpoint import load_checkpoint
 
-            _check_resume_options(config, torch.load(path, map_location="cpu", mmap=True, weights_only=False), path)
+            _check_resume_options(config, load_checkpoint(path, "--ckpt_path")[0], path)
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
