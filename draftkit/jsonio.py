@@ -79,8 +79,9 @@ def check_writable(path: str | Path, option: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise OSError(exc.errno, f"{option} {path}: no file can be created in {folder} ({exc.strerror}); "
-                                 "choose another path") from exc
+        error = OSError(f"{option} {path}: no file can be created in {folder} ({exc.strerror}); choose another path")
+        error.errno = exc.errno  # kept for callers; not in the message ("[Errno 30] --output ..." read as noise)
+        raise error from exc
 
 
 def short_hash(obj) -> str:

@@ -40,3 +40,25 @@ def test_evaluate_refuses_a_directory_output_before_decoding(tiny_checkpoint, tm
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"draftkit evaluate: error: --output {tmp_path} is a directory; give a file path")
     assert decoded == []
+
+
+def test_generate_refuses_an_unwritable_output_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    """generate --output in a read-only folder loaded the target, then stopped at the first shard with a bare
+    "[Errno 30] Read-only file system: 'ro/gen.jsonl.parts'"; now one line naming --output, before any work."""
+    src = tmp_path / "src.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+                   + "\n")
+    started = []
+    monkeypatch.setattr("draftkit.generation.regenerate.regenerate", lambda *a, **k: started.append(1))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        folder = str(locked) if not os.access(locked, os.W_OK) else "/proc"  # root ignores modes; /proc refuses
+        out = f"{folder}/draftkit-test/gen.jsonl"
+        assert main(["generate", "--source", str(src), "--target", "tiny:llama", "--output", out]) == 2
+    finally:
+        locked.chmod(0o700)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"draftkit generate: error: --output {out}: no file can be created in {folder} (")
+    assert started == []
