@@ -242,7 +242,7 @@ def decode_file(path: Path) -> str:
     invalid byte becomes a lone surrogate (``surrogateescape``), which :func:`normalize_record` then names in
     its record; ``.gz`` files are decompressed first (:func:`_gunzip`)."""
     data = path.read_bytes()
-    if path.name.endswith(".gz"):
+    if path.name.lower().endswith(".gz"):
         data = _gunzip(path, data)
     encoding = next((enc for bom, enc in BOMS if data.startswith(bom)), "utf-8-sig")
     return data.decode(encoding, errors="surrogateescape")
@@ -359,11 +359,12 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     """
     path = Path(ref)
     summary = ReadSummary(source=str(ref))
-    if path.name.endswith((".json", ".json.gz")) and path.is_file():
+    name = path.name.lower()  # data.JSONL is JSON Lines too (it went to the Hub as a dataset id)
+    if name.endswith((".json", ".json.gz")) and path.is_file():
         records = _iter_json_array(path, summary)
-    elif path.name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
+    elif name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
         records = _iter_jsonl(path, summary)
-    elif path.name.endswith((".json", ".json.gz", ".jsonl", ".jsonl.gz")) and not path.exists():
+    elif name.endswith((".json", ".json.gz", ".jsonl", ".jsonl.gz")) and not path.exists():
         raise FileNotFoundError(f"data file {ref} does not exist; fix data.path in the recipe")
     else:
         records = _iter_datasets(ref, split)

@@ -126,7 +126,7 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
             f"{option}: {path} line {text.count(chr(10), 0, bad) + 1} is not UTF-8 text (U+{ord(text[bad]):04X}: an "
             "invalid byte or a lone surrogate); save the file as UTF-8"
         )
-    suffix = Path(path.name.removesuffix(".gz")).suffix  # a .gz file has the format of its name without .gz
+    suffix = Path(path.name.lower().removesuffix(".gz")).suffix  # a .gz file: the format of its name without .gz
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if suffix == ".txt":
         records = [(n, line.strip()) for n, line in lines]

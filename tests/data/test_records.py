@@ -129,7 +129,7 @@ def test_wrong_container_for_the_file_name_is_named_with_the_fix(tmp_path):
             read_conversations(str(tmp_path / name))
 
 
-def test_json_gz_array_reads_as_the_json_array(tmp_path):
+def test_json_gz_and_upper_case_names_read_as_local_files(tmp_path):
     """A gzipped ShareGPT array went to the Hugging Face Hub as a dataset id (retries, then ConnectionError)."""
     import gzip
 
@@ -137,6 +137,9 @@ def test_json_gz_array_reads_as_the_json_array(tmp_path):
     (tmp_path / "a.json.gz").write_bytes(gzip.compress((tmp_path / "a.json").read_bytes()))
     plain, gz = read_conversations(str(tmp_path / "a.json")), read_conversations(str(tmp_path / "a.json.gz"))
     assert gz[0] == plain[0] and gz[1].records == plain[1].records == ["record 0", "record 1"]
+    (tmp_path / "UPPER.JSONL").write_text("\n".join(json.dumps(_chat(i)) for i in range(2)))  # went to the Hub too
+    upper = read_conversations(str(tmp_path / "UPPER.JSONL"))
+    assert upper[0] == plain[0] and upper[1].records == ["line 1", "line 2"]
 
 
 def test_case_skips_name_their_records_and_reasons(tmp_path):
