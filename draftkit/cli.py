@@ -236,6 +236,11 @@ class _RunStart(Callback):
         the handlers it found when fit ends)."""
         self.step = trainer.global_step
         self._started = True
+        ckpt = trainer.checkpoint_callback
+        if self.step and getattr(ckpt, "save_last", None) and not ckpt.last_model_path and ckpt.dirpath:
+            last = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
+            if os.path.isfile(last):  # written at the stop, after the resumed state was taken: refresh it, no -v1
+                ckpt.last_model_path = last
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:

@@ -78,6 +78,9 @@ def test_interrupted_fit_reports_and_never_resumes_silently(tmp_path, monkeypatc
         assert main(shlex.split(resume)[3:]) == 0
     assert "trained: 8 optimizer steps (5 in this run" in caplog.text
     assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    # last.ckpt, written at the stop, is refreshed by the resumed run (it stayed at step 3 beside a last-v1.ckpt)
+    assert [p.name for p in last.parent.iterdir() if p.name.startswith("last")] == ["last.ckpt"]
+    assert torch.load(last, weights_only=False)["global_step"] == 8
     assert not ckpt.exists()
 
 
