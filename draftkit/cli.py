@@ -509,8 +509,10 @@ class DraftkitCLI(LightningCLI):
         else:
             ckpt = trainer.checkpoint_callback
             last = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt else ""
-            lines.append("  no checkpoint written at the stop (add draftkit.callbacks.interrupt.InterruptCheckpoint, "
-                         "or ModelCheckpoint save_last: true); latest checkpoint: " + _with_step(last))
+            why = ("InterruptCheckpoint declined: its warning says why" if any(map(_writes_stopped_state,
+                   trainer.callbacks)) else "add draftkit.callbacks.interrupt.InterruptCheckpoint, or ModelCheckpoint "
+                   "save_last: true")
+            lines.append(f"  no checkpoint written at the stop ({why}); latest checkpoint: " + _with_step(last))
             if last:
                 lines.append(f"  resume from it: {_resume_command(self._argv, last)}")
         rank_zero_info("\n".join(lines))

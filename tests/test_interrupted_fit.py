@@ -152,6 +152,8 @@ def test_an_interrupt_inside_an_update_writes_no_state(tmp_path, monkeypatch, ca
                            "optimizer update of step 3, whose weights may be part-updated; resume from the latest "
                            "periodic checkpoint (a single Ctrl-C stops at the next step boundary and writes this file)"]
         assert "state written" not in caplog.text
+        assert "no checkpoint written at the stop (InterruptCheckpoint declined: its warning says why); latest " \
+            in caplog.text
     else:
         assert torch.load(ckpt, weights_only=False)["global_step"] == 2 and not refusal
         assert f"state written: {ckpt} (step 2)" in caplog.text
