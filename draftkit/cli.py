@@ -433,16 +433,20 @@ class DraftkitCLI(LightningCLI):
         parser.link_arguments("model.target", "data.tokenizer")
 
     def _parse_ckpt_path(self) -> None:
-        """``fit --ckpt_path``: refuse options that differ from the checkpoint's (``_check_resume_options``)
-        before LightningCLI fills ``model.*`` from the checkpoint's hyperparameters (which then changes only
-        the placeholders of ``RESOLVED_ON_RUN``)."""
+        """``fit``/``validate --ckpt_path``: a file that is no draftkit checkpoint is refused naming it; ``fit``
+        refuses options that differ from the checkpoint's (``_check_resume_options``) before LightningCLI fills
+        ``model.*`` from the checkpoint's hyperparameters (which then changes only the placeholders of
+        ``RESOLVED_ON_RUN``)."""
         config = self.config.get(self.config.get("subcommand") or "", None)
         path = config.get("ckpt_path") if config is not None else None
-        if self.config.get("subcommand") == "fit" and path and path not in ("best", "last", "hpc") \
+        verb = self.config.get("subcommand")
+        if verb in ("fit", "validate") and path and path not in ("best", "last", "hpc") \
                 and not path.startswith("registry"):  # Lightning's names; a file is read or refused naming it
             from draftkit.heads.checkpoint import load_checkpoint
 
-            _check_resume_options(config, load_checkpoint(path, "--ckpt_path")[0], path)
+            ckpt = load_checkpoint(path, "--ckpt_path")[0]
+            if verb == "fit":
+                _check_resume_options(config, ckpt, path)
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
