@@ -632,6 +632,8 @@ def _save_final_last(trainer, ckpt) -> str:
         trainer.save_checkpoint(last)
         ckpt.last_model_path = last
         rank_zero_info(f"last checkpoint {last}: written at the final step {trainer.global_step} (held {stored})")
+    elif stored is None:
+        return ""  # no step trained, none saved (trainer.max_steps 0): the summary named a file that is not there
     return last
 
 
