@@ -36,8 +36,8 @@ def read_init_head(path: str, target: str, aux_layer_ids: list[int], draft_vocab
     Raises:
         FileNotFoundError: when ``path`` does not exist.
         ValueError: when ``path`` is no training checkpoint or export directory, or the head was trained on another
-            architecture or tokenizer, reads other aux layers, or
-            has another draft vocab size, naming ``model.init_head`` and the option to change.
+            architecture or tokenizer, reads other aux layers, or has another draft vocab size, naming
+            ``model.init_head`` and the option to change.
     """
     from draftkit.export.load import load_head
 
