@@ -31,7 +31,8 @@ class InterruptCheckpoint(Callback):
     """Writes ``<dirpath>/<filename>.ckpt`` when a ``fit`` that has started training stops on an exception
     (SIGTERM, Ctrl-C as fit turns it into SIGTERM, an error), and deletes it when a ``fit`` ends cleanly;
     ``validate``/``test``/``predict`` and errors raised during set-up leave an existing file alone. Nothing is
-    written from NaN/inf weights. Resume with ``fit ... --ckpt_path <dirpath>/<filename>.ckpt``.
+    written from NaN/inf weights, nor from a stop inside an optimizer update (a second Ctrl-C, which interrupts at
+    once). Resume with ``fit ... --ckpt_path <dirpath>/<filename>.ckpt``.
 
     Args:
         dirpath: directory of the checkpoint (created on write).
@@ -54,6 +55,8 @@ class InterruptCheckpoint(Callback):
         self.written = False
         """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.fit_run`` to report an interrupted fit)."""
         self._started = False
+        self._updating: int | None = None
+        """The weights' versions before the update of the step in flight (None between steps)."""
 
     @property
     def ckpt_path(self) -> str:
@@ -63,16 +66,38 @@ class InterruptCheckpoint(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = True
 
+    @staticmethod
+    def _versions(pl_module) -> int:
+        """The sum of the trainable parameters' in-place version counters: it changes when an update writes them."""
+        return sum(p._version for p in pl_module.parameters() if p.requires_grad)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._updating = self._versions(pl_module)  # from the update to the batch's end: ahead of the step counter
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._updating = None
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """Write the checkpoint, unless the stop came before training or the weights hold NaN/inf: a checkpoint
-        of non-finite weights would resume into garbage, so it is skipped with a warning and the original
-        error is left to surface (the module's ``on_save_checkpoint`` would refuse it anyway)."""
+        """Write the checkpoint, unless the stop came before training, inside an optimizer update, or the weights
+        hold NaN/inf. An exception raised inside the update (a second Ctrl-C, which interrupts at once, or an
+        error in the optimizer) can leave the weights part-updated or one update ahead of ``global_step``, a state
+        that resumes into another run than the one stopped; a checkpoint of non-finite weights would resume into
+        garbage. Both are skipped with a warning and the original error is left to surface (the module's
+        ``on_save_checkpoint`` would refuse non-finite weights anyway)."""
         if trainer.state.fn != TrainerFn.FITTING or not self._started:
             return
         ok = head_is_finite(pl_module.head) if hasattr(pl_module, "head") else all(
             bool(torch.isfinite(p).all()) for p in pl_module.parameters() if p.is_floating_point())
         if not ok:
             rank_zero_warn(f"InterruptCheckpoint: not writing {self.ckpt_path}: the weights hold NaN/inf")
+            return
+        if self._updating is not None and self._versions(pl_module) != self._updating:
+            rank_zero_warn(
+                f"InterruptCheckpoint: not writing {self.ckpt_path}: the stop ({type(exception).__name__}) came "
+                f"inside the optimizer update of step {trainer.global_step + 1}, whose weights may be part-updated; "
+                "resume from the latest periodic checkpoint (a single Ctrl-C stops at the next step boundary and "
+                "writes this file)"
+            )
             return
         trainer.save_checkpoint(self.ckpt_path)
         self.written = True

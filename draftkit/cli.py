@@ -15,7 +15,6 @@ A fit's life around Lightning's loop (resume checks, the run directory, interrup
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -109,15 +108,20 @@ class DraftkitCLI(LightningCLI):
         parser.link_arguments("model.target", "data.tokenizer")
 
     def _parse_ckpt_path(self) -> None:
-        """``fit --ckpt_path``: refuse options that differ from the checkpoint's (``check_resume_options``)
-        before LightningCLI fills ``model.*`` from the checkpoint's hyperparameters (which then changes only
-        the placeholders of ``fit_run.RESOLVED_ON_RUN``)."""
+        """``fit``/``validate --ckpt_path``: a file that is no draftkit checkpoint is refused naming it; ``fit``
+        refuses options that differ from the checkpoint's (``check_resume_options``) before LightningCLI fills
+        ``model.*`` from the checkpoint's hyperparameters (which then changes only the placeholders of
+        ``fit_run.RESOLVED_ON_RUN``)."""
         config = self.config.get(self.config.get("subcommand") or "", None)
         path = config.get("ckpt_path") if config is not None else None
-        if self.config.get("subcommand") == "fit" and path and os.path.isfile(path):
-            import torch
+        verb = self.config.get("subcommand")
+        if verb in ("fit", "validate") and path and path not in ("best", "last", "hpc") \
+                and not path.startswith("registry"):  # Lightning's names; a file is read or refused naming it
+            from draftkit.heads.checkpoint import load_checkpoint
 
-            check_resume_options(config, torch.load(path, map_location="cpu", mmap=True, weights_only=False), path)
+            ckpt = load_checkpoint(path, "--ckpt_path")[0]
+            if verb == "fit":
+                check_resume_options(config, ckpt, path)
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:

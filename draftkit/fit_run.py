@@ -215,6 +215,11 @@ class RunStart(Callback):
         the handlers it found when fit ends)."""
         self.step = trainer.global_step
         self._started = True
+        ckpt = trainer.checkpoint_callback
+        if self.step and getattr(ckpt, "save_last", None) and not ckpt.last_model_path and ckpt.dirpath:
+            last = ckpt.format_checkpoint_name({}, ckpt.CHECKPOINT_NAME_LAST)
+            if os.path.isfile(last):  # written at the stop, after the resumed state was taken: refresh it, no -v1
+                ckpt.last_model_path = last
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
@@ -391,6 +396,8 @@ def save_final_last(trainer, ckpt) -> str:
         trainer.save_checkpoint(last)
         ckpt.last_model_path = last
         rank_zero_info(f"last checkpoint {last}: written at the final step {trainer.global_step} (held {stored})")
+    elif stored is None:
+        return ""  # no step trained, none saved (trainer.max_steps 0): the summary named a file that is not there
     return last
 
 
@@ -428,8 +435,10 @@ def report_stop(trainer, run: RunStart, argv: list[str]) -> int:
     else:
         ckpt = trainer.checkpoint_callback
         last = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt else ""
-        lines.append("  no checkpoint written at the stop (add draftkit.callbacks.interrupt.InterruptCheckpoint, "
-                     "or ModelCheckpoint save_last: true); latest checkpoint: " + with_step(last))
+        why = ("InterruptCheckpoint declined: its warning says why" if any(map(_writes_stopped_state,
+               trainer.callbacks)) else "add draftkit.callbacks.interrupt.InterruptCheckpoint, or ModelCheckpoint "
+               "save_last: true")
+        lines.append(f"  no checkpoint written at the stop ({why}); latest checkpoint: " + with_step(last))
         if last:
             lines.append(f"  resume from it: {resume_command(argv, last)}")
     rank_zero_info("\n".join(lines))

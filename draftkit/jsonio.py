@@ -55,23 +55,27 @@ def check_free_space(directory: str | Path, nbytes: int, what: str) -> None:
         )
 
 
-def check_writable(path: str | Path, option: str) -> None:
-    """Refuse, before the long work, an output file that could not be written at its end: an existing directory,
-    or a folder in which no file can be created (checked with a temporary file in the nearest existing folder,
-    removed at once; nothing is left behind).
+def check_writable(path: str | Path, option: str, directory: bool = False) -> None:
+    """Refuse, before the long work, an output that could not be written at its end: a file path that is an
+    existing directory (a directory path that is an existing file), or a folder in which no file can be created
+    (checked with a temporary file in the nearest existing folder, removed at once; nothing is left behind).
 
     Args:
-        path: the output file (need not exist, nor its folder).
+        path: the output file, or with ``directory`` the output directory (need not exist, nor its folder).
         option: the option that named it, as the user wrote it (``--output``).
+        directory: ``path`` is a directory to create or fill.
 
     Raises:
-        ValueError: when ``path`` is a directory.
-        OSError: when no file can be created there, naming the option, the path and the folder.
+        ValueError: when ``path`` is a directory (with ``directory``: an existing file).
+        OSError: when no file can be created there (a read-only or full filesystem, a file where a folder should
+            be), naming the option, the path and the folder.
     """
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not directory:
         raise ValueError(f"{option} {path} is a directory; give a file path")
-    folder = p.absolute().parent
+    if p.exists() and not p.is_dir() and directory:
+        raise ValueError(f"{option} {path} is a file; give a directory path")
+    folder = p.absolute().parent  # where the file, or the directory (or an export's temporary sibling), is made
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     try:
@@ -79,8 +83,10 @@ def check_writable(path: str | Path, option: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise OSError(exc.errno, f"{option} {path}: no file can be created in {folder} ({exc.strerror}); "
-                                 "choose another path") from exc
+        why = "a file, not a folder" if folder.exists() and not folder.is_dir() else exc.strerror
+        error = OSError(f"{option} {path}: no file can be created in {folder} ({why}); choose another path")
+        error.errno = exc.errno  # kept for callers; not in the message ("[Errno 30] --output ..." read as noise)
+        raise error from exc
 
 
 def short_hash(obj) -> str:

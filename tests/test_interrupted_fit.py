@@ -78,6 +78,9 @@ def test_interrupted_fit_reports_and_never_resumes_silently(tmp_path, monkeypatc
         assert main(shlex.split(resume)[3:]) == 0
     assert "trained: 8 optimizer steps (5 in this run" in caplog.text
     assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
+    # last.ckpt, written at the stop, is refreshed by the resumed run (it stayed at step 3 beside a last-v1.ckpt)
+    assert [p.name for p in last.parent.iterdir() if p.name.startswith("last")] == ["last.ckpt"]
+    assert torch.load(last, weights_only=False)["global_step"] == 8
     assert not ckpt.exists()
 
 
@@ -99,3 +102,58 @@ def test_refusals_name_the_state_and_the_options(tmp_path, monkeypatch, capsys):
                     f"      init_args: {{dirpath: {tmp_path}}}\n")
     assert main(["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(bare)]) == 2
     assert "use draftkit.callbacks.interrupt.InterruptCheckpoint" in capsys.readouterr().err
+
+
+class _InterruptInsideUpdate(__import__("lightning").pytorch.Callback):
+    """A KeyboardInterrupt (a second Ctrl-C, which interrupts at once) raised right after the optimizer has updated
+    the weights of step ``step`` and before Lightning counts the step, or (``inside=False``) at the start of the
+    batch after it, outside any update."""
+
+    def __init__(self, step: int, inside: bool) -> None:
+        self.step, self.inside = step, inside
+
+    def _raise(self, trainer) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.inside:
+            trainer.optimizers[0].register_step_post_hook(lambda *a: self._raise(trainer))
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if not self.inside:
+            self._raise(trainer)
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_an_interrupt_inside_an_update_writes_no_state(tmp_path, monkeypatch, caplog, inside):
+    """Inside the update of step 3 the weights are one update ahead of global_step 2: InterruptCheckpoint wrote that
+    state and the report offered to resume it (it would train step 3 twice). Now it writes nothing there and says so;
+    at a batch start (outside any update) it writes the consistent state of step 2."""
+    monkeypatch.chdir(REPO)
+    args = ["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(_recipe(tmp_path))]
+    from lightning.pytorch import Trainer
+
+    init = Trainer.__init__
+
+    @functools.wraps(init)
+    def with_stop(self, *a, callbacks=None, **kw):
+        init(self, *a, callbacks=[*(callbacks or []), _InterruptInsideUpdate(2, inside)], **kw)
+
+    monkeypatch.setattr(Trainer, "__init__", with_stop)
+    with caplog.at_level(logging.INFO), pytest.warns() as warned, pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 130
+    ckpt = tmp_path / "interrupted" / "on_exception.ckpt"
+    refusal = [str(w.message) for w in warned if "InterruptCheckpoint: not writing" in str(w.message)]
+    if inside:
+        assert not ckpt.exists()
+        assert refusal == [f"InterruptCheckpoint: not writing {ckpt}: the stop (KeyboardInterrupt) came inside the "
+                           "optimizer update of step 3, whose weights may be part-updated; resume from the latest "
+                           "periodic checkpoint (a single Ctrl-C stops at the next step boundary and writes this file)"]
+        assert "state written" not in caplog.text
+        assert "no checkpoint written at the stop (InterruptCheckpoint declined: its warning says why); latest " \
+            in caplog.text
+    else:
+        assert torch.load(ckpt, weights_only=False)["global_step"] == 2 and not refusal
+        assert f"state written: {ckpt} (step 2)" in caplog.text

@@ -96,3 +96,31 @@ def test_the_batch_size_may_change_only_keeping_the_global_batch(two_steps, monk
     with pytest.raises(ValueError, match=r"data.batch_size is 3 in this run but 2 in the checkpoint \(it may change "
                                          r"only with trainer.devices, keeping the global batch\)"):
         check_resume_options(load_recipe([RECIPE], ["--data.batch_size", "3"]), saved, "ddp.ckpt")
+
+
+
+def test_a_ckpt_path_that_is_no_checkpoint_is_one_line_naming_it(two_steps, tmp_path, monkeypatch, capsys):
+    """A recipe, an empty file or an export directory given to --ckpt_path gave torch's mmap RuntimeError traceback
+    (exit 1) or, for a directory, Lightning's "Checkpoint file not found" after the target and data were loaded."""
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    (tmp_path / "export").mkdir()
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+    cases = {
+        RECIPE: "could not be read (invalid load key",
+        str(tmp_path / "empty.ckpt"): "could not be read (",
+        str(tmp_path / "export"): "is a directory, not a .ckpt file",
+        str(tmp_path / "other.ckpt"): "is not a draftkit training checkpoint",
+        str(tmp_path / "missing.ckpt"): "does not exist",
+    }
+    for path, message in cases.items():
+        assert main(_args(root, "--ckpt_path", path)) == 2, path
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"draftkit fit: error: --ckpt_path {path} {message}"), err
+    assert main(["validate", *_args(root, "--ckpt_path", RECIPE)[1:]]) == 2  # was an UnpicklingError traceback
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"draftkit validate: error: --ckpt_path {RECIPE} could not be read (")
+    assert not (tmp_path / "lightning_logs").exists() and _checkpoints(root) == [
+        "lightning_logs/version_0/checkpoints/best-step=2.ckpt", "lightning_logs/version_0/checkpoints/last.ckpt"]

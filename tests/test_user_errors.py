@@ -77,3 +77,24 @@ def test_fit_with_a_missing_target_path_exits_2_with_one_line(tmp_path):
         "(a hub id is org/name, with one '/')"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_recipe_that_is_not_yaml_names_the_file_and_line(tmp_path, monkeypatch, capsys):
+    """A tab-indented, unclosed or list-shaped recipe gave jsonargparse's 60-line usage and "found character that
+    cannot start any token in "<unicode string>", line 2", naming no file; fit never started."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.setattr(draftkit.cli, "DraftkitCLI", _Raises(AssertionError("the recipe was not checked first")))
+    cases = {
+        "tab.yaml": ("model:\n\tdraft_vocab_size: 64\n",
+                     "not valid YAML at line 2, column 1 (found character '\\t' that cannot start any token)"),
+        "open.yaml": ("model: [1, 2\n", "not valid YAML at line 2, column 1 (expected ',' or ']', but got "),
+        "list.yaml": ("- model\n- data\n", "its top level is a YAML list, not the sections of a recipe"),
+        "latin1.yaml": (b"model: {target: caf\xe9}\n", "not valid YAML ('utf-8' codec can't decode byte 0xe9"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        assert main(["fit", "--recipe", str(ROOT / "recipes" / "tiny-debug.yaml"), "-r", str(path)]) == 2
+        assert capsys.readouterr().err.startswith(f"draftkit fit: error: -r {path}: {message}"), name
+    assert main(["generate", f"--recipe={tmp_path / 'tab.yaml'}", "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"draftkit generate: error: --recipe {tmp_path / 'tab.yaml'}: not valid")

@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from draftkit.commands.bench import decode as bench_decode
@@ -166,6 +167,32 @@ def _check_target_arg(args: list[str]) -> None:
                 resolve_artifact(value, "model.target")
 
 
+def _check_recipes(args: list[str]) -> None:
+    """Every recipe file given (``--recipe``, ``-r``, ``-c``, ``--config``) must be YAML whose top level is a
+    mapping; checked before a parser reads it, since jsonargparse's error names neither the file nor its line.
+
+    Raises:
+        ValueError: naming the flag, the file, the line and column, and what YAML found.
+    """
+    import yaml
+
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        if flag not in RECIPE_FLAGS or not os.path.isfile(value):
+            continue  # an inline YAML string, or a missing file (the parser names it)
+        try:
+            data = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            why = getattr(exc, "problem", None) or exc
+            raise ValueError(f"{flag} {value}: not valid YAML{where} ({why}); fix the file") from exc
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"{flag} {value}: its top level is a YAML {type(data).__name__}, not the sections of a "
+                             "recipe (model:, data:, trainer:, ...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``draftkit`` and ``python -m draftkit``.
 
@@ -179,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     verb = " ".join(args[:2]) if args[:1] == ["bench"] else (args[0] if args else "")
     try:
+        _check_recipes(args)
         if args and args[0] in LIGHTNING_VERBS:
             from draftkit.cli import DraftkitCLI
 

@@ -90,16 +90,19 @@ def cache_hidden_states(
         The plan and write statistics of ``write_hidden_states``, plus ``output``.
 
     Raises:
-        ValueError: when ``output`` holds a cache for another configuration.
-        OSError: when the disk is short.
+        ValueError: when ``output`` holds a cache for another configuration, or is a file.
+        OSError: when the disk is short, or no file can be created where ``output`` goes (checked first).
     """
     import torch
 
     from draftkit.cli import DraftkitCLI
     from draftkit.data.hidden_cache import AUTO
     from draftkit.generation.hidden_states import write_recipe_cache
+    from draftkit.jsonio import check_writable
     from draftkit.strategy import SHARDED_TARGET
 
+    if output:
+        check_writable(output, "--output", directory=True)  # before the target loads, not at the first shard
     args = [x for r in recipe for x in ("--recipe", r)] + list(overrides or [])
     cli = DraftkitCLI(args=args, run=False)
     model, dm, trainer = cli.model, cli.datamodule, cli.trainer

@@ -76,9 +76,12 @@ def generate(
     Raises:
         ValueError: without a source or a target, or on bad settings.
         FileExistsError: see ``draftkit.generation.regenerate.regenerate``.
+        OSError: when no file can be created where ``output`` goes (checked before the target loads).
     """
     from draftkit.generation.regenerate import RegenerateConfig, regenerate
+    from draftkit.jsonio import check_writable
 
+    check_writable(output, "--output")  # before the target loads and decodes, not at the first shard
     if recipe:
         from draftkit.cli import load_recipe
 

@@ -11,11 +11,13 @@ Shapes: T tokens.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import gzip
 import json
 import logging
 import warnings
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +26,14 @@ from draftkit.jsonio import short_hash
 
 __all__ = [
     "ReadSummary",
+    "decode_file",
     "describe_skips",
     "read_conversations",
     "normalize_record",
     "tokenize_conversation",
     "tokenization_fingerprint",
     "TemplateError",
+    "unencodable_at",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,7 +133,7 @@ def _json_type(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _unencodable(text: str) -> int | None:
+def unencodable_at(text: str) -> int | None:
     """Index of the first character UTF-8 cannot encode (a lone surrogate), or None."""
     try:
         text.encode("utf-8")
@@ -180,7 +184,7 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
             return None, ("missing content", f"turn {i} has no content/value")
         if not isinstance(content, str):
             return None, ("non-string content", f"turn {i} content is {_json_type(content)}")
-        bad = _unencodable(content)
+        bad = unencodable_at(content)
         if bad is not None:
             return None, ("unencodable text",
                           f"turn {i} has U+{ord(content[bad]):04X} at character {bad} (a lone surrogate or an "
@@ -195,20 +199,59 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
     return messages, None
 
 
-def _decode(path: Path) -> str:
-    """A data file's text: UTF-8 without its byte-order mark; an invalid byte becomes a lone surrogate
-    (``surrogateescape``), which :func:`normalize_record` then names in its record; ``.gz`` files are
-    decompressed first."""
+BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF16_LE, "utf-16"),
+        (codecs.BOM_UTF16_BE, "utf-16"))
+"""Byte-order marks of the encodings a data file may be in besides UTF-8 (a Windows editor or PowerShell's
+``>`` writes UTF-16 with a mark)."""
+
+
+def _gunzip(path: Path, data: bytes) -> bytes:
+    """The decompressed bytes of a ``.gz`` file; of a file cut off mid-stream, those before the cut, with one
+    warning (as a JSON file cut off mid-record is read up to the cut).
+
+    Raises:
+        ValueError: when the file is not gzip data or its stream is corrupt (naming the file and what to do).
+    """
+    try:
+        return gzip.decompress(data)
+    except EOFError:
+        pass
+    except (OSError, zlib.error) as exc:  # gzip.BadGzipFile, a CRC mismatch, a corrupt deflate stream
+        raise ValueError(
+            f"{path} is not readable gzip data ({exc}): if it is plain text, drop the .gz from its name; "
+            "else copy or download the file again"
+        ) from exc
+    out, rest = [], data
+    while rest:  # members one by one (a gzip file may hold several); the last one is cut off
+        member = zlib.decompressobj(wbits=31)
+        out.append(member.decompress(rest))
+        if not member.eof:
+            break
+        rest = member.unused_data
+    text = b"".join(out)
+    warnings.warn(
+        f"{path} is cut off: its gzip stream ends early (after {len(data):,} compressed bytes); read the "
+        f"{len(text):,} bytes before the cut and ignored the rest (copy or download the file again for all of it)",
+        stacklevel=4,
+    )
+    return text
+
+
+def decode_file(path: Path) -> str:
+    """A data file's text: UTF-8 without its byte-order mark, or UTF-16/UTF-32 with one (:data:`BOMS`); an
+    invalid byte becomes a lone surrogate (``surrogateescape``), which :func:`normalize_record` then names in
+    its record; ``.gz`` files are decompressed first (:func:`_gunzip`)."""
     data = path.read_bytes()
-    if path.name.endswith(".gz"):
-        data = gzip.decompress(data)
-    return data.decode("utf-8-sig", errors="surrogateescape")
+    if path.name.lower().endswith(".gz"):
+        data = _gunzip(path, data)
+    encoding = next((enc for bom, enc in BOMS if data.startswith(bom)), "utf-8-sig")
+    return data.decode(encoding, errors="surrogateescape")
 
 
 def _iter_json_array(path: Path, summary: ReadSummary):
     """Yield ``(name, record)`` for the elements of a top-level JSON array, tolerating a file cut off
     mid-record."""
-    text = _decode(path)
+    text = decode_file(path)
     decoder = json.JSONDecoder()
     pos = 0
     n = len(text)
@@ -219,7 +262,14 @@ def _iter_json_array(path: Path, summary: ReadSummary):
         return i
 
     pos = skip_ws(pos)
-    if pos >= n or text[pos] != "[":
+    if pos >= n:
+        raise ValueError(f"{path} is empty: a .json data file holds a JSON array of conversation records")
+    if text[pos] == "{":
+        raise ValueError(
+            f"{path} starts with an object, not a JSON array of records: for one record per line (JSON Lines) "
+            "name the file .jsonl; for a single conversation write it as [ {...} ]"
+        )
+    if text[pos] != "[":
         raise ValueError(f"{path}: expected a JSON array of conversations at the start of the file")
     pos = skip_ws(pos + 1)
     index = 0
@@ -252,7 +302,7 @@ def _iter_json_array(path: Path, summary: ReadSummary):
 def _iter_jsonl(path: Path, summary: ReadSummary):
     """Yield ``(name, record)`` per non-blank line; LF or CRLF line ends, a byte-order mark on any line
     (concatenated files) ignored; a line that is not JSON is skipped and named."""
-    for lineno, line in enumerate(_decode(path).split("\n"), 1):
+    for lineno, line in enumerate(decode_file(path).split("\n"), 1):
         line = line.lstrip("\ufeff").strip()
         if not line:
             continue
@@ -261,6 +311,12 @@ def _iter_jsonl(path: Path, summary: ReadSummary):
         except json.JSONDecodeError as exc:
             summary.skip(f"line {lineno}", "corrupt JSON line", f"{exc.msg} at column {exc.colno}")
             continue
+        if isinstance(record, list) and record and all(
+                isinstance(r, dict) and r.keys() & {"conversations", "messages", "conversation"} for r in record):
+            raise ValueError(
+                f"{path} line {lineno} holds a JSON array of {len(record)} records, not one record: a .jsonl file "
+                "has one record per line; name a file that holds a JSON array .json"
+            )
         yield record_name(record, f"line {lineno}"), record
 
 
@@ -281,11 +337,12 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     """Read every usable conversation of a data source.
 
     Args:
-        ref: a local ``.json`` (array of ShareGPT or chat records; a file cut off mid-record is read up to the
-            cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first line
-            ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source (hub id,
-            a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local files
-            are UTF-8, with or without a byte-order mark, with LF or CRLF line ends.
+        ref: a local ``.json`` or ``.json.gz`` (array of ShareGPT or chat records; a file cut off mid-record is
+            read up to the cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first
+            line ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source
+            (hub id, a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local
+            files are UTF-8 (with or without a byte-order mark) or UTF-16/UTF-32 with a byte-order mark, with LF or
+            CRLF line ends; a ``.gz`` file cut off mid-stream is read up to the cut with one warning.
         split: the ``datasets`` split.
         max_records: keep only the first this many usable conversations (None = all); the rest of the
             source is still read, so the summary and the cut-off warning cover the whole file.
@@ -296,15 +353,18 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
 
     Raises:
         FileNotFoundError: if a local path does not exist.
-        ValueError: on a JSON file that is corrupt before its end (names the record and line).
+        ValueError: on a JSON file that is corrupt before its end (names the record and line), a ``.json`` file
+            that is not a JSON array, a ``.jsonl`` line that holds an array of records, or a ``.gz`` file that is
+            not gzip data (each naming the file and what to do).
     """
     path = Path(ref)
     summary = ReadSummary(source=str(ref))
-    if path.suffix == ".json" and path.is_file():
+    name = path.name.lower()  # data.JSONL is JSON Lines too (it went to the Hub as a dataset id)
+    if name.endswith((".json", ".json.gz")) and path.is_file():
         records = _iter_json_array(path, summary)
-    elif path.name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
+    elif name.endswith((".jsonl", ".jsonl.gz")) and path.is_file():
         records = _iter_jsonl(path, summary)
-    elif path.name.endswith((".json", ".jsonl", ".jsonl.gz")) and not path.exists():
+    elif name.endswith((".json", ".json.gz", ".jsonl", ".jsonl.gz")) and not path.exists():
         raise FileNotFoundError(f"data file {ref} does not exist; fix data.path in the recipe")
     else:
         records = _iter_datasets(ref, split)

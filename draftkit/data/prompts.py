@@ -3,7 +3,8 @@
 
 Sources: ``mt-bench`` (the first turns of the 80 MT-bench questions), a ``.json`` file (an array of records, or
 one record), a ``.txt`` file (one prompt per non-empty line), or any other file read as JSONL (one record per
-non-empty line); a ``pypi:`` artifact reference resolves to such a file. A UTF-8 byte-order mark is ignored.
+non-empty line); a ``pypi:`` artifact reference resolves to such a file. Files are UTF-8 (a byte-order mark is ignored)
+or UTF-16 with one; a ``.gz`` file is decompressed first and read as the format of its name without ``.gz``.
 
 A record is a string (one user turn), or an object with ``turns`` (a list: its first element is the user
 turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / ``input`` (one user turn), or
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftkit.data.chat import ROLE_ALIASES
+from draftkit.data.chat import ROLE_ALIASES, decode_file, unencodable_at
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["MT_BENCH", "TEMPLATES", "TEXT_KEYS", "Prompt", "encode_prompt", "load_prompts", "resolve_template",
@@ -116,12 +117,20 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
         raise ValueError(f"--num_prompts must be >= 1, got {num_prompts}")
     path = Path(resolve_artifact(MT_BENCH if source == "mt-bench" else source, option=option)).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"{option}: {path} does not exist; give mt-bench, a .jsonl, .json or .txt file")
-    text = path.read_text(encoding="utf-8-sig")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{option}: {path} {what}; give mt-bench, a .jsonl, .json or .txt file")
+    text = decode_file(path)
+    bad = unencodable_at(text)
+    if bad is not None:
+        raise ValueError(
+            f"{option}: {path} line {text.count(chr(10), 0, bad) + 1} is not UTF-8 text (U+{ord(text[bad]):04X}: an "
+            "invalid byte or a lone surrogate); save the file as UTF-8"
+        )
+    suffix = Path(path.name.lower().removesuffix(".gz")).suffix  # a .gz file: the format of its name without .gz
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if path.suffix == ".txt":
+    if suffix == ".txt":
         records = [(n, line.strip()) for n, line in lines]
-    elif path.suffix == ".json":
+    elif suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

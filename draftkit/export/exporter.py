@@ -41,6 +41,7 @@ from draftkit.export.load import load_exported_head, read_export, read_export_so
 from draftkit.export.speculation import Speculation
 from draftkit.heads.checkpoint import HeadSource, read_checkpoint, target_architecture
 from draftkit.heads.eagle3_llama import Eagle3LlamaHead, KVCache
+from draftkit.jsonio import check_writable
 
 __all__ = ["export_checkpoint", "export_head_source", "verify_export"]
 
@@ -112,6 +113,7 @@ def export_checkpoint(
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
+    check_writable(out_dir, "export directory", directory=True)
     if Path(checkpoint).is_dir():  # an export directory (a shipped head): re-export it for this engine
         source = read_export_source(checkpoint, target=target)
     else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from draftkit.target.frozen import text_config
 __all__ = [
     "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_head_matches_target",
     "check_resumed_aux_ids", "check_tokenizer", "checkpoint_metadata", "checkpoint_tensors", "expected_tensor_specs",
-    "head_from_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
+    "head_from_checkpoint", "load_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
 ]
 
 log = logging.getLogger(__name__)
@@ -310,23 +311,35 @@ def _load_target_config(target: str):
     return path, text_config(AutoConfig.from_pretrained(path))
 
 
-def _load(path: Path) -> tuple[dict, dict]:
-    """The one ``torch.load`` of a training checkpoint: (checkpoint dict, its ``draftkit`` metadata).
+def load_checkpoint(path: str | Path, option: str = "checkpoint") -> tuple[dict, dict]:
+    """The one ``torch.load`` of a training checkpoint: (checkpoint dict, its ``draftkit`` metadata). A zip
+    checkpoint (what ``torch.save`` writes) is memory-mapped, so reading it costs no copy of its optimizer state.
+
+    Args:
+        path: a ``.ckpt`` written by ``draftkit fit``.
+        option: the option that named it, for errors (``--ckpt_path``, ``--checkpoint``).
 
     Raises:
         FileNotFoundError: if the file is missing.
-        ValueError: if it cannot be unpickled or holds no ``draftkit`` metadata with ``head_config``.
+        ValueError: if it is a directory, cannot be unpickled, or holds no ``draftkit`` metadata with
+            ``head_config`` (each naming the option and the file).
     """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(
+            f"{option} {path} is a directory, not a .ckpt file: give the checkpoint `draftkit fit` wrote (below "
+            "lightning_logs/version_N/checkpoints/); an export directory starts a new run as --model.init_head"
+        )
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"{option} {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unreadable file
-        raise ValueError(f"checkpoint {path} could not be read ({exc}); is it a complete .ckpt file?") from exc
+        raise ValueError(f"{option} {path} could not be read ({exc}); is it a complete .ckpt file?") from exc
     meta = ckpt.get("draftkit") if isinstance(ckpt, dict) else None
     if not isinstance(meta, dict) or "head_config" not in meta:
         raise ValueError(
-            f"{path} is not a draftkit training checkpoint (no 'draftkit' metadata with 'head_config'); "
+            f"{option} {path} is not a draftkit training checkpoint (no 'draftkit' metadata with 'head_config'); "
             "give a .ckpt written by `python -m draftkit fit`"
         )
     return ckpt, meta
@@ -364,7 +377,7 @@ def read_checkpoint(path: str | Path, target: str | None = None) -> HeadSource:
         ValueError: if the file is not a draftkit checkpoint, or as :func:`head_source`.
     """
     path = Path(path)
-    ckpt, meta = _load(path)
+    ckpt, meta = load_checkpoint(path)
     state = {k[len(HEAD_PREFIX):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(HEAD_PREFIX)}
     return head_source(path, state, meta, target)
 

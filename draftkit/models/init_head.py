@@ -35,15 +35,19 @@ def read_init_head(path: str, target: str, aux_layer_ids: list[int], draft_vocab
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        ValueError: when the head was trained on another architecture or tokenizer, reads other aux layers, or
-            has another draft vocab size, naming ``model.init_head`` and the option to change.
+        ValueError: when ``path`` is no training checkpoint or export directory, or the head was trained on another
+            architecture or tokenizer, reads other aux layers, or has another draft vocab size, naming
+            ``model.init_head`` and the option to change.
     """
     from draftkit.export.load import load_head
 
     if not Path(path).exists():
         raise FileNotFoundError(f"model.init_head: {path} does not exist; give a .ckpt from draftkit fit or an "
                                 "export directory")
-    head, meta = load_head(path, target)
+    try:
+        head, meta = load_head(path, target)
+    except (ValueError, OSError) as exc:  # not a checkpoint, not an export, another target: name the option
+        raise ValueError(f"model.init_head: {exc}") from exc
     cfg = head.config
     if list(cfg.aux_layer_ids) != list(aux_layer_ids):
         raise ValueError(f"model.init_head {path} reads aux layers {list(cfg.aux_layer_ids)}, this run "

@@ -45,6 +45,27 @@ def test_text_files_answers_and_bom(tmp_path):
         load_prompts(str(bad))
 
 
+def test_prompt_files_in_other_encodings_gzip_or_a_directory(tmp_path):
+    """A Latin-1 byte, a UTF-16 file, a .jsonl.gz and a directory gave a bare UnicodeDecodeError naming no file (or
+    "does not exist" for a directory that exists)."""
+    import gzip
+
+    lines = '{"id": "a", "prompt": "caf\u00e9?"}\n{"prompt": "two"}\n'
+    (tmp_path / "p.jsonl").write_text(lines, encoding="utf-8")
+    want = [(p.id, p.text) for p in load_prompts(str(tmp_path / "p.jsonl"))]
+    assert want == [("a", "caf\u00e9?"), ("2", "two")]
+    (tmp_path / "p16.jsonl").write_text(lines, encoding="utf-16")
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "p.json.gz").write_bytes(gzip.compress(json.dumps([{"id": "a", "prompt": "caf\u00e9?"}, "two"]).encode()))
+    for name in ("p16.jsonl", "p.jsonl.gz", "p.json.gz"):
+        assert [(p.id, p.text) for p in load_prompts(str(tmp_path / name))] == want, name
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"--prompts: .*latin\.jsonl line 2 is not UTF-8 text \(U\+DCE9"):
+        load_prompts(str(tmp_path / "latin.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"is a directory"):
+        load_prompts(str(tmp_path))
+
+
 def test_split_is_disjoint_and_counts_overlap(tmp_path):
     source = [Prompt(str(i), [{"role": "user", "content": f"q{i}"}]) for i in range(6)]
     calib, evaluation, overlap = split_prompts(source, 2, 3, seed=0)

@@ -5,6 +5,7 @@ of the same kind.
 """
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,64 @@ def test_bom_and_crlf_json_array(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps([_chat(0), _chat(1)], indent=1).replace("\n", "\r\n").encode())
     convs, summary = read_conversations(str(path))
     assert (summary.kept, summary.records, summary.skips) == (2, ["record 0", "record 1"], [])
+
+
+def test_utf16_jsonl_with_its_byte_order_mark_reads_as_utf8(tmp_path):
+    """A file PowerShell's ``>`` wrote (UTF-16 with a byte-order mark) read every line as corrupt JSON."""
+    lines = "\r\n".join(json.dumps(_chat(i, q="caf\u00e9 ")) for i in range(3)) + "\r\n"
+    for encoding in ("utf-16", "utf-16-be", "utf-32"):
+        path = tmp_path / f"{encoding}.jsonl"
+        data = lines.encode(encoding)
+        path.write_bytes(data if encoding != "utf-16-be" else b"\xfe\xff" + data)
+        convs, summary = read_conversations(str(path))
+        assert (summary.kept, summary.skips) == (3, []), encoding
+        assert convs[2][0]["content"] == "caf\u00e9 2"
+
+
+def test_gzip_cut_off_reads_the_lines_before_the_cut_with_one_warning(tmp_path):
+    """A .jsonl.gz cut off mid-stream (a partial copy) raised a bare EOFError naming no file."""
+    import gzip
+
+    whole = gzip.compress("".join(json.dumps(_chat(i, q="x" * 200)) + "\n" for i in range(40)).encode(), mtime=0)
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.warns(UserWarning, match=r"cut\.jsonl\.gz is cut off: its gzip stream ends early") as rec:
+        convs, summary = read_conversations(str(path))
+    assert len([w for w in rec if "cut off" in str(w.message)]) == 1
+    text = zlib.decompressobj(wbits=31).decompress(path.read_bytes())  # what the cut stream holds
+    complete = text.count(b"\n")
+    assert complete >= 1 and summary.kept == complete
+    assert [c[0]["content"] for c in convs] == [f"{'x' * 200}{i}" for i in range(complete)]
+    assert [(r, why) for r, why, _ in summary.skips] == [(f"line {complete + 1}", "corrupt JSON line")]
+
+
+def test_wrong_container_for_the_file_name_is_named_with_the_fix(tmp_path):
+    """JSON Lines in a .json, an array in a .jsonl, plain text named .gz, an empty .json: one line each naming the
+    file and what to do (they raised a parser message or were read as one malformed record)."""
+    records = [_chat(0), _chat(1)]
+    cases = {
+        "lines.json": ("\n".join(map(json.dumps, records)), r"lines\.json starts with an object.*name the file \.jsonl"),
+        "array.jsonl": (json.dumps(records), r"array\.jsonl line 1 holds a JSON array of 2 records.*\.json"),
+        "plain.jsonl.gz": (json.dumps(records[0]), r"plain\.jsonl\.gz is not readable gzip data.*drop the \.gz"),
+        "empty.json": ("", r"empty\.json is empty"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_conversations(str(tmp_path / name))
+
+
+def test_json_gz_and_upper_case_names_read_as_local_files(tmp_path):
+    """A gzipped ShareGPT array went to the Hugging Face Hub as a dataset id (retries, then ConnectionError)."""
+    import gzip
+
+    (tmp_path / "a.json").write_text(json.dumps([_chat(0), _chat(1)]))
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress((tmp_path / "a.json").read_bytes()))
+    plain, gz = read_conversations(str(tmp_path / "a.json")), read_conversations(str(tmp_path / "a.json.gz"))
+    assert gz[0] == plain[0] and gz[1].records == plain[1].records == ["record 0", "record 1"]
+    (tmp_path / "UPPER.JSONL").write_text("\n".join(json.dumps(_chat(i)) for i in range(2)))  # went to the Hub too
+    upper = read_conversations(str(tmp_path / "UPPER.JSONL"))
+    assert upper[0] == plain[0] and upper[1].records == ["line 1", "line 2"]
 
 
 def test_case_skips_name_their_records_and_reasons(tmp_path):

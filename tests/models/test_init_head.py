@@ -69,3 +69,17 @@ def test_a_head_continues_on_other_data(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"draftkit fit: error: model.init_head {ckpt} has a draft vocab of 64 ids, this run "
         "model.draft_vocab_size=128: set model.draft_vocab_size 64 (the head's lm_head rows are its draft ids)")
+
+
+def test_an_init_head_that_is_no_head_names_the_option(tmp_path):
+    """A recipe or an empty folder given as model.init_head said "checkpoint ... could not be read" or "... is not
+    a draftkit export directory", naming no option (the run has several paths)."""
+    import pytest
+
+    from draftkit.models.init_head import read_init_head
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-debug.yaml"
+    with pytest.raises(ValueError, match=rf"^model\.init_head: checkpoint {recipe} could not be read \("):
+        read_init_head(str(recipe), "tiny:llama", [2, 4, 5], 64)
+    with pytest.raises(ValueError, match=rf"^model\.init_head: {tmp_path} is not a draftkit export directory"):
+        read_init_head(str(tmp_path), "tiny:llama", [2, 4, 5], 64)
