@@ -21,7 +21,7 @@ def evaluate(
     checkpoint: str,
     output: str,
     prompts: str = "mt-bench",
-    k: Union[int, Literal["auto"]] = 5,
+    k: Union[int, Literal["auto"], None] = None,
     tree: Optional[str] = None,
     calibration_prompts: int = 4,
     calibration_tokens: int = 48,
@@ -51,8 +51,10 @@ def evaluate(
         checkpoint: training .ckpt or exported head directory.
         output: report JSON path (written atomically).
         prompts: mt-bench (80 first turns), or a .jsonl / .json / .txt prompt file.
-        k: draft tokens per round (chain), or auto: the cost model (``decoding.cost``) picks k from measured
-            target/draft costs and a greedy calibration (and, with ``hybrid``, whether prompt lookup joins it).
+        k: draft tokens per round (chain; default 5 when no ``tree`` is given), or auto: the cost model
+            (``decoding.cost``) picks k from measured target/draft costs and a greedy calibration (and, with
+            ``hybrid``, whether prompt lookup joins it). ``k`` and ``tree`` are one topology each: give one (more
+            topologies in one run: ``sweep``).
         tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
             auto: the cost model picks among chains and trees (or plain decoding when nothing pays). A suffix
             ``+lookup=L`` joins a prompt-lookup continuation of up to L tokens to the head's draft as one more
@@ -118,6 +120,11 @@ def evaluate(
     from draftkit.decoding.tree import TreeConfig
     from draftkit.kernels.option import use_kernels
 
+    if k is not None and tree is not None:
+        raise ValueError(f"--k {k} and --tree {tree} are two topologies: give one (the other is not run); measure "
+                         f"both in one run with --sweep \"k={k} tree={tree}\"" if "auto" not in (k, tree) else
+                         f"--k {k} and --tree {tree}: give one (--tree auto rates chains too)")
+    k = 5 if k is None else k
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--k must be >= 1 (an integer) or auto, got {k!r}")
     check_writable(output, "--output")  # before decoding, not after

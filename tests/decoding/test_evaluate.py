@@ -199,6 +199,12 @@ def test_main_bad_input_exit_code(tmp_path, ckpt, prompts_file, tiny, capsys):
     assert "could not be read" in capsys.readouterr().err
     assert main(["--checkpoint", str(ckpt), *base, "--k", "0"]) == 2
     assert "--k must be >= 1" in capsys.readouterr().err
+    # two topologies: one of them was silently not run
+    assert main(["--checkpoint", str(ckpt), *base, "--k", "3", "--tree", "2,2,4"]) == 2
+    assert '--k 3 and --tree 2,2,4 are two topologies: give one (the other is not run); measure both in one run ' \
+           'with --sweep "k=3 tree=2,2,4"' in capsys.readouterr().err
+    assert main(["--checkpoint", str(ckpt), *base, "--k", "auto", "--tree", "auto"]) == 2
+    assert "give one (--tree auto rates chains too)" in capsys.readouterr().err
     assert main(["--checkpoint", str(ckpt), *base, "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
     other = make_head(tiny[0])
