@@ -35,7 +35,9 @@ class InterruptCheckpoint(Callback):
     once). Resume with ``fit ... --ckpt_path <dirpath>/<filename>.ckpt``.
 
     Args:
-        dirpath: directory of the checkpoint (created on write).
+        dirpath: directory of the checkpoint (created on write); None (the default): ``interrupted/`` below the
+            trainer's ``default_root_dir``, so that runs with their own root (an ablation's arms, two experiments)
+            never share, overwrite or block each other's stopped state.
         filename: file name without ``.ckpt`` (default ``on_exception``).
 
     Raises:
@@ -47,7 +49,7 @@ class InterruptCheckpoint(Callback):
     """Marks a writer of a stopped run's state for ``draftkit.fit_run`` (which may not import ``draftkit.callbacks``):
     it reports :attr:`ckpt_path` when :attr:`written`, and refuses a fresh ``fit`` that would overwrite it."""
 
-    def __init__(self, dirpath: str | os.PathLike, filename: str = "on_exception") -> None:
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str = "on_exception") -> None:
         if not filename:
             raise ValueError("InterruptCheckpoint: filename cannot be empty")
         self.dirpath = dirpath
@@ -58,9 +60,25 @@ class InterruptCheckpoint(Callback):
         self._updating: int | None = None
         """The weights' versions before the update of the step in flight (None between steps)."""
 
+    def bind_trainer(self, trainer) -> None:
+        """Resolve a ``dirpath`` of None to ``<trainer.default_root_dir>/interrupted`` (at ``setup``, and by
+        ``draftkit.fit_run`` before a fit starts, to find a stopped run's state)."""
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.default_root_dir, "interrupted")
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.bind_trainer(trainer)
+
     @property
     def ckpt_path(self) -> str:
-        """``<dirpath>/<filename>.ckpt``."""
+        """``<dirpath>/<filename>.ckpt``.
+
+        Raises:
+            RuntimeError: a ``dirpath`` of None before the callback knows its trainer (:meth:`bind_trainer`).
+        """
+        if self.dirpath is None:
+            raise RuntimeError("InterruptCheckpoint(dirpath=None) resolves its folder from the trainer's "
+                               "default_root_dir at setup: bind_trainer(trainer) first")
         return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
 
     def on_train_start(self, trainer, pl_module) -> None:

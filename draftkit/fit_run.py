@@ -343,6 +343,8 @@ def check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
                 "silently from its file or a last.ckpt, past the resume-option check; use "
                 "draftkit.callbacks.interrupt.InterruptCheckpoint (same init_args) and resume with --ckpt_path"
             )
+        if _writes_stopped_state(cb) and hasattr(cb, "bind_trainer"):
+            cb.bind_trainer(trainer)  # a folder that follows trainer.default_root_dir
         if _writes_stopped_state(cb) and os.path.isfile(cb.ckpt_path):
             import torch
 

@@ -36,8 +36,7 @@ def _recipe(tmp_path: Path) -> Path:
   enable_progress_bar: false
   callbacks+:
     - class_path: draftkit.callbacks.interrupt.InterruptCheckpoint
-      init_args: {{dirpath: {tmp_path / "interrupted"}}}
-""")
+""")  # no dirpath: <default_root_dir>/interrupted
     return path
 
 
@@ -157,3 +156,20 @@ def test_an_interrupt_inside_an_update_writes_no_state(tmp_path, monkeypatch, ca
     else:
         assert torch.load(ckpt, weights_only=False)["global_step"] == 2 and not refusal
         assert f"state written: {ckpt} (step 2)" in caplog.text
+
+
+def test_interrupt_folder_follows_the_trainer_root(tmp_path):
+    """dirpath None: the stopped state goes below each run's own default_root_dir, so runs with their own root
+    (ablation arms, two experiments) never share one file; an explicit dirpath is kept."""
+    from types import SimpleNamespace
+
+    from draftkit.callbacks.interrupt import InterruptCheckpoint
+
+    a, b, fixed = InterruptCheckpoint(), InterruptCheckpoint(), InterruptCheckpoint(tmp_path / "mine")
+    with pytest.raises(RuntimeError, match="bind_trainer"):
+        a.ckpt_path
+    for cb, root in ((a, "runs/a"), (b, "runs/b"), (fixed, "runs/c")):
+        cb.setup(SimpleNamespace(default_root_dir=str(tmp_path / root)), None, "fit")
+    assert a.ckpt_path == str(tmp_path / "runs" / "a" / "interrupted" / "on_exception.ckpt")
+    assert b.ckpt_path == str(tmp_path / "runs" / "b" / "interrupted" / "on_exception.ckpt")
+    assert fixed.ckpt_path == str(tmp_path / "mine" / "on_exception.ckpt")
