@@ -14,7 +14,8 @@ turn. ``--parallel`` N slots decode N conversations at once (llama.cpp batches t
 What differs from the torch engine: llama.cpp computes in the GGUF's own weights (e.g. Q4_1 blocks times Q8
 activations), so some greedy answers part from the float32 target's after a while (the header records the engine,
 so shards of the two engines are never joined); llama.cpp stops at its vocabulary's end-of-generation tokens, so a
-stop id the tokenizer names is cut here and an end-of-generation token it does not name stops the run.
+stop id the tokenizer names is cut here, and after an end-of-generation token it does not name the answer is asked
+for again from there (prompt + the answer so far), as the torch engine decodes on.
 
 Shapes: none (token id lists).
 """
@@ -69,16 +70,16 @@ def completion_body(ids: list[int], max_new_tokens: int, slot: int) -> dict:
             "cache_prompt": True, "return_tokens": True, "id_slot": slot, "stream": False, "stop": []}
 
 
-def read_answer(res: dict, stop_ids: list[int], max_new_tokens: int) -> tuple[list[int], str]:
+def read_answer(res: dict, stop_ids: list[int], max_new_tokens: int) -> tuple[list[int], str | None]:
     """(new token ids, ``eos`` or ``length``) of a ``/completion`` answer, as ``generate_batch`` returns them.
 
     The answer is cut after the first of ``stop_ids`` (kept, reason ``eos``), else it is ``length`` when llama.cpp
-    ran to ``max_new_tokens``.
+    ran to ``max_new_tokens``; the reason is None when llama.cpp stopped at an end-of-generation token of the GGUF's
+    vocabulary that is no stop id (the torch engine goes on after it, so the caller asks for the rest).
 
     Raises:
-        RuntimeError: when the answer has no ``tokens`` (not llama.cpp b11434's ``/completion``), when llama.cpp
-            stopped at an end-of-generation token that is not in ``stop_ids`` (the records would differ from the
-            torch engine's), or when it stopped short of ``max_new_tokens`` for another reason (a context too small).
+        RuntimeError: when the answer has no ``tokens`` (not llama.cpp b11434's ``/completion``), or when llama.cpp
+            stopped short of ``max_new_tokens`` for another reason (a context too small).
     """
     if not isinstance(res.get("tokens"), list):
         raise RuntimeError(f"llama-server answered without token ids (keys {sorted(res)}); it needs llama.cpp "
@@ -91,9 +92,7 @@ def read_answer(res: dict, stop_ids: list[int], max_new_tokens: int) -> tuple[li
     if len(tokens) >= max_new_tokens:
         return tokens[:max_new_tokens], "length"
     if res.get("stop_type") == "eos" and tokens:
-        raise RuntimeError(f"llama-server stopped at token {tokens[-1]}, an end-of-generation token of the GGUF's "
-                           f"vocabulary that the target's tokenizer does not stop at (stop ids {sorted(stops)}); "
-                           "use --engine torch for this target")
+        return tokens, None
     raise RuntimeError(f"llama-server stopped after {len(tokens)} of {max_new_tokens} tokens (stop_type "
                        f"{res.get('stop_type')!r}, truncated {res.get('truncated')}): its context is too small")
 
@@ -155,11 +154,18 @@ class ServerDecoder:
         Raises:
             RuntimeError: when the server has died (with its log's tail), or as :func:`read_answer`.
         """
-        try:
-            res = self.server.post("/completion", completion_body(ids, max_new_tokens, slot), self.timeout_s)
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            if not self.server.alive():
-                raise RuntimeError(f"llama-server exited ({self.server.proc.returncode}): {self.server.tail()}") from err
-            log.warning("llama-server refused a prompt of %d tokens: %s", len(ids), err)
-            return None, f"decoding error ({type(err).__name__})"
-        return read_answer(res, stop_ids, max_new_tokens)
+        out: list[int] = []
+        while True:  # more than one request only past an end-of-generation token that is no stop id
+            try:
+                res = self.server.post("/completion", completion_body(ids + out, max_new_tokens - len(out), slot),
+                                       self.timeout_s)
+            except (urllib.error.URLError, OSError, ValueError) as err:
+                if not self.server.alive():
+                    raise RuntimeError(f"llama-server exited ({self.server.proc.returncode}): "
+                                       f"{self.server.tail()}") from err
+                log.warning("llama-server refused a prompt of %d tokens: %s", len(ids) + len(out), err)
+                return None, f"decoding error ({type(err).__name__})"
+            tokens, reason = read_answer(res, stop_ids, max_new_tokens - len(out))
+            out += tokens
+            if reason is not None:
+                return out, reason

@@ -205,12 +205,36 @@ def test_refusals_name_the_option_and_write_nothing(tmp_path, tiny_target_dir, g
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
 
 
+def test_past_an_end_of_generation_token_that_is_no_stop_id_the_answer_goes_on(tmp_path, gguf_target, fake_server,
+                                                                             monkeypatch):
+    """llama.cpp stops at every end-of-generation token of its vocabulary (here 300); the torch engine only at the
+    tokenizer's stop ids, so the engine asks for the rest of the answer from there."""
+    binary, read_log = fake_server
+    user = [{"role": "user", "content": "hi"}]
+    prompt = encode_chat(AutoTokenizer.from_pretrained(gguf_target), user)
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({",".join(map(str, prompt)): [65, 300, 66],
+                                 ",".join(map(str, prompt + [65, 300])): [67, EOS, 68]}))
+    monkeypatch.setenv("FAKE_LLAMA_TABLE", str(table))
+    monkeypatch.setenv("FAKE_LLAMA_EOG", f"{EOS},300")
+    src = tmp_path / "src.jsonl"
+    src.write_text(json.dumps({"messages": user + [{"role": "assistant", "content": "x"}]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    regenerate(str(src), str(out), gguf_target, RegenerateConfig(max_new_tokens=6), engine="llama-server",
+               parallel=1, llama_server=binary)
+    record = json.loads(out.read_text().splitlines()[1])
+    tokenizer = AutoTokenizer.from_pretrained(gguf_target)
+    assert record["messages"][1]["content"] == tokenizer.decode([65, 300, 67]) and record["new_tokens"] == 4
+    assert record["stop"] == ["eos"]
+    bodies = [r["body"] for r in read_log() if "body" in r]
+    assert [b["n_predict"] for b in bodies] == [6, 4] and bodies[1]["prompt"] == prompt + [65, 300]
+
+
 def test_read_answer_cuts_at_a_stop_id_and_refuses_what_torch_would_not_do():
     assert read_answer({"tokens": [5, 6, EOS], "stop_type": "eos"}, [EOS], 8) == ([5, 6, EOS], "eos")
     assert read_answer({"tokens": [5, 9, 6], "stop_type": "limit"}, [9], 3) == ([5, 9], "eos")  # a stop llama.cpp lacks
     assert read_answer({"tokens": [5, 6, 7], "stop_type": "limit"}, [EOS], 3) == ([5, 6, 7], "length")
-    with pytest.raises(RuntimeError, match="stopped at token 4, an end-of-generation token .* does not stop at"):
-        read_answer({"tokens": [5, 4], "stop_type": "eos"}, [EOS], 8)
+    assert read_answer({"tokens": [5, 4], "stop_type": "eos"}, [EOS], 8) == ([5, 4], None)  # 4: an EOG, no stop id
     with pytest.raises(RuntimeError, match="after 2 of 8 tokens .* context is too small"):
         read_answer({"tokens": [5, 6], "stop_type": "limit", "truncated": True}, [EOS], 8)
     with pytest.raises(RuntimeError, match="without token ids"):
