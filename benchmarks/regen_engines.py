@@ -13,6 +13,9 @@ Needs ``llama-server`` (README, llama.cpp section) and the cached SmolLM2 GGUF a
 3. Agreement: answers token-identical between the two engines, and for the others the mean position (0-based new
    token) of the first difference; whether the first turns of step 1 equal those of step 2 (llama.cpp's answers
    independent of which conversations share a batch).
+4. Teacher-forced agreement: the share of llama-server's first-turn answer tokens that are the torch float32 target's
+   argmax given llama-server's own prefix (what a head trained on the data learns: every TTT input token is then the
+   target's argmax).
 
 Shapes: none (a script).
 """
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="llama-server -t (default: torch's threads, as generate uses; 1 on a loaded machine: "
                         "llama.cpp's spinning threads stall when the cores are oversubscribed)")
     p.add_argument("--skip-all-turns", action="store_true")
+    p.add_argument("--skip-torch-generate", action="store_true", help="only the teacher-forced agreement (step 4)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
@@ -116,6 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         server_s = time.perf_counter() - t
 
     model, _ = load_target(TARGET, "float32")
+    same, total = 0, 0
+    with torch.no_grad():
+        for (_, ids), (a, _) in zip(prompts, server):
+            logits = model(torch.tensor([ids + a])).logits[0, len(ids) - 1:len(ids) - 1 + len(a)]  # (len(a), V)
+            same += int((logits.argmax(-1) == torch.tensor(a)).sum())
+            total += len(a)
+    result["teacher_forced"] = {"tokens": total, "torch_argmax_equal": same, "share": same / total}
+    print(json.dumps(result["teacher_forced"]), flush=True)
+    if args.skip_torch_generate:
+        result["load_after"] = os.getloadavg()
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k][1]))  # as generate batches them
     theirs: list = [None] * len(prompts)
     t = time.perf_counter()
