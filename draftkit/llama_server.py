@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -69,6 +70,16 @@ def _env(binary: str) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """Run in the server's process before it starts (Linux): SIGTERM it when draftkit's process dies, however it
+    dies (a ``kill``, even ``kill -9``), so that no server outlives the run that started it (``prctl``
+    ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+
+
 def server_version(binary: str) -> str:
     """The llama.cpp build of ``binary``: ``b<N>`` and the first line ``llama-server --version`` prints.
 
@@ -113,7 +124,8 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """One ``llama-server`` on 127.0.0.1 for the duration of a ``with`` block (terminated on exit, error or Ctrl-C).
+    """One ``llama-server`` on 127.0.0.1 for the duration of a ``with`` block (terminated on exit, error or Ctrl-C;
+    on Linux also when the process that started it is killed).
 
     Args:
         binary: the llama-server executable.
@@ -139,7 +151,8 @@ class LlamaServer:
         self.proc = None
 
     def __enter__(self) -> "LlamaServer":
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         deadline = time.monotonic() + self.start_timeout_s
         try:
             while time.monotonic() < deadline:

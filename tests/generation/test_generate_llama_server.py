@@ -230,6 +230,28 @@ def test_past_an_end_of_generation_token_that_is_no_stop_id_the_answer_goes_on(t
     assert [b["n_predict"] for b in bodies] == [6, 4] and bodies[1]["prompt"] == prompt + [65, 300]
 
 
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, fake_server):
+    """A run stopped by ``kill -9`` (no ``finally``, no ``__exit__``) leaves no server behind (Linux)."""
+    import subprocess
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    binary, read_log = fake_server
+    code = ("import sys, time; from draftkit.llama_server import LlamaServer\n"
+            f"s = LlamaServer({binary!r}, 'x.gguf').__enter__(); print('up', flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "up"
+    (start,) = [r for r in read_log() if "argv" in r]
+    assert _alive(start["pid"])
+    parent.kill()
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(start["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(start["pid"])
+
+
 def test_read_answer_cuts_at_a_stop_id_and_refuses_what_torch_would_not_do():
     assert read_answer({"tokens": [5, 6, EOS], "stop_type": "eos"}, [EOS], 8) == ([5, 6, EOS], "eos")
     assert read_answer({"tokens": [5, 9, 6], "stop_type": "limit"}, [9], 3) == ([5, 9], "eos")  # a stop llama.cpp lacks
