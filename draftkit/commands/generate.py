@@ -75,7 +75,8 @@ def generate(
             header and its settings hash are the same either way.
         engine: torch (the target in torch, batched; default) or llama-server (llama.cpp's llama-server on the
             target's GGUF, started and stopped here: greedy only, the same records, several times faster on a
-            CPU; the header names the engine, so shards of the two are never joined).
+            CPU; the header names the engine, so shards of the two are never joined). Its -t is torch's thread
+            count: OMP_NUM_THREADS=1 where other jobs share the cores.
         parallel: llama-server slots: conversations decoded together.
         llama_server: the llama-server binary (default: $DRAFTKIT_LLAMA_SERVER, else the draftkit cache's build;
             README, llama.cpp section).

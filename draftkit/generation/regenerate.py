@@ -13,14 +13,17 @@ Algorithm (:func:`regenerate`):
    the index: per turn round j (``turns="first"``: j = 0 only), render the conversation so far (the user
    turns and the answers already regenerated) with the chat template and ``add_generation_prompt``, batch
    the prompts by length and decode with :func:`generate_batch` (a KV cache, left padding); write the
-   shard atomically, then the index (``draftkit.jsonio``).
+   shard atomically, then the index (``draftkit.jsonio``). With ``engine="llama-server"`` each conversation
+   runs its turns in order on one slot of llama.cpp's server instead, N at once (:func:`_decode_on_server`,
+   ``draftkit.generation.llama_server``), and a shard is written when its last conversation ends.
 3. Join the shards into one chat JSONL (``.jsonl`` or ``.jsonl.gz``) whose first line is a header
    ``{"header": {...}}`` with the target's fingerprint, the decode settings, the source and its record ids
    and the counts; the chat reader reads it as any chat JSONL. The shard folder ``<output>.parts`` is removed.
 
 Resume: rerunning the same command skips the shards in the index; a shard is always decoded in the same
 batches, and a sampled record draws from its own generator (seed, record position), so the result is
-the same file as an uninterrupted run. The output's header keeps the shard index, so a finished file is
+the same file as an uninterrupted run (with the torch engine: llama.cpp's answers depend on which
+conversations share its batch, so there a resumed file is complete but not byte-identical). The output's header keeps the shard index, so a finished file is
 extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused.
 
 Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
@@ -282,7 +285,7 @@ def _decode_on_server(decoder, todo: dict[int, list[_Work]], tokenizer, cfg: Reg
         finish: called with (shard, its items, the time its first conversation started) when the shard is done.
 
     Raises:
-        RuntimeError: as ``ServerDecoder.decode`` (the server died; an end-of-generation token that is no stop id).
+        RuntimeError: as ``ServerDecoder.decode`` (the server died, or its context is too small).
     """
     lock = threading.Lock()  # one tokenizer for all workers: HF fast tokenizers are not safe across threads
     started: dict[int, float] = {}
