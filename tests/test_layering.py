@@ -4,7 +4,7 @@ A module may import only from its own floor or lower ones, lazy (function-level)
 nothing in ``draftkit/`` may import ``draftkit.callbacks``, and no two packages (``draftkit.X``) import each other,
 on one floor or not:
 
-1. selection, quant, jsonio, artifacts, testing, precision, strategy, sampling, kernels, heads/eagle3_llama,
+1. selection, quant, jsonio, artifacts, testing, precision, strategy, sampling, kernels, llama_server, heads/eagle3_llama,
    analysis/{cka, entropy, moments, subsets, token_entropy, plots}
 2. target, heads/checkpoint, data, kernels/{compile, option}, generation
 3. decoding, dual_precision, export, analysis/{collect, report}
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     1: ["draftkit", "draftkit.selection", "draftkit.quant", "draftkit.jsonio", "draftkit.artifacts",
         "draftkit.testing", "draftkit.precision", "draftkit.strategy", "draftkit.sampling", "draftkit.kernels",
-        "draftkit.heads", "draftkit.heads.eagle3_llama",
+        "draftkit.llama_server", "draftkit.heads", "draftkit.heads.eagle3_llama",
         "draftkit.analysis", "draftkit.analysis.cka", "draftkit.analysis.entropy", "draftkit.analysis.moments",
         "draftkit.analysis.subsets", "draftkit.analysis.token_entropy", "draftkit.analysis.plots"],
     2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data", "draftkit.kernels.compile",

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from draftkit import llama_server
 from draftkit.artifacts import resolve_artifact
 from draftkit.export.common import llama_config_fields, rope_legacy_fields
 from draftkit.heads.checkpoint import HeadSource
@@ -121,16 +122,13 @@ def target_gguf_path(source: HeadSource, target_gguf: str | None = None) -> str:
         ValueError: when none names a GGUF (pass ``--target_gguf`` with the target's GGUF file).
         FileNotFoundError: when the named file does not exist.
     """
-    if target_gguf:
-        path = Path(resolve_artifact(target_gguf, "--target_gguf")).expanduser()
-    elif str(source.target).endswith(".gguf"):
-        path = Path(resolve_artifact(source.target, "target"))
-    elif (Path(source.target_path) / "draftkit_source.json").is_file():
-        path = Path(json.loads((Path(source.target_path) / "draftkit_source.json").read_text())["gguf"])
-    else:
+    found = (resolve_artifact(target_gguf, "--target_gguf") if target_gguf
+             else llama_server.target_gguf(str(source.target), source.target_path))
+    if found is None:
         raise ValueError(f"--to {ENGINE}: the head's GGUF carries the target's tokenizer, and the target "
                          f"{source.target!r} is no GGUF: pass --target_gguf with the target GGUF that llama-server "
                          "loads (-m), e.g. one made by llama.cpp's convert_hf_to_gguf.py")
+    path = Path(found).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"--target_gguf: {path} does not exist")
     return str(path)

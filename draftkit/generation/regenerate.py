@@ -13,14 +13,17 @@ Algorithm (:func:`regenerate`):
    the index: per turn round j (``turns="first"``: j = 0 only), render the conversation so far (the user
    turns and the answers already regenerated) with the chat template and ``add_generation_prompt``, batch
    the prompts by length and decode with :func:`generate_batch` (a KV cache, left padding); write the
-   shard atomically, then the index (``draftkit.jsonio``).
+   shard atomically, then the index (``draftkit.jsonio``). With ``engine="llama-server"`` each conversation
+   runs its turns in order on one slot of llama.cpp's server instead, N at once (:func:`_decode_on_server`,
+   ``draftkit.generation.llama_server``), and a shard is written when its last conversation ends.
 3. Join the shards into one chat JSONL (``.jsonl`` or ``.jsonl.gz``) whose first line is a header
    ``{"header": {...}}`` with the target's fingerprint, the decode settings, the source and its record ids
    and the counts; the chat reader reads it as any chat JSONL. The shard folder ``<output>.parts`` is removed.
 
 Resume: rerunning the same command skips the shards in the index; a shard is always decoded in the same
 batches, and a sampled record draws from its own generator (seed, record position), so the result is
-the same file as an uninterrupted run. The output's header keeps the shard index, so a finished file is
+the same file as an uninterrupted run (with the torch engine: llama.cpp's answers depend on which
+conversations share its batch, so there a resumed file is complete but not byte-identical). The output's header keeps the shard index, so a finished file is
 extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused.
 
 Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
@@ -35,8 +38,10 @@ import gzip
 import json
 import logging
 import shutil
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,32 +195,57 @@ def _assistant_turns(messages: list[dict]) -> list[int]:
     return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
+def _next_prompt(w: _Work, tokenizer, cfg: RegenerateConfig, chat_template, context: int) -> list[int] | None:
+    """Token ids of ``w``'s next turn: the regenerated answers so far, then the source's user turns up to that
+    assistant turn, chat-templated with ``add_generation_prompt``. None when ``w`` has nothing left to decode: it
+    failed (set here on a template error, an empty first prompt or one over the limit) or its turns are done (a
+    later turn over the limit ends the conversation before it)."""
+    if w.failed is not None or w.next_turn is None:
+        return None
+    prefix = w.done + w.source[len(w.done):w.next_turn]  # regenerated answers, then the source's user turns
+    try:
+        ids = encode_chat(tokenizer, prefix, chat_template)
+    except Exception as err:  # a record the template cannot render
+        w.failed = f"template error ({type(err).__name__})"
+        return None
+    limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
+    if not ids or len(ids) > limit:
+        if not w.done:
+            w.failed = "prompt too long" if ids else "empty prompt"
+        w.next_turn = None  # 'all' mode: the conversation ends before this turn
+        return None
+    w.done = prefix
+    return ids
+
+
+def _take_answer(w: _Work, tokens: list[int] | None, stop: str, tokenizer, cfg: RegenerateConfig) -> None:
+    """Append the decoded answer (``tokens``, its stop id kept when ``stop`` is ``eos``) to ``w`` and move it to
+    its next assistant turn; ``tokens`` None fails ``w`` with the reason ``stop``, an empty answer ends it (fails
+    it when it has no answer yet)."""
+    if tokens is None:
+        w.failed = stop
+        return
+    text_ids = tokens[:-1] if stop == "eos" else tokens
+    answer = tokenizer.decode(text_ids, skip_special_tokens=False)
+    w.new_tokens += len(tokens)
+    if not answer.strip():
+        if not w.done or all(m["role"] != "assistant" for m in w.done):
+            w.failed = "empty answer"
+        w.next_turn = None
+        return
+    w.done = w.done + [{"role": "assistant", "content": answer}]
+    w.stop.append(stop)
+    later = [i for i in _assistant_turns(w.source) if i > w.next_turn]
+    w.next_turn = later[0] if cfg.turns == "all" and later else None
+
+
 def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, chat_template, stop_ids, pad_id,
-                  batch_size: int, context: int, progress) -> Counter:
-    """Regenerate the assistant turns of ``items`` in place, round by round; returns failures by reason."""
-    failed: Counter = Counter()
+                  batch_size: int, context: int, progress) -> None:
+    """Regenerate the assistant turns of ``items`` in place, round by round, in batches (the torch engine)."""
     while True:
-        todo = []  # (work, prompt ids)
-        for w in items:
-            if w.failed is not None or w.next_turn is None:
-                continue
-            turn = w.next_turn
-            prefix = w.done + w.source[len(w.done):turn]  # regenerated answers, then the source's user turns
-            try:
-                ids = encode_chat(tokenizer, prefix, chat_template)
-            except Exception as err:  # a record the template cannot render
-                w.failed = f"template error ({type(err).__name__})"
-                continue
-            limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
-            if not ids or len(ids) > limit:
-                if not w.done:
-                    w.failed = "prompt too long" if ids else "empty prompt"
-                w.next_turn = None  # 'all' mode: the conversation ends before this turn
-                continue
-            w.done = prefix
-            todo.append((w, ids))
+        todo = [(w, ids) for w in items if (ids := _next_prompt(w, tokenizer, cfg, chat_template, context)) is not None]
         if not todo:
-            break
+            return
         todo.sort(key=lambda x: -len(x[1]))  # similar lengths share a batch: little padding
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
@@ -231,26 +261,67 @@ def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, c
                     except Exception as one:  # noqa: BLE001
                         results.append((None, f"decoding error ({type(one).__name__})"))
             for (w, _), (tokens, stop) in zip(batch, results):
-                if tokens is None:
-                    w.failed = stop
-                    continue
-                text_ids = tokens[:-1] if stop == "eos" else tokens
-                answer = tokenizer.decode(text_ids, skip_special_tokens=False)
-                w.new_tokens += len(tokens)
-                if not answer.strip():
-                    if not w.done or all(m["role"] != "assistant" for m in w.done):
-                        w.failed = "empty answer"
-                    w.next_turn = None
-                    continue
-                w.done = w.done + [{"role": "assistant", "content": answer}]
-                w.stop.append(stop)
-                later = [i for i in _assistant_turns(w.source) if i > w.next_turn]
-                w.next_turn = later[0] if cfg.turns == "all" and later else None
+                _take_answer(w, tokens, stop, tokenizer, cfg)
             progress(sum(len(t) for t, _ in results if t is not None))
-    for w in items:
-        if w.failed is not None:
-            failed[w.failed] += 1
-    return failed
+
+
+def _decode_on_server(decoder, todo: dict[int, list[_Work]], tokenizer, cfg: RegenerateConfig, chat_template,
+                      stop_ids: list[int], context: int, progress, finish) -> None:
+    """Regenerate the conversations of ``todo`` (shard -> its items) on a ``llama-server`` (the llama-server engine).
+
+    1. ``decoder.parallel`` workers take the conversations in source order; each runs one conversation's turns in
+       order on one server slot (its KV cache holds the history: ``cache_prompt``), so N conversations decode
+       together and llama.cpp batches them.
+    2. As a conversation ends, ``progress(its new tokens)``; when the last of a shard's conversations ends,
+       ``finish(shard, items, start time)`` writes the shard (records in source order), so a shard is never
+       written part-done, and shards may finish out of order (the index is keyed by shard).
+    3. On any error or interrupt the queued conversations are dropped and the error is raised; the caller's
+       ``with decoder`` then stops the server, which ends the requests in flight.
+
+    Args:
+        decoder: an entered ``draftkit.generation.llama_server.ServerDecoder``.
+        todo: the items of each shard still to decode, in shard order.
+        progress: called with a finished conversation's new tokens (in this thread).
+        finish: called with (shard, its items, the time its first conversation started) when the shard is done.
+
+    Raises:
+        RuntimeError: as ``ServerDecoder.decode`` (the server died, or its context is too small).
+    """
+    lock = threading.Lock()  # one tokenizer for all workers: HF fast tokenizers are not safe across threads
+    started: dict[int, float] = {}
+
+    def conversation(i: int, w: _Work) -> _Work:
+        started.setdefault(i, time.perf_counter())
+        slot = decoder.slots.get()
+        try:
+            while True:
+                with lock:
+                    ids = _next_prompt(w, tokenizer, cfg, chat_template, context)
+                if ids is None:
+                    return w
+                tokens, stop = decoder.decode(ids, cfg.max_new_tokens, stop_ids, slot)
+                with lock:
+                    _take_answer(w, tokens, stop, tokenizer, cfg)
+        finally:
+            decoder.slots.put(slot)
+
+    left = {i: len(items) for i, items in todo.items()}
+    pool = ThreadPoolExecutor(decoder.parallel, thread_name_prefix="generate-llama-server")
+    try:
+        futures = {pool.submit(conversation, i, w): i for i, items in todo.items() for w in items}
+        for future in as_completed(futures):
+            progress(future.result().new_tokens)
+            i = futures[future]
+            left[i] -= 1
+            if left[i] == 0:
+                finish(i, todo[i], started[i])
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failures(items: list[_Work]) -> Counter:
+    """Failed records of a shard by reason."""
+    return Counter(w.failed for w in items if w.failed is not None)
 
 
 # -- files ----------------------------------------------------------------------------------------------------
@@ -326,6 +397,9 @@ def regenerate(
     shard_size: int = 64,
     overwrite: bool = False,
     kernels: str = "auto",
+    engine: str = "torch",
+    parallel: int = 16,
+    llama_server: str | None = None,
     _after_batch=None,
 ) -> dict:
     """Regenerate the assistant turns of a chat source with the target (see the module docstring).
@@ -347,7 +421,13 @@ def regenerate(
             weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Not a
             decode setting: the tokens are the same either way (float32 outputs agree to 1e-5), so it stays out
             of the header and its ``settings`` hash, and a run resumes shards made with the other kernels.
-        _after_batch: test hook called after every decoded batch.
+        engine: ``torch`` (the target in torch, batched, this module's ``generate_batch``) or ``llama-server``
+            (llama.cpp on the target's GGUF, ``draftkit.generation.llama_server``: greedy only; the same records,
+            the header's ``engine`` names it and enters the settings hash). ``dtype``, ``batch_size`` and
+            ``kernels`` are the torch engine's.
+        parallel: ``llama-server`` slots: conversations decoded together (each its turns in order on one slot).
+        llama_server: the ``llama-server`` binary (None: ``$DRAFTKIT_LLAMA_SERVER``, else the draftkit cache's).
+        _after_batch: test hook called after every decoded batch (``llama-server``: every finished conversation).
 
     Returns:
         The header written (``counts`` includes ``new_tokens``), plus ``seconds`` and ``tokens_per_s`` of
@@ -356,7 +436,9 @@ def regenerate(
     Raises:
         FileExistsError: if ``output`` exists (without ``overwrite``) and is not a generate output made with the
             same settings (then it is extended), or ``<output>.parts`` holds shards made with other settings.
-        ValueError: on bad settings, or a source with no usable conversation.
+        ValueError: on bad settings, a source with no usable conversation, or ``llama-server`` with a target that
+            is no GGUF or a temperature above 0.
+        FileNotFoundError: ``llama-server`` without a binary (the message says how to build one).
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
     from draftkit.data.chat import read_conversations
@@ -368,6 +450,11 @@ def regenerate(
 
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
+    if engine not in ("torch", "llama-server"):
+        raise ValueError(f"--engine must be torch or llama-server, got {engine!r}")
+    if engine != "torch" and cfg.temperature > 0:
+        raise ValueError(f"--engine {engine} decodes greedily only (llama.cpp samples with its own RNG, so a sampled "
+                         "record would not be reproducible); pass --temperature 0 or use --engine torch")
     out = Path(output)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
@@ -391,35 +478,51 @@ def regenerate(
             (summary.header.get("counts") or {}).get("records", len(conversations)),
             summary.header.get("source"),
         )
-    device = default_device()
-    dtype = resolve_dtype(dtype, device, "--dtype")
-    model, tokenizer = load_target(target, dtype)
-    model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
-    # packed once, before anything is written; released after the last shard
-    applied = use_kernels(kernels, model, options=KERNELS)
-    kernels_record = applied.target.as_dict()
+    if engine == "torch":
+        device = default_device()
+        dtype = resolve_dtype(dtype, device, "--dtype")
+        model, tokenizer = load_target(target, dtype)
+        model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
+        model_config, generation_config = model.config, getattr(model, "generation_config", None)
+        # packed once, before anything is written; released after the last shard
+        runner = use_kernels(kernels, model, options=KERNELS)
+        kernels_record = runner.target.as_dict()
+    else:  # llama.cpp decodes: only the tokenizer and config are read (no weights loaded here)
+        from draftkit.generation.llama_server import ServerDecoder, load_target_facts
+
+        model, dtype, kernels_record = None, "gguf", None
+        model_config, tokenizer, generation_config, resolved = load_target_facts(target)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
-    stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    stop_ids = stop_token_ids(tokenizer, generation_config)
     pad_id = pad_token_id(tokenizer)
-    context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    context = int(getattr(model_config, "max_position_embeddings", 1 << 30))
+    if engine != "torch":
+        limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
+        # + 1: llama.cpp ends a slot's answer once prompt + answer + 1 reaches the slot's context
+        runner = ServerDecoder(target, resolved, llama_server, parallel, torch.get_num_threads(),
+                               limit + cfg.max_new_tokens + 1)
     header = {
         "format": FORMAT,
         "target": target,
         "target_fingerprint": {
-            "config": config_fingerprint(model.config),
+            "config": config_fingerprint(model_config),
             "tokenizer": tokenizer_identity(tokenizer, template),
             "dtype": dtype,
         },
         "chat_template_sha16": short_hash(template),
         "decode": {**asdict(cfg), "stop_token_ids": stop_ids, "batch_size": batch_size},
+        # the torch engine's headers carry no "engine" (its settings hash is the one of files made before engines)
+        **({"engine": runner.record()} if engine != "torch" else {}),
         "source": source,
         "source_sha256": file_sha256(path) if Path(path).is_file() else None,
         "source_split": split,
         "max_records": max_records,
         "shard_size": shard_size,
     }
+    if engine != "torch":
+        del header["decode"]["batch_size"]  # slots (engine.parallel) instead
     # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
     settings = short_hash({k: v for k, v in header.items() if k != "max_records"})
     index_path = parts / "index.json"
@@ -489,37 +592,45 @@ def regenerate(
         if _after_batch is not None:
             _after_batch()
 
-    with applied:
-        for i, rows in enumerate(shards):
-            if done(i):
-                continue
-            items = [
-                _Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], [])
-                for r in rows
-            ]
-            ts = time.perf_counter()
-            failed = _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
-            lines = [
-                json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
-                            "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
-                for w in items if w.failed is None
-            ]
-            check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
-            _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
-            checked[i] = True
-            index["shards"][str(i)] = {
-                "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(failed), "ids": [w.source_id for w in items if w.failed is None],
-                "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
-            }
-            write_json_atomic(index_path, index)
-            records_done += len(rows)
-            elapsed = time.perf_counter() - t0
-            rate = new_tokens / max(elapsed, 1e-9)
-            eta = elapsed / records_done * (todo_records - records_done)
-            log.info(
-                "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
-                i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
-            )
+    def finish(i: int, items: list[_Work], ts: float) -> None:
+        """Write shard i's part (its records in source order), then its index entry; log the run's progress."""
+        nonlocal records_done
+        rows = shards[i]
+        lines = [
+            json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
+                        "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
+            for w in items if w.failed is None
+        ]
+        check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
+        _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
+        checked[i] = True
+        index["shards"][str(i)] = {
+            "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(_failures(items)),
+            "ids": [w.source_id for w in items if w.failed is None],
+            "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
+        }
+        write_json_atomic(index_path, index)
+        records_done += len(rows)
+        elapsed = time.perf_counter() - t0
+        rate = new_tokens / max(elapsed, 1e-9)
+        eta = elapsed / records_done * (todo_records - records_done)
+        log.info(
+            "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
+            i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
+        )
+
+    todo = {
+        i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
+        for i, rows in enumerate(shards) if not done(i)
+    }
+    with runner:
+        if engine == "torch":
+            for i, items in todo.items():
+                ts = time.perf_counter()
+                _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
+                finish(i, items, ts)
+        else:
+            _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 @pytest.fixture(scope="module")
 def server_binary():
-    from llamacpp_spec import llama_server_path
+    from draftkit.llama_server import llama_server_path
 
     path = llama_server_path()
     if path is None:
@@ -84,7 +84,7 @@ def test_llama_server_serves_the_exported_head(server_binary, exported):
 def llama_cpp_tree():
     """The llama.cpp source tree in the user's cache (module scope: the per-test isolated cache is not set yet)."""
     from draftkit.artifacts import cache_dir
-    from llamacpp_spec import LLAMA_CPP
+    from draftkit.llama_server import LLAMA_CPP
 
     return cache_dir() / LLAMA_CPP
 
