@@ -211,7 +211,6 @@ class Eagle3Module(pl.LightningModule):
             return
         if getattr(dm, "auto_cache_pending", False):  # hidden_states_cache: auto, with the final aux layers
             from draftkit.generation.hidden_states import write_auto_cache
-
             write_auto_cache(dm, self)
         self.resolve_target_dtype()
         self.target = self.target_handle.training_target(self.hparams.aux_layer_ids, getattr(dm, "hidden_states", None),
