@@ -12,8 +12,8 @@ Algorithm (:func:`regenerate`):
 2. Cut the conversations into shards of ``shard_size`` records, in source order. For each shard not yet in
    the index: per turn round j (``turns="first"``: j = 0 only), render the conversation so far (the user
    turns and the answers already regenerated) with the chat template and ``add_generation_prompt``, batch
-   the prompts by length and decode with :func:`generate_batch` (a KV cache, left padding); write the
-   shard atomically, then the index (``draftkit.jsonio``). With ``engine="llama-server"`` each conversation
+   the prompts by length and decode with ``generation.torch_engine.generate_batch`` (a KV cache, left
+   padding); write the shard atomically, then the index (``draftkit.jsonio``). With ``engine="llama-server"`` each conversation
    runs its turns in order on one slot of llama.cpp's server instead, N at once (:func:`_decode_on_server`,
    ``draftkit.generation.llama_server``), and a shard is written when its last conversation ends.
 3. Join the shards into one chat JSONL (``.jsonl`` or ``.jsonl.gz``) whose first line is a header
@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from draftkit.sampling import check_sampling, sample
+from draftkit.generation.torch_engine import generate_batch
+from draftkit.sampling import check_sampling
 from draftkit.jsonio import atomic_path, check_free_space, short_hash, write_json_atomic
 from draftkit.target.tokens import encode_chat
 
@@ -91,89 +92,6 @@ class RegenerateConfig:
             raise ValueError(f"--turns must be 'first' or 'all', got {self.turns!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"--max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-
-
-# -- decoding -------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def generate_batch(
-    model,
-    prompts: list[list[int]],
-    cfg: RegenerateConfig,
-    stop_ids: list[int],
-    pad_id: int,
-    generators: list[torch.Generator | None] | None = None,
-) -> list[tuple[list[int], str]]:
-    """Decode a batch of prompts with one KV cache: left padding, one forward per new token.
-
-    Left padding keeps every row's last prompt token in the last column; each row's RoPE positions count
-    its own tokens (``cumsum(mask) - 1``), so a row's computation is the one it would get alone. A row
-    that emits a stop id (kept in its output) or reaches ``max_new_tokens`` leaves the batch, and its
-    cache rows are dropped. Tokens are picked by ``draftkit.sampling.sample`` (argmax at T = 0).
-
-    Args:
-        model: a Hugging Face causal LM (eval, no grad), e.g. ``FrozenTarget.model``.
-        prompts: B non-empty lists of token ids.
-        cfg: decode settings (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``).
-        stop_ids: ids that end an answer.
-        pad_id: id written into padding (masked out).
-        generators: one RNG per row for sampling (None = the global RNG); unused at T = 0.
-
-    Returns:
-        B pairs (new token ids, stop reason ``eos`` or ``length``), in prompt order.
-
-    Raises:
-        ValueError: on an empty prompt.
-    """
-    from transformers import DynamicCache
-
-    from draftkit.target.frozen import cache_kwarg
-
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("generate_batch: empty prompt")
-    device = next(model.parameters()).device
-    b, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((b, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(p, device=device)
-        mask[i, width - len(p):] = 1
-    gens = list(generators) if generators is not None else [None] * b
-    stops = set(int(s) for s in stop_ids)
-    out: list[list[int]] = [[] for _ in range(b)]
-    reason = ["length"] * b
-    live = list(range(b))  # prompt index of each batch row still decoding
-    cache = DynamicCache()
-    cache_kw = cache_kwarg(model.forward)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T)
-    step_ids = ids
-    while True:
-        # the last position as an index tensor, not logits_to_keep=1: HF slices hidden[:, -1:] (a strided view for
-        # B > 1), and torch's matmul then expands the LM head weight to (B, H, V) and copies it (12 s for B = 16
-        # on one SmolLM2 core); an index gathers a contiguous (B, 1, H) first
-        last = torch.tensor([step_ids.shape[1] - 1], device=device)
-        logits = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{cache_kw: cache}, logits_to_keep=last,
-        ).logits[:, -1].float()  # (B', V)
-        nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i]) for r, i in enumerate(live)])
-        keep = []
-        for r, i in enumerate(live):
-            tok = int(nxt[r])
-            out[i].append(tok)
-            if tok in stops:
-                reason[i] = "eos"
-            elif len(out[i]) < cfg.max_new_tokens:
-                keep.append(r)
-        if not keep:
-            return [(o, s) for o, s in zip(out, reason)]
-        if len(keep) < len(live):
-            rows = torch.tensor(keep, device=device)
-            cache.batch_select_indices(rows)
-            mask, positions, nxt = mask[rows], positions[rows], nxt[rows]
-            live = [live[r] for r in keep]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)  # (B', S+1)
-        positions = positions[:, -1:] + 1  # (B', 1)
-        step_ids = nxt[:, None]  # (B', 1)
 
 
 # -- records --------------------------------------------------------------------------------------------------
@@ -421,7 +339,7 @@ def regenerate(
             weights where a probe measures them faster on this CPU and dtype, else stock), onednn or stock. Not a
             decode setting: the tokens are the same either way (float32 outputs agree to 1e-5), so it stays out
             of the header and its ``settings`` hash, and a run resumes shards made with the other kernels.
-        engine: ``torch`` (the target in torch, batched, this module's ``generate_batch``) or ``llama-server``
+        engine: ``torch`` (the target in torch, batched: ``generation.torch_engine.generate_batch``) or ``llama-server``
             (llama.cpp on the target's GGUF, ``draftkit.generation.llama_server``: greedy only; the same records,
             the header's ``engine`` names it and enters the settings hash). ``dtype``, ``batch_size`` and
             ``kernels`` are the torch engine's.
