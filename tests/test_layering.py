@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     1: ["draftkit", "draftkit.selection", "draftkit.quant", "draftkit.jsonio", "draftkit.artifacts",
         "draftkit.testing", "draftkit.precision", "draftkit.strategy", "draftkit.sampling", "draftkit.kernels",
-        "draftkit.llama_server", "draftkit.heads", "draftkit.heads.eagle3_llama",
+        "draftkit.llama_server", "draftkit.heads", "draftkit.heads.config", "draftkit.heads.eagle3_llama",
         "draftkit.analysis", "draftkit.analysis.cka", "draftkit.analysis.entropy", "draftkit.analysis.moments",
         "draftkit.analysis.subsets", "draftkit.analysis.token_entropy", "draftkit.analysis.plots"],
     2: ["draftkit.target", "draftkit.heads.checkpoint", "draftkit.data", "draftkit.kernels.compile",
