@@ -639,14 +639,20 @@ def regenerate(
         i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
         for i, rows in enumerate(shards) if not done(i)
     }
-    with runner:
-        if engine == "torch":
-            for i, items in todo.items():
-                ts = time.perf_counter()
-                _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
-                finish(i, items, ts)
-        else:
-            _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
+    try:
+        with runner:
+            if engine == "torch":
+                for i, items in todo.items():
+                    ts = time.perf_counter()
+                    _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context,
+                                  progress)
+                    finish(i, items, ts)
+            else:
+                _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
+    except KeyboardInterrupt:
+        log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
+                    "them", len(index["shards"]), len(shards), parts)
+        raise
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]

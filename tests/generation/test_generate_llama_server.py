@@ -136,7 +136,8 @@ def test_records_equal_the_torch_engines_and_the_requests_are_greedy_token_ids(t
     assert all(b["prompt"][: len(a["prompt"])] == a["prompt"] for a, b in zip(turns, turns[1:]))
 
 
-def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_path, gguf_target, fake_server):
+def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_path, gguf_target, fake_server,
+                                                                          caplog):
     """Rule answers (no table): an interrupt after 7 conversations leaves only whole shards and stops the server;
     the rerun decodes the rest and writes the file an uninterrupted run writes (here through the verb)."""
     from draftkit.commands import main
@@ -168,6 +169,8 @@ def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_
     parts = tmp_path / "resumed.jsonl.gz.parts"
     index = json.loads((parts / "index.json").read_text())
     assert 1 <= len(index["shards"]) < 4  # whole shards only (3 records each, the last 1)
+    assert (f"stopped (Ctrl-C) with {len(index['shards'])} of 4 shards written to {parts}; the same command resumes"
+            in caplog.text)
     assert sorted(p.name for p in parts.glob("shard-*")) == [f"shard-{int(k):05d}.jsonl" for k in sorted(index["shards"])]
     assert not any(_alive(r["pid"]) for r in read_log() if "argv" in r)  # every server stopped, the interrupted too
     assert main(["generate", "--source", str(src), "--target", gguf_target, "--output", str(out), "--turns", "all",
