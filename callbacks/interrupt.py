@@ -53,6 +53,8 @@ class InterruptCheckpoint(Callback):
         if not filename:
             raise ValueError("InterruptCheckpoint: filename cannot be empty")
         self.dirpath = dirpath
+        self._folder = dirpath
+        """The folder of :attr:`ckpt_path`: ``dirpath``, or the bound trainer's ``<default_root_dir>/interrupted``."""
         self.filename = filename
         self.written = False
         """Whether this run wrote :attr:`ckpt_path` (read by ``draftkit.fit_run`` to report an interrupted fit)."""
@@ -62,9 +64,10 @@ class InterruptCheckpoint(Callback):
 
     def bind_trainer(self, trainer) -> None:
         """Resolve a ``dirpath`` of None to ``<trainer.default_root_dir>/interrupted`` (at ``setup``, and by
-        ``draftkit.fit_run`` before a fit starts, to find a stopped run's state)."""
-        if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.default_root_dir, "interrupted")
+        ``draftkit.fit_run`` before a fit starts, to find a stopped run's state); each trainer the callback
+        serves in turn gets its own root's folder (``dirpath`` itself is kept as given)."""
+        self._folder = self.dirpath if self.dirpath is not None else os.path.join(trainer.default_root_dir,
+                                                                                  "interrupted")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.bind_trainer(trainer)
@@ -76,10 +79,10 @@ class InterruptCheckpoint(Callback):
         Raises:
             RuntimeError: a ``dirpath`` of None before the callback knows its trainer (:meth:`bind_trainer`).
         """
-        if self.dirpath is None:
+        if self._folder is None:
             raise RuntimeError("InterruptCheckpoint(dirpath=None) resolves its folder from the trainer's "
                                "default_root_dir at setup: bind_trainer(trainer) first")
-        return os.path.join(self.dirpath, self.filename + self.FILE_EXTENSION)
+        return os.path.join(self._folder, self.filename + self.FILE_EXTENSION)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._started = True

@@ -173,3 +173,17 @@ def test_interrupt_folder_follows_the_trainer_root(tmp_path):
     assert a.ckpt_path == str(tmp_path / "runs" / "a" / "interrupted" / "on_exception.ckpt")
     assert b.ckpt_path == str(tmp_path / "runs" / "b" / "interrupted" / "on_exception.ckpt")
     assert fixed.ckpt_path == str(tmp_path / "mine" / "on_exception.ckpt")
+
+
+def test_one_interrupt_callback_follows_each_trainer_it_serves(tmp_path):
+    """The same InterruptCheckpoint (dirpath None) given to two trainers in turn (two fits in one Python session)
+    writes below the root of the trainer it serves now, not the first one's: the runs never share a file."""
+    from types import SimpleNamespace
+
+    from draftkit.callbacks.interrupt import InterruptCheckpoint
+
+    cb = InterruptCheckpoint()
+    for root in ("runs/a", "runs/b"):
+        cb.setup(SimpleNamespace(default_root_dir=str(tmp_path / root)), None, "fit")
+        assert cb.ckpt_path == str(tmp_path / root / "interrupted" / "on_exception.ckpt")
+    assert cb.dirpath is None  # the option as given

@@ -122,5 +122,8 @@ def test_a_ckpt_path_that_is_no_checkpoint_is_one_line_naming_it(two_steps, tmp_
     assert main(["validate", *_args(root, "--ckpt_path", RECIPE)[1:]]) == 2  # was an UnpicklingError traceback
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         f"draftkit validate: error: --ckpt_path {RECIPE} could not be read (")
+    assert main(["validate", *_args(root, "--ckpt_path", str(tmp_path / "export"))[1:]]) == 2
+    assert capsys.readouterr().err.strip().endswith(  # validate measures no fit: the hint names evaluate too
+        "fit --model.init_head DIR starts a new run from it, evaluate --checkpoint DIR measures it")
     assert not (tmp_path / "lightning_logs").exists() and _checkpoints(root) == [
         "lightning_logs/version_0/checkpoints/best-step=2.ckpt", "lightning_logs/version_0/checkpoints/last.ckpt"]

