@@ -178,3 +178,19 @@ class DeviceFactoryCheck:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self.violations.sort()
+
+
+def end_process_group() -> None:
+    """End a test rank's ``torch.distributed`` process group cleanly: collect what still holds its tensors and
+    groups (DTensors, a device mesh: ``del`` them in the caller first), wait for every rank, then destroy the group.
+
+    Without the collection and the barrier a gloo rank sometimes aborted at interpreter exit, after its work was
+    done ("terminate called without an active exception", SIGABRT, about 1 run in 15 on 2 loaded cores): a gloo
+    worker thread outlived the group it served."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

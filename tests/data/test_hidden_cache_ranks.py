@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import draftkit.generation.hidden_states as writer
 from draftkit.data.hidden_cache import HiddenStateCache, bytes_per_token, plan_shards
 from draftkit.generation.hidden_states import write_hidden_states
+from draftkit.testing import end_process_group
 
 FP = {"target": "t", "target_config": "c", "target_dtype": "bfloat16", "aux_layer_ids": [1, 2], "tokenizer": "k", "data": "d"}
 H, V = 4, 50  # H_t of the tiny target, its vocab; 2 aux layers -> aux width 8
@@ -75,7 +76,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, runs: list) -> None:
         except (ValueError, OSError) as e:
             results.append({"error": f"{type(e).__name__}: {e}", "calls": target.calls})
     Path(root, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _spawn(root: Path, runs: list) -> list[list[dict]]:

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from draftkit.generation.hidden_states import write_hidden_states
 from draftkit.target.frozen import FrozenTarget, load_target
 from draftkit.target.sharding import load_sharded_target, resident_bytes
-from draftkit.testing import build_tiny_target
+from draftkit.testing import build_tiny_target, end_process_group
 
 FP = {"target": "t", "target_config": "c", "target_dtype": "float32", "aux_layer_ids": [2, 4, 5], "tokenizer": "k",
       "data": "d"}
@@ -73,7 +73,8 @@ def _rank_main(rank: int, world: int, port: int, target_dir: str, root: str) -> 
                     barrier=dist.barrier, broadcast=broadcast, lockstep=True)
     report["shards"] = result["ranks"][rank]["shards"]
     Path(root, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    del model, gathered, a, b, sharded_facts, whole_facts  # the sharded target's DTensors, before the group ends
+    end_process_group()
 
 
 def test_two_ranks_hold_half_gather_the_same_target_and_write_the_same_cache(tmp_path):
