@@ -97,6 +97,15 @@ def read_answer(res: dict, stop_ids: list[int], max_new_tokens: int) -> tuple[li
                        f"{res.get('stop_type')!r}, truncated {res.get('truncated')}): its context is too small")
 
 
+REQUEST_WAIT_S = 1800.0  # seconds a request waits before the server's progress is checked (ServerDecoder)
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether ``err`` (from ``urllib.request.urlopen``) is a timeout: raised as is while reading the answer,
+    wrapped in a ``URLError`` while connecting."""
+    return isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+
+
 class ServerDecoder:
     """A ``llama-server`` on the target's GGUF for the duration of a ``with`` block, and its slots.
 
@@ -107,7 +116,8 @@ class ServerDecoder:
         parallel: slots (``-np``), conversations decoded together.
         threads: ``-t``.
         slot_tokens: KV-cache tokens per slot (the longest prompt plus the answer); ``-c`` = parallel x this.
-        timeout_s: seconds one answer may take.
+        timeout_s: seconds (None: ``REQUEST_WAIT_S``) one request waits before the server's progress is checked (doubled each time it
+            progressed, see ``_post_waiting``).
 
     Raises:
         ValueError: when the target is no GGUF (names ``--engine``), when the binary answers ``--version`` with
@@ -117,7 +127,7 @@ class ServerDecoder:
     """
 
     def __init__(self, target: str, resolved_dir: str, binary: str | None, parallel: int, threads: int,
-                 slot_tokens: int, timeout_s: float = 1800.0):
+                 slot_tokens: int, timeout_s: float | None = None):
         if parallel < 1:
             raise ValueError(f"--parallel must be >= 1, got {parallel}")
         self.gguf = target_gguf(target, resolved_dir)
@@ -130,7 +140,8 @@ class ServerDecoder:
             self.version = server_version(self.binary)
         except RuntimeError as err:
             raise ValueError(f"--llama_server {self.binary} is not llama.cpp's llama-server ({err})") from err
-        self.parallel, self.threads, self.slot_tokens, self.timeout_s = parallel, threads, slot_tokens, timeout_s
+        self.parallel, self.threads, self.slot_tokens = parallel, threads, slot_tokens
+        self.timeout_s = REQUEST_WAIT_S if timeout_s is None else timeout_s
         self.server: LlamaServer | None = None
         self.slots: queue.Queue = queue.Queue()
 
@@ -167,8 +178,7 @@ class ServerDecoder:
         out: list[int] = []
         while True:  # more than one request only past an end-of-generation token that is no stop id
             try:
-                res = self.server.post("/completion", completion_body(ids + out, max_new_tokens - len(out), slot),
-                                       self.timeout_s)
+                res = self._post_waiting(completion_body(ids + out, max_new_tokens - len(out), slot))
             except (urllib.error.URLError, OSError, ValueError) as err:
                 if not self.server.alive():
                     raise RuntimeError(f"llama-server exited ({self.server.proc.returncode}): "
@@ -179,3 +189,40 @@ class ServerDecoder:
             out += tokens
             if reason is not None:
                 return out, reason
+
+    def _post_waiting(self, body: dict) -> dict:
+        """POST ``body`` to ``/completion`` and wait while the server makes progress.
+
+        A request unanswered after ``timeout_s`` is a slow server (busy or shared cores, many slots) while the
+        server's ``n_decode_total`` counter (``/metrics``) moved meanwhile: the same request is sent again with
+        twice the wait (the slot's cached prompt is reused; llama-server drops the first request when its
+        connection closes), so a slow machine never turns answers into failed records.
+
+        Raises:
+            RuntimeError: when the counter did not move for a whole wait (the server is stuck; the finished shards
+                are kept and the same command resumes).
+            urllib.error.URLError / OSError / ValueError: as ``LlamaServer.post`` for anything but a timeout.
+        """
+        wait = self.timeout_s
+        while True:
+            before = self._decode_calls()
+            try:
+                return self.server.post("/completion", body, wait)
+            except (TimeoutError, urllib.error.URLError) as err:
+                if not _timed_out(err) or not self.server.alive():
+                    raise
+            after = self._decode_calls()
+            if after <= before:
+                raise RuntimeError(f"llama-server made no progress in {wait:g} s (n_decode_total stayed at "
+                                   f"{after:.0f}): it is stuck; the finished shards are kept and the same command "
+                                   f"resumes. Its log: {self.server.tail(1500)}")
+            log.warning("llama-server is slow (no answer in %g s, %d decode calls meanwhile: busy cores?): "
+                        "sending the request again and waiting up to %g s", wait, after - before, 2 * wait)
+            wait *= 2
+
+    def _decode_calls(self) -> float:
+        """The server's ``n_decode_total`` (llama_decode calls so far; 0 when ``/metrics`` does not answer)."""
+        try:
+            return self.server.metrics().get("n_decode_total", 0.0)
+        except (urllib.error.URLError, OSError, ValueError):
+            return 0.0

@@ -10,6 +10,10 @@ It takes llama-server's command line, answers ``--version`` like build 11434, se
   ``$FAKE_LLAMA_EOG`` (default 257);
 - cut at ``n_predict`` (``stop_type`` ``limit``) or after an id of ``$FAKE_LLAMA_EOG`` (``eos``);
 - ``$FAKE_LLAMA_DIE_AFTER`` = n: the process exits while answering request n + 1.
+
+``GET /metrics`` gives ``llamacpp:n_decode_total``, a counter that moves every 10 ms (a busy server), except
+with ``$FAKE_LLAMA_STUCK`` = 1, where it stays and no ``/completion`` is ever answered (a stuck server).
+``$FAKE_LLAMA_SLOW_FIRST`` = s: the first ``/completion`` request is answered only after s seconds (a slow one).
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import json
 import os
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
 EOG = [int(x) for x in os.environ.get("FAKE_LLAMA_EOG", "257").split(",")]
 TABLE = json.loads(open(os.environ["FAKE_LLAMA_TABLE"]).read()) if os.environ.get("FAKE_LLAMA_TABLE") else None
 DIE_AFTER = int(os.environ.get("FAKE_LLAMA_DIE_AFTER", "-1"))
+STUCK = os.environ.get("FAKE_LLAMA_STUCK") == "1"
+SLOW_FIRST = float(os.environ.get("FAKE_LLAMA_SLOW_FIRST", "0"))
+START = time.monotonic()
 served = 0
 
 
@@ -56,6 +64,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self.reply(200, {"status": "ok"})
+        elif self.path == "/metrics":
+            calls = 0 if STUCK else int((time.monotonic() - START) * 100)
+            data = f"# TYPE llamacpp:n_decode_total counter\nllamacpp:n_decode_total {calls}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         else:
             self.reply(404, {"error": "not found"})
 
@@ -67,6 +82,9 @@ class Handler(BaseHTTPRequestHandler):
             served += 1
             if served == DIE_AFTER + 1:
                 os._exit(3)
+            first = served == 1
+        if STUCK or (first and SLOW_FIRST):
+            time.sleep(3600 if STUCK else SLOW_FIRST)
         tokens = answer(body)
         if self.path != "/completion" or tokens is None:
             self.reply(404, {"error": "unknown prompt"})

@@ -189,6 +189,34 @@ def test_a_server_that_dies_stops_the_run_with_its_log(tmp_path, gguf_target, fa
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()  # no shard done: nothing written
 
 
+def test_a_slow_server_is_waited_for_and_a_stuck_one_stops_the_run(tmp_path, gguf_target, fake_server, monkeypatch):
+    """Shared, busy cores: a request unanswered within the wait while the server decodes is sent again with twice
+    the wait, and the records equal a prompt server's (no answer becomes a failed record); a server whose decode
+    counter stays still stops the run naming it, with nothing written."""
+    import draftkit.generation.llama_server as server_module
+
+    binary, read_log = fake_server
+    monkeypatch.setattr(server_module, "REQUEST_WAIT_S", 0.5)
+    src = _source(tmp_path)
+    run = lambda out: regenerate(str(src), str(out), gguf_target, RegenerateConfig(max_new_tokens=3),  # noqa: E731
+                                 shard_size=9, engine="llama-server", parallel=1, llama_server=binary)
+    run(tmp_path / "prompt.jsonl")
+    sent = len([r for r in read_log() if r.get("path") == "/completion"])
+    monkeypatch.setenv("FAKE_LLAMA_SLOW_FIRST", "1.2")  # the first request answered after 1.2 s: past the 0.5 s wait
+    run(tmp_path / "slow.jsonl")
+    bodies = [r["body"] for r in read_log() if r.get("path") == "/completion"][sent:]
+    assert bodies[0] == bodies[1] and len(bodies) == sent + 1  # the first request sent again, once
+    prompt, slow = _read_output(tmp_path / "prompt.jsonl"), _read_output(tmp_path / "slow.jsonl")
+    assert slow[1] == prompt[1] and slow[0]["counts"] == prompt[0]["counts"]
+    assert prompt[0]["counts"]["failed"] == {}  # failures by reason: none
+
+    monkeypatch.delenv("FAKE_LLAMA_SLOW_FIRST")
+    monkeypatch.setenv("FAKE_LLAMA_STUCK", "1")
+    with pytest.raises(RuntimeError, match=r"made no progress in 0.5 s .*stuck; the finished shards are kept"):
+        run(tmp_path / "stuck.jsonl")
+    assert not (tmp_path / "stuck.jsonl").exists() and not (tmp_path / "stuck.jsonl.parts").exists()
+
+
 def test_refusals_name_the_option_and_write_nothing(tmp_path, tiny_target_dir, gguf_target, fake_server, monkeypatch):
     binary, _ = fake_server
     src = _source(tmp_path)
