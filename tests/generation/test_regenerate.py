@@ -239,3 +239,28 @@ def test_read_output_splits_records_at_newlines_only(tmp_path):
     path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [header, *records]).encode()))
     got_header, shards = _read_output(path)
     assert got_header == header["header"] and [json.loads(line) for line in shards["0"]] == records
+
+
+def test_a_source_with_text_part_lists_regenerates_as_the_joined_strings(tmp_path, tiny_target_dir):
+    """OpenAI-style list content in a regeneration source (``data.chat.content_text``): the records equal those of
+    the source with the parts joined; a record with an image part is counted as the reader's skip."""
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    listed, joined = tmp_path / "listed.jsonl", tmp_path / "joined.jsonl"
+    listed.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": parts},
+                                                          {"role": "assistant", "content": "old"}]}) + "\n"
+                      + json.dumps({"id": "pic", "messages": [{"role": "user", "content": [image]},
+                                                              {"role": "assistant", "content": "old"}]}) + "\n")
+    joined.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Name a colour.\nOne word."},
+                                                          {"role": "assistant", "content": "old"}]}) + "\n")
+    cfg = RegenerateConfig(max_new_tokens=4)
+    out = {}
+    for src in (listed, joined):
+        out[src] = tmp_path / f"{src.stem}-regen.jsonl"
+        report = regenerate(str(src), str(out[src]), str(tiny_target_dir), cfg, dtype="float32")
+    assert report["counts"]["skipped_by_reader"] == {}
+    assert json.loads(out[listed].read_text().splitlines()[0])["header"]["counts"]["skipped_by_reader"] == {
+        "non-text content part": 1}
+    (a,), _ = read_conversations(str(out[listed]))
+    (b,), _ = read_conversations(str(out[joined]))
+    assert a == b and a[0] == {"role": "user", "content": "Name a colour.\nOne word."} and a[1]["content"] != "old"
