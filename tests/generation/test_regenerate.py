@@ -264,3 +264,23 @@ def test_a_source_with_text_part_lists_regenerates_as_the_joined_strings(tmp_pat
     (a,), _ = read_conversations(str(out[listed]))
     (b,), _ = read_conversations(str(out[joined]))
     assert a == b and a[0] == {"role": "user", "content": "Name a colour.\nOne word."} and a[1]["content"] != "old"
+
+
+def test_parallel_with_the_torch_engine_is_refused_naming_batch_size(tmp_path, tiny_target_dir, capsys):
+    """``--parallel`` sets llama-server's slots; the torch engine used to ignore it silently. Any value but the
+    default is refused naming the option to use, before anything loads or is written."""
+    from draftkit.commands import main
+
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=2), parallel=4,
+                   batch_size=3)
+    assert str(err.value) == ("--parallel 4 sets llama-server's slots, which the torch engine does not use: it decodes "
+                              "--batch_size prompts together (now 3); pass --batch_size 4 instead, or --engine "
+                              "llama-server")
+    assert main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(out),
+                 "--parallel", "32"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "draftkit generate: error: --parallel 32 sets llama-server's slots, which the torch engine does not use: it "
+        "decodes --batch_size prompts together (now 8); pass --batch_size 32 instead, or --engine llama-server")
+    assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
