@@ -284,3 +284,38 @@ def test_parallel_with_the_torch_engine_is_refused_naming_batch_size(tmp_path, t
         "draftkit generate: error: --parallel 32 sets llama-server's slots, which the torch engine does not use: it "
         "decodes --batch_size prompts together (now 8); pass --batch_size 32 instead, or --engine llama-server")
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_ctrl_c_in_the_verb_exits_130_with_the_kept_shards_message_only(tmp_path, tiny_target_dir, monkeypatch,
+                                                                         capsys, caplog):
+    """A Ctrl-C in ``draftkit generate`` (a KeyboardInterrupt after shard 0, through the library's test hook) ends
+    with its one warning (shards kept, the same command resumes) and exit code 130, as a stopped fit: no
+    traceback and no error line."""
+    import functools
+
+    import draftkit.generation.regenerate as library
+    from draftkit.commands import main
+
+    calls = []
+
+    def crash():
+        calls.append(1)
+        if len(calls) == 2:  # one batch per shard of 3 (batch_size 3): shard 0 written, shard 1 cut
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(library, "regenerate", functools.partial(library.regenerate, _after_batch=crash))
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    args = ["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(out), "--dtype",
+            "float32", "--max_new_tokens", "2", "--max_prompt_tokens", "200", "--batch_size", "3", "--shard_size", "3"]
+    with caplog.at_level(logging.WARNING):
+        try:
+            code = main(args)
+        except KeyboardInterrupt:  # raised on, pytest would stop the whole session
+            pytest.fail("the Ctrl-C left draftkit generate with a traceback")
+    assert code == 130
+    parts = tmp_path / "o.jsonl.parts"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"generate: stopped (Ctrl-C) with 1 of 3 shards written to {parts}; the same command resumes from them"]
+    err = capsys.readouterr().err  # the target's loading bar only
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error" not in err
+    assert list(json.loads((parts / "index.json").read_text())["shards"]) == ["0"] and not out.exists()
