@@ -40,10 +40,13 @@ class AcceptanceLengthMonitor(Callback):
     ``chat_template`` (None = the tokenizer's). In offline mode (``target`` is the LM-head-only
     ``TargetLMHead`` of a hidden-state-cache run) the monitor builds its own ``FrozenTarget`` from
     ``load_target_model()[0]`` once, on the module's device, since decoding needs every target layer.
-    Decoding runs under ``torch.no_grad`` with the head in eval mode; its training mode is restored afterwards. Single-stream, on the global rank 0 only;
-    under ``trainer.strategy fsdp_target`` (the target sharded across the ranks, no rank holds it whole) every
-    rank decodes the same prompts in lockstep, since each target forward gathers its layers from all ranks, and
-    rank 0's values are reported (greedy picks must agree across ranks: the same weights, inputs and kernels).
+    Decoding runs under ``torch.no_grad`` with the head in eval mode; its training mode is restored afterwards.
+    Single-stream, on the global rank 0 only; under ``trainer.strategy fsdp_target`` (the target sharded across
+    the ranks, no rank holds it whole) every rank decodes the same prompts in lockstep, since each target forward
+    gathers its layers from all ranks: rank 0's first token and each round's accepted drafts and next token are
+    broadcast and applied on every rank (``decoding.verify.Sync``), so that a rank whose greedy picks differ
+    (non-deterministic GPU reductions) cannot stop early or run another number of forwards and hang the others;
+    rank 0's values are reported.
     Measured at a validation, the values go through ``pl_module.log`` (all ranks log rank 0's values, so
     ``ModelCheckpoint(monitor="val/accept_len")`` works); measured at a training step, they are written to
     the trainer's loggers at that step.
@@ -136,9 +139,10 @@ class AcceptanceLengthMonitor(Callback):
     def _measure(self, trainer: Trainer, pl_module: LightningModule, from_validation: bool) -> None:
         self._last_step = trainer.global_step
         # a target sharded across the ranks (trainer.strategy fsdp_target) gathers each layer from all of them:
-        # every rank decodes the same prompts with the same replicated head, so their forwards run in lockstep
+        # every rank decodes the same prompts and applies rank 0's picks, so their forwards run in lockstep
         everyone = target_mesh(trainer) is not None
-        metrics = self._decode(trainer, pl_module) if trainer.global_rank == 0 or everyone else None
+        sync = (lambda value: trainer.strategy.broadcast(value, src=0)) if everyone else None
+        metrics = self._decode(trainer, pl_module, sync) if trainer.global_rank == 0 or everyone else None
         if trainer.global_rank != 0:
             metrics = None  # rank 0's values are the ones reported
         if from_validation:
@@ -151,7 +155,7 @@ class AcceptanceLengthMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _decode(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+    def _decode(self, trainer: Trainer, pl_module: LightningModule, sync=None) -> dict[str, float]:
         if self._prompts is None:
             self._prompts = load_prompts(self.prompts, self.num_prompts)
         head = pl_module.head
@@ -162,7 +166,7 @@ class AcceptanceLengthMonitor(Callback):
                 self.build_drafter(pl_module), self._target(pl_module), self._tokenizer(pl_module), self._prompts,
                 k=self.k, temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed,
                 chat_template=getattr(pl_module, "chat_template", None), baseline=False, prompt_lookup=False,
-                warmup=False,
+                warmup=False, sync=sync,
             )
         finally:
             head.train(was_training)

@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success; 2 on bad input: a ``ValueError`` or ``OSError`` from any verb (``fit``/``validate``
         included) prints one line ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
-        to raise it with its traceback instead. Other exceptions (bugs) propagate with their traceback.
+        to raise it with its traceback instead. 130 after Ctrl-C (a ``KeyboardInterrupt``), without a traceback:
+        the verb has said what it kept (``generate``: its shards and that the same command resumes), as a stopped
+        ``fit`` exits 130 after its report (``fit_run.report_stop``). Other exceptions (bugs) propagate with their
+        traceback.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not logging.getLogger().handlers:
@@ -225,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             fn, options = fn[options.subverb], options[options.subverb]
         options = {k: v for k, v in vars(options).items() if k in inspect.signature(fn).parameters}
         fn(**options)
-    except (ValueError, OSError) as exc:  # missing/unreadable files, bad options, head/target mismatch
+    except (ValueError, OSError, KeyboardInterrupt) as exc:  # bad files or options, head/target mismatch; Ctrl-C
         if os.environ.get("DRAFTKIT_DEBUG", "") not in ("", "0"):
             raise
+        if isinstance(exc, KeyboardInterrupt):
+            return 130  # 128 + SIGINT, the shell's code for a Ctrl-C
         print(f"draftkit {verb}: error: {exc}", file=sys.stderr)
         return 2
     return 0

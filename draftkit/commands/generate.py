@@ -77,7 +77,7 @@ def generate(
             target's GGUF, started and stopped here: greedy only, the same records, several times faster on a
             CPU; the header names the engine, so shards of the two are never joined). Its -t is torch's thread
             count: OMP_NUM_THREADS=1 where other jobs share the cores.
-        parallel: llama-server slots: conversations decoded together.
+        parallel: llama-server slots: conversations decoded together (the torch engine's is --batch_size).
         llama_server: the llama-server binary (default: $DRAFTKIT_LLAMA_SERVER, else the draftkit cache's build;
             README, llama.cpp section).
 

@@ -1,6 +1,7 @@
 """Chat data: readers for ShareGPT JSON, chat JSONL and ``datasets`` sources; templating with a loss mask.
 
-A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``. The loss mask is
+A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}`` (a record's content may
+also be an OpenAI-style list of text parts, joined by :func:`content_text`). The loss mask is
 1 on tokens of assistant turns, including their end-of-turn token (eagle3-format.md §1, m_t), found by
 rendering the chat template on growing prefixes of the conversation: the text an assistant message adds
 after ``add_generation_prompt=True`` is its span. A template for which that span cannot be found is an
@@ -26,6 +27,7 @@ from draftkit.jsonio import short_hash
 
 __all__ = [
     "ReadSummary",
+    "content_text",
     "decode_file",
     "describe_skips",
     "read_conversations",
@@ -142,6 +144,50 @@ def unencodable_at(text: str) -> int | None:
         return exc.start
 
 
+TEXT_PART_SEPARATOR = "\n"
+"""What joins the text parts of one turn's content (:func:`content_text`)."""
+
+
+def content_text(content) -> tuple[str | None, tuple[str, str] | None]:
+    """One turn's content as text: a string as it is, or an OpenAI-style list of content parts
+    (``[{"type": "text", "text": "..."}, ...]``, the chat-completions format users export) with its text parts
+    joined by a newline (:data:`TEXT_PART_SEPARATOR`; an empty list is ``""``).
+
+    The join is vLLM's for a chat template that renders ``message['content']`` as a string (text-only targets:
+    Llama, Qwen, SmolLM2, ...): ``vllm/entrypoints/chat_utils.py``, ``_parse_chat_message_content_parts``,
+    ``"\\n".join(texts)``; TensorRT-LLM's OpenAI server (``parse_chat_message_content``) joins the same way.
+    Hugging Face transformers' ``apply_chat_template`` does not join: it hands the list to the template, and a
+    template that loops over the parts (multimodal ones) concatenates them itself; SGLang joins with a space
+    (``sglang/srt/parser/jinja_template_utils.py``, ``process_content_for_template_format``). A head serves
+    best on the text the serving engine renders, hence vLLM's rule.
+
+    Every reader of chats and prompts (``normalize_record``: training data and regeneration sources;
+    ``data.prompts.load_prompts``: evaluate's prompt files) reads content through this function.
+
+    Returns:
+        (text, None), or (None, (reason, detail)) with reason ``non-text content part`` (an ``image_url``,
+        ``input_audio``, ... part; detail names the part's index and type) or ``non-string content`` (content
+        neither a string nor a list of parts, or a part without a string ``text``); detail starts with
+        ``content``.
+    """
+    if isinstance(content, str):
+        return content, None
+    if not isinstance(content, list):
+        return None, ("non-string content", f"content is {_json_type(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(kind, str) and kind != "text":
+            return None, ("non-text content part",
+                          f"content part {j} is {kind!r}: draftkit reads text only; drop the {kind} parts or the record")
+        else:
+            return None, ("non-string content", f"content part {j} is not a {{\"type\": \"text\", \"text\": string}} "
+                                                 f"object (got {_json_type(part)})")
+    return TEXT_PART_SEPARATOR.join(texts), None
+
+
 def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]:
     """Turn one ShareGPT (``conversations``: from/value) or chat (``messages``: role/content) record into
     ``[{"role", "content"}]``.
@@ -153,7 +199,8 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
     Returns:
         (messages, None), or (None, (reason, detail)) with reason one of ``not an object``,
         ``no conversation key``, ``conversation not a list``, ``empty conversation``, ``turn not an object``,
-        ``missing role``, ``unknown role``, ``missing content``, ``non-string content``, ``unencodable text``,
+        ``missing role``, ``unknown role``, ``missing content``, ``non-string content``, ``non-text content part``
+        (:func:`content_text`; a list of text parts is joined there), ``unencodable text``,
         ``no assistant turn``, ``empty assistant turn``; detail names the turn and value at fault.
     """
     if isinstance(record, list):
@@ -182,8 +229,9 @@ def normalize_record(record) -> tuple[list[dict] | None, tuple[str, str] | None]
             return None, ("unknown role", f"turn {i} role {str(role)!r}")
         if content is None and not ({"content", "value"} & turn.keys()):
             return None, ("missing content", f"turn {i} has no content/value")
-        if not isinstance(content, str):
-            return None, ("non-string content", f"turn {i} content is {_json_type(content)}")
+        content, problem = content_text(content)
+        if problem is not None:
+            return None, (problem[0], f"turn {i} {problem[1]}")
         bad = unencodable_at(content)
         if bad is not None:
             return None, ("unencodable text",

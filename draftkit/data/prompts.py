@@ -9,7 +9,8 @@ or UTF-16 with one; a ``.gz`` file is decompressed first and read as the format 
 A record is a string (one user turn), or an object with ``turns`` (a list: its first element is the user
 turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / ``input`` (one user turn), or
 ``messages`` / ``conversations`` (role/content or ShareGPT from/value turns, role names as
-``draftkit.data.chat.ROLE_ALIASES``; the messages up to the first assistant turn after a user turn). The
+``draftkit.data.chat.ROLE_ALIASES``; the messages up to the first assistant turn after a user turn; a turn's
+content is a string or an OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The
 optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer.
 
 Shapes: none (records).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftkit.data.chat import ROLE_ALIASES, decode_file, unencodable_at
+from draftkit.data.chat import ROLE_ALIASES, content_text, decode_file, unencodable_at
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["MT_BENCH", "TEMPLATES", "TEXT_KEYS", "Prompt", "encode_prompt", "load_prompts", "resolve_template",
@@ -65,7 +66,12 @@ class Prompt:
 
 
 def _messages(record: Any) -> list[dict] | None:
-    """Messages of one record, up to its first assistant turn after a user turn; None if it has no prompt."""
+    """Messages of one record, up to its first assistant turn after a user turn; None if it has no prompt.
+
+    Raises:
+        ValueError: on a turn whose content is not text (``content_text``: e.g. an image part; names the turn,
+            the part and its type).
+    """
     if isinstance(record, str):
         return [{"role": "user", "content": record}] if record.strip() else None
     if not isinstance(record, dict):
@@ -80,12 +86,14 @@ def _messages(record: Any) -> list[dict] | None:
     if not isinstance(conv, list):
         return None
     messages = []
-    for turn in conv:
+    for i, turn in enumerate(conv):
         if not isinstance(turn, dict):
             return None
         role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from"))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
+        content, problem = content_text(turn.get("content", turn.get("value")))
+        if problem is not None:
+            raise ValueError(f"turn {i} {problem[1]}")
+        if role is None:
             return None
         if role == "assistant":
             if messages:
@@ -108,8 +116,9 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: on invalid JSON (names file and line), a record without a prompt (names file and record
-            number), ``num_prompts`` < 1, or a source that holds no prompt.
+        ValueError: on invalid JSON (names file and line), a record without a prompt or with content that is not
+            text (names file, record number, and the turn, part and its type), ``num_prompts`` < 1, or a source
+            that holds no prompt.
     """
     from draftkit.artifacts import resolve_artifact
 
@@ -145,7 +154,10 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
                 raise ValueError(f"{option}: {path}:{n} is not valid JSON ({exc.msg})") from exc
     prompts = []
     for n, record in records:
-        messages = _messages(record)
+        try:
+            messages = _messages(record)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {path} record {n}: {exc}") from None
         if messages is None:
             raise ValueError(
                 f"{option}: {path} record {n} has no prompt text: give a string or an object with 'turns', one of "

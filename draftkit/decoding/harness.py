@@ -50,7 +50,7 @@ from draftkit.decoding.metrics import (
     conditional_acceptance,
 )
 from draftkit.decoding.tree import HYBRID_ENGINES, Eagle3TreeDrafter, TreeConfig, generate_tree, parse_lookup
-from draftkit.decoding.verify import generate_plain, generate_speculative
+from draftkit.decoding.verify import Sync, generate_plain, generate_speculative
 from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.sampling import DecodeConfig, NonFiniteLogitsError, check_sampling
 from draftkit.target.session import TargetSession
@@ -261,6 +261,7 @@ def evaluate_drafter(
     trained_length: int | None = None,
     hybrid: bool = True,
     prompt_lookup_k: int | None = None,
+    sync: Sync | None = None,
 ) -> dict:
     """Run plain, speculative and prompt-lookup decoding on every prompt and build the report.
 
@@ -296,6 +297,9 @@ def evaluate_drafter(
         hybrid: let ``auto`` also pick a hybrid of the head and prompt lookup (``TreeConfig.lookup``); off for a
             head served where no engine runs both (the report's ``hybrid.engines``).
         prompt_lookup_k: tokens per round of the prompt-lookup baseline (default: the main topology's k).
+        sync: for a target sharded across the ranks, every rank decodes the same prompts and applies rank 0's
+            tokens and rounds (``decoding.verify.Sync``), so that their collective forwards stay in lockstep; the
+            report's tokens and acceptance are then rank 0's on every rank. Chains only. None = a single process.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
@@ -304,15 +308,19 @@ def evaluate_drafter(
         NonFiniteLogitsError: (a ValueError) when the target or the drafter produces NaN/inf logits, naming
             the prompt (index and id), the logits' position and the target's and the head's dtypes.
         ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
-            ``auto``, or a prompt that does not fit the target's context window (names the prompt): prompt +
-            ``max_new_tokens`` + the depth that can run (k, the tree's depth, or with ``auto`` the deepest
-            candidate it may pick), and for a calibration prompt prompt + ``calibration_tokens``.
+            ``auto``, ``sync`` with a tree, ``auto`` or a tree in ``sweep``, or a prompt that does not fit the
+            target's context window (names the prompt): prompt + ``max_new_tokens`` + the depth that can run (k,
+            the tree's depth, or with ``auto`` the deepest candidate it may pick), and for a calibration prompt
+            prompt + ``calibration_tokens``.
     """
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
     if auto not in (None, "k", "tree"):
         raise ValueError(f"auto must be None, 'k' or 'tree', got {auto!r}")
     check_sampling(temperature, top_k, top_p)
+    if sync is not None and (tree is not None or auto or any(t.tree is not None for t in sweep or [])):
+        raise ValueError("sync (a target sharded across the ranks) applies rank 0's rounds to chains only: "
+                         "decode a chain (k) without auto, tree or tree sweep entries")
     prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate: the prompt list is empty")
@@ -371,12 +379,12 @@ def evaluate_drafter(
     def speculate(top: Topology, ids, run_cfg, g, kl=False):
         if top.tree is not None:
             return generate_tree(session, drafter, ids, top.tree, run_cfg, g)
-        return generate_speculative(session, drafter, ids, top.k, run_cfg, g, collect_kl=kl)
+        return generate_speculative(session, drafter, ids, top.k, run_cfg, g, collect_kl=kl, sync=sync)
 
     if warmup:
         short = DecodeConfig(min(4, max_new_tokens), temperature, top_k, top_p, cfg.eos_token_ids)
         with _naming_prompt(0, prompts[0], target, drafter, " (warm-up)"):
-            generate_plain(session, encoded[0], short, gen(0))
+            generate_plain(session, encoded[0], short, gen(0), sync=sync)
             for top in topologies:
                 speculate(top, encoded[0], short, gen(0))
 
@@ -388,7 +396,7 @@ def evaluate_drafter(
         plain = None
         with _naming_prompt(i, p, target, drafter):
             if baseline:
-                plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy)
+                plain = generate_plain(session, ids, cfg, gen(i), record_gaps=cfg.greedy, sync=sync)
                 tot["plain_tokens"] += len(plain.tokens)
                 tot["plain_s"] += plain.seconds
                 tot["plain_decode_tokens"] += plain.decode_tokens
@@ -398,7 +406,7 @@ def evaluate_drafter(
             for tally in tallies:  # every topology on this prompt before the next: load hits all alike
                 tally.add(speculate(tally.topology, ids, cfg, gen(i), collect_kl), plain, base, cfg.greedy)
             if prompt_lookup:
-                lookup = generate_speculative(session, PromptLookupDrafter(), ids, lookup_k, cfg, gen(i))
+                lookup = generate_speculative(session, PromptLookupDrafter(), ids, lookup_k, cfg, gen(i), sync=sync)
                 lookup_stats.extend(lookup.stats)
                 tot["lookup_tokens"] += len(lookup.tokens)
                 tot["lookup_s"] += lookup.seconds

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +40,7 @@ from draftkit.target.session import TargetSession
 __all__ = [
     "GenerationResult",
     "Round",
+    "Sync",
     "generate_plain",
     "generate_speculative",
     "generate_uncached",
@@ -158,6 +160,17 @@ def _pick(logits: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
     return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
 
 
+Sync = Callable[[Any], Any]
+"""A decoding loop's ``sync`` hook: given this rank's decision (a picklable value), return rank 0's, on every rank
+(e.g. ``lambda x: trainer.strategy.broadcast(x, src=0)``, a ``torch.distributed.broadcast_object_list`` of one
+object). Under a target sharded across the ranks (``trainer.strategy fsdp_target``) every target forward gathers
+each layer from all ranks, so every rank must run the same number of forwards on sequences of the same lengths;
+their greedy picks may still differ (non-deterministic GPU reductions, other kernels), so the loops apply rank 0's
+pick, or rank 0's round (accepted drafts and the target's next token), on every rank. From it follow the cache
+lengths, the stop (EOS or ``max_new_tokens``) and the number of forwards: the ranks cannot part. None: a single
+process, nothing exchanged."""
+
+
 @torch.no_grad()
 def generate_plain(
     target: TargetSession,
@@ -165,6 +178,7 @@ def generate_plain(
     cfg: DecodeConfig,
     generator: torch.Generator | None = None,
     record_gaps: bool = False,
+    sync: Sync | None = None,
 ) -> GenerationResult:
     """Autoregressive decoding with the target's KV cache: one forward per new token.
 
@@ -174,6 +188,7 @@ def generate_plain(
         cfg: stop and sampling options.
         generator: RNG for sampling.
         record_gaps: record the top-2 logit gap at each emitted token (lossless check).
+        sync: every rank emits rank 0's token (:data:`Sync`); None = a single process.
 
     Returns:
         :class:`GenerationResult`.
@@ -195,6 +210,8 @@ def generate_plain(
             gaps.append(float(top2[0] - top2[1]))
             t_metrics += time.perf_counter() - t1  # measurement, not decoding: kept out of the timings
         x = _pick(z, cfg, generator)
+        if sync is not None:
+            x = x.new_tensor(sync(int(x)))
         tokens.append(int(x))
         if tokens[-1] in cfg.eos_token_ids:
             stop = "eos"
@@ -244,6 +261,7 @@ def speculative_loop(
     play_round,
     max_accept: int,
     generator: torch.Generator | None = None,
+    sync: Sync | None = None,
 ) -> GenerationResult:
     """The round loop shared by chain and tree speculative decoding.
 
@@ -262,6 +280,8 @@ def speculative_loop(
         play_round: ``(seq (n + max_new_tokens + max_accept + 1,) int64, L) -> Round``.
         max_accept: most drafts a round can accept (k, or a tree's depth); sizes stats and buffers.
         generator: RNG of the first token's draw.
+        sync: every rank takes rank 0's first token (:data:`Sync`; ``play_round`` applies rank 0's rounds);
+            None = a single process.
 
     Returns:
         :class:`GenerationResult` with ``stats`` filled.
@@ -277,6 +297,8 @@ def speculative_loop(
     target.reset()
     logits, aux = target.forward(prompt_ids, logits_to_keep=1)
     x = _pick(logits[-1], cfg, generator)
+    if sync is not None:
+        x = x.new_tensor(sync(int(x)))
     drafter.reset(prompt_ids, aux)
     t_prefill = time.perf_counter() - t0
     seq[n] = x
@@ -325,6 +347,7 @@ def generate_speculative(
     cfg: DecodeConfig,
     generator: torch.Generator | None = None,
     collect_kl: bool = False,
+    sync: Sync | None = None,
 ) -> GenerationResult:
     """Chain speculative decoding (see the module docstring for the round and the cache invariant).
 
@@ -341,6 +364,9 @@ def generate_speculative(
         collect_kl: record the distribution metrics per draft position (KL on the draft vocab, target mass
             outside it, expected acceptance; ``decoding.metrics.distribution_metrics``); needs a drafter that
             returns logits.
+        sync: every rank applies rank 0's first token and rounds (:data:`Sync`); a rank whose own drafts or picks
+            differed keeps its cache lengths in step with rank 0's, and its output and ``stats`` are rank 0's
+            (its distribution metrics stay its own). None = a single process.
 
     Returns:
         :class:`GenerationResult` with ``stats`` filled.
@@ -362,6 +388,10 @@ def generate_speculative(
         else:
             p = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # (kd+1, V)
             a, nxt = rejection_verify(draft.ids, draft.probs, p, generator)
+        accepted = draft.ids[:a].tolist()
+        if sync is not None:  # rank 0's round on every rank, before the caches roll back (see Sync)
+            accepted, nxt = sync((accepted, nxt))
+            a = len(accepted)
         target.crop(L + a + 1)
         drafter.commit(aux[:a + 1])
         t3 = time.perf_counter()
@@ -369,9 +399,9 @@ def generate_speculative(
         if collect_kl and draft.logits is not None:
             dist = distribution_metrics(logits[:kd], draft.logits, draft.t2d)
         bytes_read = target.weight_bytes + drafter.round_bytes(kd)
-        return Round(draft.ids[:a].tolist(), nxt, kd, bytes_read, t2 - t1, t3 - t2, dist)
+        return Round(accepted, nxt, kd, bytes_read, t2 - t1, t3 - t2, dist)
 
-    return speculative_loop(target, drafter, prompt_ids, cfg, chain_round, k, generator)
+    return speculative_loop(target, drafter, prompt_ids, cfg, chain_round, k, generator, sync)
 
 
 @torch.no_grad()

@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 FORMAT = "draftkit-regenerated-chat/1"
 """``header.format`` of the output file."""
 
+PARALLEL = 16
+"""``--parallel``'s default: ``llama-server`` slots (the torch engine refuses any other value: its option is
+``--batch_size``)."""
+
 
 @dataclass
 class RegenerateConfig:
@@ -331,7 +335,7 @@ def regenerate(
     overwrite: bool = False,
     kernels: str = "auto",
     engine: str = "torch",
-    parallel: int = 16,
+    parallel: int = PARALLEL,
     llama_server: str | None = None,
     _after_batch=None,
 ) -> dict:
@@ -358,7 +362,8 @@ def regenerate(
             (llama.cpp on the target's GGUF, ``draftkit.generation.llama_server``: greedy only; the same records,
             the header's ``engine`` names it and enters the settings hash). ``dtype``, ``batch_size`` and
             ``kernels`` are the torch engine's.
-        parallel: ``llama-server`` slots: conversations decoded together (each its turns in order on one slot).
+        parallel: ``llama-server`` slots: conversations decoded together (each its turns in order on one slot);
+            the torch engine takes only the default (:data:`PARALLEL`): it batches ``batch_size`` prompts.
         llama_server: the ``llama-server`` binary (None: ``$DRAFTKIT_LLAMA_SERVER``, else the draftkit cache's).
         _after_batch: test hook called after every decoded batch (``llama-server``: every finished conversation).
 
@@ -369,8 +374,8 @@ def regenerate(
     Raises:
         FileExistsError: if ``output`` exists (without ``overwrite``) and is not a generate output made with the
             same settings (then it is extended), or ``<output>.parts`` holds shards made with other settings.
-        ValueError: on bad settings, a source with no usable conversation, or ``llama-server`` with a target that
-            is no GGUF or a temperature above 0.
+        ValueError: on bad settings, a source with no usable conversation, ``llama-server`` with a target that
+            is no GGUF or a temperature above 0, or the torch engine with another ``parallel`` than the default.
         FileNotFoundError: ``llama-server`` without a binary (the message says how to build one).
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
@@ -385,6 +390,10 @@ def regenerate(
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
     if engine not in ("torch", "llama-server"):
         raise ValueError(f"--engine must be torch or llama-server, got {engine!r}")
+    if engine == "torch" and parallel != PARALLEL:
+        raise ValueError(f"--parallel {parallel} sets llama-server's slots, which the torch engine does not use: it "
+                         f"decodes --batch_size prompts together (now {batch_size}); pass --batch_size {parallel} "
+                         "instead, or --engine llama-server")
     if engine != "torch" and cfg.temperature > 0:
         raise ValueError(f"--engine {engine} decodes greedily only (llama.cpp samples with its own RNG, so a sampled "
                          "record would not be reproducible); pass --temperature 0 or use --engine torch")

@@ -1,7 +1,14 @@
-"""AcceptanceLengthMonitor on a tiny module: logged values equal a direct evaluation, schedule, arguments."""
+"""AcceptanceLengthMonitor on a tiny module: logged values equal a direct evaluation, schedule, arguments; on a
+target sharded across 2 gloo processes the ranks decode in lockstep with rank 0's picks."""
 
 import csv
+import gc
 import json
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -157,7 +164,7 @@ def test_schedule_decisions_on_a_fake_trainer(monkeypatch):
 
     def run(monitor, events):
         done = []
-        monkeypatch.setattr(monitor, "_decode", lambda trainer, module: done.append(trainer.global_step) or {})
+        monkeypatch.setattr(monitor, "_decode", lambda trainer, module, sync: done.append(trainer.global_step) or {})
         for kind, step, sanity in events:
             trainer = SimpleNamespace(global_step=step, sanity_checking=sanity, global_rank=0, loggers=[],
                                       strategy=SimpleNamespace(broadcast=lambda x, src=0: x))
@@ -174,3 +181,84 @@ def test_schedule_decisions_on_a_fake_trainer(monkeypatch):
     assert run(steps, events) == [2, 4]
     vals = AcceptanceLengthMonitor(every_n_validations=2)
     assert run(vals, events) == [4]  # real validations at 2 and 4: the second one; the sanity check not counted
+
+
+# Under fsdp_target every rank applies rank 0's rounds: ranks whose picks differ cannot part (and hang).
+
+
+def _repeating_head(target, token: int) -> Eagle3LlamaHead:
+    """TinyModule's head with its d2t buffer changed so that every draft id maps to target token ``token``: it
+    drafts ``token`` k times per round. The tiny target's greedy answers repeat 254 ("hello there") and 123 ("abc
+    abc abc"), so heads drafting one or the other accept different counts in different rounds."""
+    torch.manual_seed(0)
+    head = Eagle3LlamaHead(Eagle3Config.from_target_config(target.config, target.aux_layer_ids, 320))
+    head.load_embedding(target.input_embeddings())
+    head.d2t.copy_(token - torch.arange(320))  # draft id i -> target id i + d2t[i] = token
+    return head
+
+
+def _report(monitor: AcceptanceLengthMonitor) -> dict:
+    r = monitor.last_report
+    return {"tau": r["tau"], "alpha": r["acceptance_per_position"],
+            "prompts": [(p["new_tokens"], p["rounds"]) for p in r["per_prompt"]]}
+
+
+def _sharded_rank(rank: int, world: int, port: int, target_dir: str, prompts: str, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from draftkit.target.frozen import FrozenTarget
+    from draftkit.target.sharding import load_sharded_target
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # ranks that part would wait on each other's gathers: a timeout turns that hang into a failure
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    model, tokenizer = load_sharded_target(target_dir, "float32", mesh, "cpu")
+    target = FrozenTarget(model, None)
+    # rank 1's head is another head: on its own it would accept other counts and stop after other rounds
+    module = SimpleNamespace(head=_repeating_head(target, (123, 254)[rank]), target=target, tokenizer=tokenizer,
+                             chat_template=None)
+
+    def broadcast(value, src=0):  # what Lightning's DDP strategies do
+        box = [value]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    trainer = SimpleNamespace(global_rank=rank, global_step=2, loggers=[],
+                              strategy=SimpleNamespace(target_mesh=mesh, broadcast=broadcast))
+    monitor = AcceptanceLengthMonitor(every_n_train_steps=2, num_prompts=2, k=3, max_new_tokens=16, prompts=prompts)
+    monitor.on_train_batch_end(trainer, module, None, None, 0)
+    Path(root, f"rank{rank}.json").write_text(json.dumps(_report(monitor)))
+    del module, target, model, monitor
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sharded_ranks_apply_rank_zeros_rounds(tmp_path, tiny_target_dir, tiny_parts):
+    """2 gloo processes share a sharded tiny target; rank 1's head drafts another token than rank 0's, so on its
+    own it accepts other counts per round and runs another number of rounds (each a collective target forward).
+    Both ranks finish, and both measure exactly what one process measures with rank 0's head."""
+    import torch.multiprocessing as mp
+
+    target, tokenizer = tiny_parts
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "abc abc abc"]))
+    alone = {}
+    for token in (123, 254):
+        monitor = AcceptanceLengthMonitor(num_prompts=2, k=3, max_new_tokens=16, prompts=str(prompts))
+        module = SimpleNamespace(head=_repeating_head(target, token), target=target, tokenizer=tokenizer,
+                                 chat_template=None)
+        monitor._decode(SimpleNamespace(global_step=2), module)
+        alone[token] = _report(monitor)
+    # the two heads part: other rounds per prompt (rank 0's head accepts on the second prompt, rank 1's on the first)
+    assert [r for _, r in alone[123]["prompts"]] == [15, 6]
+    assert [r for _, r in alone[254]["prompts"]] == [9, 14]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_rank, args=(2, port, str(tiny_target_dir), str(prompts), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == json.loads(json.dumps(alone[123]))

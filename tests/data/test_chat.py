@@ -233,3 +233,46 @@ def test_every_option_that_changes_the_rows_changes_its_key_and_no_other_does(ti
         assert k == key and f != split, changes_split
     for neither in ({"batch_size": 2}, {"num_workers": 1}, {"bucket_window": 4}, {"max_skip_fraction": 0.5}):
         assert both(**neither) == (key, split), neither
+
+
+# OpenAI-style list content: text parts joined (data.chat.content_text), other parts refused naming the record.
+
+PARTS = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+
+
+def test_list_content_of_text_parts_renders_as_the_joined_string(tmp_path, tiny_tokenizer):
+    """A chat record whose user and assistant contents are lists of text parts reads, renders and masks exactly as
+    the record with the parts joined by a newline (vLLM's join for string templates)."""
+    parts = {"id": "parts", "messages": [{"role": "user", "content": PARTS},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]}
+    joined = {"id": "joined", "messages": [{"role": "user", "content": "Name a colour.\nOne word."},
+                                           {"role": "assistant", "content": "Red."}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(parts) + "\n" + json.dumps(joined) + "\n")
+    (a, b), summary = read_conversations(str(path))
+    assert summary.records == ["parts", "joined"] and a == b
+    assert tiny_tokenizer.apply_chat_template(a, tokenize=False) == (
+        "<|im_start|>user\nName a colour.\nOne word.<|im_end|>\n<|im_start|>assistant\nRed.<|im_end|>\n")
+    assert tokenize_conversation(tiny_tokenizer, a) == tokenize_conversation(tiny_tokenizer, joined["messages"])
+
+
+def test_non_text_parts_are_refused_naming_the_file_record_and_part_type(tmp_path):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    records = [
+        {"id": "pic", "messages": [{"role": "user", "content": [PARTS[0], image]}, {"role": "assistant", "content": "Red."}]},
+        {"id": "nul", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]},
+                                   {"role": "assistant", "content": "x"}]},
+        {"id": "ok", "messages": [{"role": "user", "content": PARTS}, {"role": "assistant", "content": "Red."}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    convs, summary = read_conversations(str(path))
+    assert summary.records == ["ok"]
+    assert summary.skips == [
+        ("pic", "non-text content part",
+         "turn 0 content part 1 is 'image_url': draftkit reads text only; drop the image_url parts or the record"),
+        ("nul", "non-string content", 'turn 0 content part 0 is not a {"type": "text", "text": string} object '
+                                      "(got object)"),
+    ]
+    assert str(summary).startswith(f"{path}: 1 conversations kept; skipped: 1 non-string content (nul: ")
+    assert "1 non-text content part (pic: turn 0 content part 1 is 'image_url'" in str(summary)

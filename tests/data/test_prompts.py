@@ -102,3 +102,21 @@ def test_encode_prompt_chat_plain_auto_and_ids(tiny_tokenizer):
             resolve_template("chat", tiny_tokenizer, "base-model")
     finally:
         tiny_tokenizer.chat_template = template
+
+
+def test_prompt_messages_with_text_parts_and_the_refusal_of_other_parts(tmp_path):
+    """OpenAI-style list content in a prompt file reads as the parts joined (``data.chat.content_text``, the
+    training reader's function); an audio part is refused naming the option, file, record, turn and part type."""
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": parts}]}) + "\n"
+                    + json.dumps({"id": "b", "messages": [{"role": "user", "content": "Name a colour.\nOne word."}]}))
+    a, b = load_prompts(str(path))
+    assert a.messages == b.messages == [{"role": "user", "content": "Name a colour.\nOne word."}]
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [parts[0], audio]}]}))
+    with pytest.raises(ValueError) as err:
+        load_prompts(str(path))
+    assert str(err.value) == (f"--prompts: {path} record 2: turn 1 content part 1 is 'input_audio': draftkit reads "
+                              "text only; drop the input_audio parts or the record")

@@ -76,6 +76,39 @@ def test_greedy_speculative_with_controlled_acceptance(tiny, tiny_head):
     torch.testing.assert_close(drafter.cache.k, cache.k, atol=1e-5, rtol=1e-5)
 
 
+def test_sync_applies_rank_zeros_picks_and_rounds(tiny, tiny_head):
+    """The ``sync`` hook (a target sharded across ranks): a "rank 1" whose drafter accepts nothing, given the
+    values "rank 0" (the controlled-acceptance drafter) exchanged, emits rank 0's tokens with rank 0's accepted
+    counts and forwards; plain decoding emits the synced tokens, not its own picks. Trees and auto refuse it."""
+    from draftkit.decoding.harness import evaluate_drafter
+    from draftkit.decoding.tree import TreeConfig
+
+    target, _ = tiny
+    session = TargetSession(target)
+    ids = torch.tensor(PROMPTS[1])
+    pattern = [3, 0, 5, 1, 2]
+    cfg = DecodeConfig(max_new_tokens=1 + 16 * 2)
+    plain = generate_plain(session, ids, cfg)
+    sent = []
+    rank0 = generate_speculative(session, OracleDrafter(tiny_head, plain.tokens, len(PROMPTS[1]), pattern), ids, 5,
+                                 cfg, sync=lambda value: sent.append(value) or value)
+    assert sent[0] == plain.tokens[0] and len(sent) == 1 + rank0.stats.rounds
+    received = iter(sent)
+    rank1 = generate_speculative(session, OracleDrafter(tiny_head, plain.tokens, len(PROMPTS[1]), [0]), ids, 5, cfg,
+                                 sync=lambda value: next(received))
+    assert rank1.tokens == rank0.tokens == plain.tokens
+    assert rank1.stats.accepted == pattern * 2 and rank1.target_forwards == rank0.target_forwards == 10
+    assert session.length == len(PROMPTS[1]) + len(plain.tokens) - 1  # rank 0's length, not its own
+    other = generate_plain(session, torch.tensor(PROMPTS[0]), cfg).tokens
+    picks = iter(other)
+    assert generate_plain(session, ids, cfg, sync=lambda value: next(picks)).tokens == other
+    for kwargs in ({"tree": TreeConfig.parse("2,2,4")}, {"auto": "k"}):
+        with pytest.raises(ValueError, match=r"^sync \(a target sharded across the ranks\) applies rank 0's rounds "
+                                             r"to chains only"):
+            evaluate_drafter(Eagle3Drafter(tiny_head), target, None, [PROMPTS[1]], eos_token_ids=[],
+                             sync=lambda value: value, **kwargs)
+
+
 def _layer_kv(cache, i):
     layer = cache.layers[i]
     return layer.keys, layer.values

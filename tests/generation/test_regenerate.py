@@ -239,3 +239,83 @@ def test_read_output_splits_records_at_newlines_only(tmp_path):
     path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [header, *records]).encode()))
     got_header, shards = _read_output(path)
     assert got_header == header["header"] and [json.loads(line) for line in shards["0"]] == records
+
+
+def test_a_source_with_text_part_lists_regenerates_as_the_joined_strings(tmp_path, tiny_target_dir):
+    """OpenAI-style list content in a regeneration source (``data.chat.content_text``): the records equal those of
+    the source with the parts joined; a record with an image part is counted as the reader's skip."""
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    listed, joined = tmp_path / "listed.jsonl", tmp_path / "joined.jsonl"
+    listed.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": parts},
+                                                          {"role": "assistant", "content": "old"}]}) + "\n"
+                      + json.dumps({"id": "pic", "messages": [{"role": "user", "content": [image]},
+                                                              {"role": "assistant", "content": "old"}]}) + "\n")
+    joined.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Name a colour.\nOne word."},
+                                                          {"role": "assistant", "content": "old"}]}) + "\n")
+    cfg = RegenerateConfig(max_new_tokens=4)
+    out = {}
+    for src in (listed, joined):
+        out[src] = tmp_path / f"{src.stem}-regen.jsonl"
+        report = regenerate(str(src), str(out[src]), str(tiny_target_dir), cfg, dtype="float32")
+    assert report["counts"]["skipped_by_reader"] == {}
+    assert json.loads(out[listed].read_text().splitlines()[0])["header"]["counts"]["skipped_by_reader"] == {
+        "non-text content part": 1}
+    (a,), _ = read_conversations(str(out[listed]))
+    (b,), _ = read_conversations(str(out[joined]))
+    assert a == b and a[0] == {"role": "user", "content": "Name a colour.\nOne word."} and a[1]["content"] != "old"
+
+
+def test_parallel_with_the_torch_engine_is_refused_naming_batch_size(tmp_path, tiny_target_dir, capsys):
+    """``--parallel`` sets llama-server's slots; the torch engine used to ignore it silently. Any value but the
+    default is refused naming the option to use, before anything loads or is written."""
+    from draftkit.commands import main
+
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=2), parallel=4,
+                   batch_size=3)
+    assert str(err.value) == ("--parallel 4 sets llama-server's slots, which the torch engine does not use: it decodes "
+                              "--batch_size prompts together (now 3); pass --batch_size 4 instead, or --engine "
+                              "llama-server")
+    assert main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(out),
+                 "--parallel", "32"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "draftkit generate: error: --parallel 32 sets llama-server's slots, which the torch engine does not use: it "
+        "decodes --batch_size prompts together (now 8); pass --batch_size 32 instead, or --engine llama-server")
+    assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_ctrl_c_in_the_verb_exits_130_with_the_kept_shards_message_only(tmp_path, tiny_target_dir, monkeypatch,
+                                                                         capsys, caplog):
+    """A Ctrl-C in ``draftkit generate`` (a KeyboardInterrupt after shard 0, through the library's test hook) ends
+    with its one warning (shards kept, the same command resumes) and exit code 130, as a stopped fit: no
+    traceback and no error line."""
+    import functools
+
+    import draftkit.generation.regenerate as library
+    from draftkit.commands import main
+
+    calls = []
+
+    def crash():
+        calls.append(1)
+        if len(calls) == 2:  # one batch per shard of 3 (batch_size 3): shard 0 written, shard 1 cut
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(library, "regenerate", functools.partial(library.regenerate, _after_batch=crash))
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    args = ["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(out), "--dtype",
+            "float32", "--max_new_tokens", "2", "--max_prompt_tokens", "200", "--batch_size", "3", "--shard_size", "3"]
+    with caplog.at_level(logging.WARNING):
+        try:
+            code = main(args)
+        except KeyboardInterrupt:  # raised on, pytest would stop the whole session
+            pytest.fail("the Ctrl-C left draftkit generate with a traceback")
+    assert code == 130
+    parts = tmp_path / "o.jsonl.parts"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"generate: stopped (Ctrl-C) with 1 of 3 shards written to {parts}; the same command resumes from them"]
+    err = capsys.readouterr().err  # the target's loading bar only
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error" not in err
+    assert list(json.loads((parts / "index.json").read_text())["shards"]) == ["0"] and not out.exists()
