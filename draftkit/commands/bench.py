@@ -256,11 +256,10 @@ def decode(
     """
     from draftkit.decoding.bench import bench_decode, time_hf_generate
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.precision import precision_record, resolve_dtype
+    from draftkit.precision import precision_record, resolve_dtype, set_threads
     from draftkit.kernels.option import use_kernels
 
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     counts = [int(x) for x in pattern.split(",")]
     if k < 1 or any(not 0 <= a <= k for a in counts):
         raise ValueError(f"need --k >= 1 and --pattern entries in [0, k], got k={k}, {counts}")

@@ -119,7 +119,7 @@ def evaluate_dual_precision(
     from draftkit.dual_precision import report as dp_report
     from draftkit.dual_precision.harness import evaluate_target
     from draftkit.jsonio import check_writable
-    from draftkit.precision import DTYPES, precision_record
+    from draftkit.precision import DTYPES, precision_record, set_threads
     from draftkit.quant import QuantConfig
 
     if output:
@@ -128,6 +128,7 @@ def evaluate_dual_precision(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if template not in TEMPLATES:
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    set_threads(threads)
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
@@ -151,8 +152,6 @@ def evaluate_dual_precision(
             "%d of %d evaluation prompts also appear in the calibration prompts; thresholds are then tuned "
             "on evaluation data", overlap, len(evaluation),
         )
-    if threads:
-        torch.set_num_threads(threads)
     precision = precision_record(dtype, "cpu")
     log.info("computing in %s (--dtype %s)", precision["dtype"], dtype)  # the policy's line above is its own choice
     if record is None and output:
