@@ -156,7 +156,8 @@ def evaluate(
     if not meta.get("trained_length"):
         log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
                  checkpoint)
-    report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
+    report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), head_fingerprint=meta["head_fingerprint"],
+                           target=target_ref,
                            draft_dtype=draft_dtype, precision=precision, **kernels_record)
     if lossless_check and baseline and temperature == 0:
         if dtype == draft_dtype == "float32":  # the timed run is the check

@@ -211,6 +211,7 @@ def export_head_source(
 
     k = _draft_tokens(num_speculative_tokens, speculation)
     if speculation is not None:
+        speculation.check_head(source.path, source.state)
         engine_options = {**engine_options, "tree": speculation.tree}
         hybrid = (speculation.report or {}).get("hybrid")
         if hybrid:
