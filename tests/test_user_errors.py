@@ -149,3 +149,16 @@ def test_evaluate_checks_max_new_tokens_before_the_target_loads(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     assert main(["evaluate", "--checkpoint", "absent.ckpt", "--output", "r.json", "--max_new_tokens", "0"]) == 2
     assert capsys.readouterr().err == "draftkit evaluate: error: max_new_tokens must be >= 1, got 0\n"
+
+
+def test_a_bad_value_in_an_optional_config_option_is_its_own_error(tmp_path, monkeypatch, capsys):
+    """``select-layers --analysis.k 0`` printed jsonargparse's Union report: the subtypes, the config's error, "Expected
+    a <class 'NoneType'>" and the whole namespace (8 lines) for a one-line mistake."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    base = ["select-layers", "--target", "absent", "--data", "absent.jsonl", "--output", "l.json"]
+    assert main(base + ["--analysis.k", "0"]) == 2
+    assert capsys.readouterr().err == "draftkit select-layers: error: k must be >= 1, got 0\n"
+    assert main(base + ["--analysis.min_tokens", "-5"]) == 2
+    assert capsys.readouterr().err == (
+        "draftkit select-layers: error: skip_first must be >= 0 and min_tokens >= 1\n")
