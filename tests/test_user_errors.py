@@ -162,3 +162,13 @@ def test_a_bad_value_in_an_optional_config_option_is_its_own_error(tmp_path, mon
     assert main(base + ["--analysis.min_tokens", "-5"]) == 2
     assert capsys.readouterr().err == (
         "draftkit select-layers: error: skip_first must be >= 0 and min_tokens >= 1\n")
+
+
+def test_dual_precision_takes_one_method_or_a_comma_list(tmp_path, monkeypatch, capsys):
+    """``evaluate-dual-precision --methods verified`` stopped in the parser (a list option: only ``[verified]`` was
+    read); one method and a comma-separated list now reach the method check."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for given, unknown in (("bogus", "['bogus']"), ("verified,bogus", "['bogus']"), ("[bogus]", "['bogus']")):
+        assert main(["evaluate-dual-precision", "--prompts", "absent.jsonl", "--methods", given]) == 2
+        assert capsys.readouterr().err.startswith(f"draftkit evaluate-dual-precision: error: unknown methods {unknown}")
