@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -45,7 +47,8 @@ class ExportOnCheckpoint(Callback):
         overwrite: replace existing export directories (a re-run of the same recipe).
 
     Raises:
-        ValueError: on an unknown engine, dtype or checkpoint choice, an empty engine list, or k < 1.
+        ValueError: on an unknown engine, dtype or checkpoint choice, an empty engine list, or k < 1; at the start
+            of fit (:meth:`on_fit_start`), for an engine that cannot take this run's head.
     """
 
     def __init__(
@@ -85,20 +88,57 @@ class ExportOnCheckpoint(Callback):
         path = getattr(cb, "best_model_path" if self.checkpoint == "best" else "last_model_path", "")
         return path if path and os.path.isfile(path) else None
 
+    @contextmanager
+    def _saved_weights(self, trainer: Trainer, name: str):
+        """The module's weights saved through ``trainer.save_checkpoint`` (collective: every rank takes part) into
+        a temporary folder under the export root, removed afterwards; yields (folder, checkpoint path)."""
+        root = self._root(trainer)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp_dir = tempfile.mkdtemp(prefix=".export-ckpt-", dir=root) if trainer.is_global_zero else None
+        tmp_dir = trainer.strategy.broadcast(tmp_dir)
+        source = os.path.join(tmp_dir, name)
+        trainer.save_checkpoint(source, weights_only=True)
+        try:
+            yield Path(tmp_dir), source
+        finally:
+            if trainer.is_global_zero:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Export the run's starting head once per engine into a temporary folder (then removed), so that an
+        engine that cannot take this head (llama.cpp for a target that is no GGUF or a head with EAGLE-3.1 output
+        norms, SGLang or TensorRT-LLM for other than 3 aux states, ...) stops the run before training rather than
+        after it, when its export would fail.
+
+        Raises:
+            ValueError: naming the engine, the export's own reason and what to change, on every rank.
+        """
+        with self._saved_weights(trainer, "start.ckpt") as (tmp_dir, source):
+            error = None
+            if trainer.is_global_zero:
+                for engine in self.engines:
+                    try:
+                        export_checkpoint(source, engine, tmp_dir / engine, dtype=self.dtype,
+                                          num_speculative_tokens=self.num_speculative_tokens)
+                    except (ValueError, OSError) as exc:
+                        error = (f"ExportOnCheckpoint: engines [{engine}] cannot take this run's head, so its export "
+                                 f"at the end of training would fail ({exc}); remove {engine} from the callback's "
+                                 "engines and export the checkpoint with `draftkit export` instead")
+                        break
+            error = trainer.strategy.broadcast(error)
+        if error is not None:
+            if trainer.is_global_zero and not any(self._root(trainer).iterdir()):
+                self._root(trainer).rmdir()  # this check made it: a run stopped in set-up leaves nothing behind
+            raise ValueError(error)
+
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = self._root(trainer)
         source = self._existing_checkpoint(trainer)
-        tmp_dir = None
-        if source is None:
-            if self.checkpoint != "final":
-                log.warning("ExportOnCheckpoint: no %s checkpoint file; exporting the final weights", self.checkpoint)
-            root.mkdir(parents=True, exist_ok=True)
-            tmp_dir = tempfile.mkdtemp(prefix=".export-ckpt-", dir=root) if trainer.is_global_zero else None
-            tmp_dir = trainer.strategy.broadcast(tmp_dir)
-            source = os.path.join(tmp_dir, "final.ckpt")
-            trainer.save_checkpoint(source, weights_only=True)  # collective: every rank takes part
-        try:
+        if source is None and self.checkpoint != "final":
+            log.warning("ExportOnCheckpoint: no %s checkpoint file; exporting the final weights", self.checkpoint)
+        with nullcontext((None, source)) if source else self._saved_weights(trainer, "final.ckpt") as (_, source):
             if trainer.is_global_zero:
                 for engine in self.engines:
                     out = export_checkpoint(
@@ -108,8 +148,3 @@ class ExportOnCheckpoint(Callback):
                     self.exported[engine] = out
                     log.info("ExportOnCheckpoint: %s -> %s", engine, out)
             trainer.strategy.barrier("ExportOnCheckpoint")
-        finally:
-            if tmp_dir is not None and trainer.is_global_zero:
-                import shutil
-
-                shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.fit_run import (
     RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
-    save_final_last, trainer_record, with_step,
+    save_final_last, trainer_record, warn_replaced_model_options, with_step,
 )
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 from draftkit.strategy import check_strategy
@@ -109,7 +109,8 @@ class DraftkitCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """``fit``/``validate --ckpt_path``: a file that is no draftkit checkpoint is refused naming it; ``fit``
-        refuses options that differ from the checkpoint's (``check_resume_options``) before LightningCLI fills
+        refuses options that differ from the checkpoint's (``check_resume_options``), ``validate`` names those it
+        replaces (``warn_replaced_model_options``), before LightningCLI fills
         ``model.*`` from the checkpoint's hyperparameters (which then changes only the placeholders of
         ``fit_run.RESOLVED_ON_RUN``)."""
         config = self.config.get(self.config.get("subcommand") or "", None)
@@ -122,6 +123,8 @@ class DraftkitCLI(LightningCLI):
             ckpt = load_checkpoint(path, "--ckpt_path")[0]
             if verb == "fit":
                 check_resume_options(config, ckpt, path)
+            else:
+                warn_replaced_model_options(config, ckpt, path)
         super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
@@ -161,6 +164,8 @@ class DraftkitCLI(LightningCLI):
 
     def before_validate(self) -> None:
         _check_context_window(self.config[self.subcommand])
+        # the checkpoint holds the weights and d2t/t2d: build() skips model.init_head, which may be gone by now
+        self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")
 
     def before_fit(self) -> None:
         check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)

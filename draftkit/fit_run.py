@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
@@ -26,9 +27,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from draftkit.models.schedule import RESUME_KEY
 
 __all__ = [
-    "NOT_COMPARED", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
+    "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
     "check_resume_options", "claim_run_dir", "continue_run_dir", "remove_run_dir", "report_stop", "resume_command",
-    "save_final_last", "trainer_record", "with_step",
+    "save_final_last", "trainer_record", "warn_replaced_model_options", "with_step",
 ]
 
 
@@ -157,6 +158,36 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
             "head's weights and draft vocab, e.g. to continue it on new data). Options that may change on resume: "
             + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
         )
+
+
+NOT_USED_BY_VALIDATE = ("model.optim", "model.init_head", "model.init_from_target", "model.freeze_lm_head",
+                        "model.init_decoder_from_target_layer", "model.hidden_state_noise")
+"""``model.*`` options that only start or train a head: ``validate`` does not use them, so it names no change."""
+
+
+def warn_replaced_model_options(config, ckpt: dict, path: str) -> list[str]:
+    """``validate --ckpt_path``: name each ``model.*`` option of the run that the checkpoint's replaces.
+
+    LightningCLI fills ``model.*`` from the checkpoint's ``hyper_parameters`` (the head is validated as it was
+    trained: its draft vocab, aux layers, norms and target), so another ``--model.target`` or
+    ``--model.draft_vocab_size`` was dropped without a word. Placeholders (:data:`RESOLVED_ON_RUN`) are no change;
+    options of :data:`NOT_USED_BY_VALIDATE` are not compared.
+
+    Returns:
+        The replaced options as ``"name given -> checkpoint's"``, also logged in one warning.
+    """
+    stored = _flatten("model", ckpt.get("hyper_parameters") or {})
+    current = _flatten("model", _plain(config.model))
+    replaced = [f"{name} {new!r} -> {stored[name]!r}" for name, new in current.items()
+                if name in stored and not _same(name, stored[name], new)
+                and not name.startswith(tuple(f"{p}." for p in NOT_USED_BY_VALIDATE)) and name not in NOT_USED_BY_VALIDATE]
+    if replaced:
+        logging.getLogger(__name__).warning(
+            f"validate --ckpt_path {path} runs the head with the checkpoint's model options, not this run's: "
+            f"{'; '.join(replaced)}. To measure the head on another target use `draftkit evaluate --checkpoint "
+            f"{path} --target T`; other head options need a new fit"
+        )
+    return replaced
 
 
 def continue_run_dir(config) -> None:

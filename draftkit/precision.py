@@ -44,6 +44,7 @@ __all__ = [
     "probe_bf16_slowdown",
     "resolve_dtype",
     "resolve_trainer_precision",
+    "set_threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,21 @@ def resolve_device(device: str, option: str = "--device") -> str:
         raise ValueError(f"{option} {device}: no CUDA device is available here (torch {torch.__version__}); "
                          "use --device cpu or auto")
     return device
+
+
+def set_threads(threads: int | None, option: str = "--threads") -> None:
+    """Set torch's CPU thread count for this process (``torch.set_num_threads``); None keeps torch's default.
+
+    Raises:
+        ValueError: naming ``option`` when ``threads`` is not a whole number >= 1 (torch raises a bare
+            ``RuntimeError`` on 0 and negative counts).
+    """
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"{option} must be a whole number >= 1 (CPU threads; leave it out for torch's default, "
+                         f"{torch.get_num_threads()} here), got {threads!r}")
+    torch.set_num_threads(threads)
 
 
 def probe_bf16_slowdown(repeats: int = 5, max_seconds: float = 0.3) -> float:

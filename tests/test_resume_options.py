@@ -127,3 +127,43 @@ def test_a_ckpt_path_that_is_no_checkpoint_is_one_line_naming_it(two_steps, tmp_
         "fit --model.init_head DIR starts a new run from it, evaluate --checkpoint DIR measures it")
     assert not (tmp_path / "lightning_logs").exists() and _checkpoints(root) == [
         "lightning_logs/version_0/checkpoints/best-step=2.ckpt", "lightning_logs/version_0/checkpoints/last.ckpt"]
+
+
+def test_validate_names_the_model_options_the_checkpoint_replaces(two_steps, monkeypatch, caplog):
+    """``validate --ckpt_path`` ran the checkpoint's model options without a word: ``--model.draft_vocab_size 32``
+    or another ``--model.target`` were dropped (LightningCLI fills ``model.*`` from the checkpoint)."""
+    from draftkit.fit_run import warn_replaced_model_options
+
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    stored = torch.load(ckpt, map_location="cpu", weights_only=True)
+    cfg = load_recipe([RECIPE], ["--model.draft_vocab_size", "32", "--model.target", "tiny:gemma3_text",
+                                 "--model.optim.lr", "0.5", "--model.init_head", "h.ckpt"])  # these two: not used
+    with caplog.at_level(logging.WARNING, logger="draftkit.fit_run"):
+        assert warn_replaced_model_options(cfg, stored, "c.ckpt") == [
+            "model.target 'tiny:gemma3_text' -> 'tiny:llama'", "model.draft_vocab_size 32 -> 64"]
+    assert [r.getMessage() for r in caplog.records if r.name == "draftkit.fit_run"] == [
+        "validate --ckpt_path c.ckpt runs the head with the checkpoint's model options, not this run's: "
+        "model.target 'tiny:gemma3_text' -> 'tiny:llama'; model.draft_vocab_size 32 -> 64. To measure the head on "
+        "another target use `draftkit evaluate --checkpoint c.ckpt --target T`; other head options need a new fit"]
+    assert warn_replaced_model_options(load_recipe([RECIPE], []), stored, "c.ckpt") == []  # aux ids null: no change
+
+
+def test_validate_does_not_read_the_init_head_of_the_run(two_steps, tmp_path, monkeypatch, caplog):
+    """A head trained with ``model.init_head`` could not be validated once that head had moved: validate read it
+    ("model.init_head: ... does not exist") although the checkpoint holds the weights."""
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    started = tmp_path / "started"
+    assert main(_args(started, "--trainer.max_steps", "1", "--model.init_head", str(ckpt))) == 0
+    trained = started / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    moved = tmp_path / "moved.ckpt"
+    ckpt.rename(moved)
+    try:
+        with caplog.at_level(logging.WARNING, logger="draftkit.fit_run"):
+            assert main(["validate", "--recipe", RECIPE, "--ckpt_path", str(trained), "--trainer.default_root_dir",
+                         str(tmp_path / "v"), "--trainer.enable_progress_bar", "false"]) == 0
+    finally:
+        moved.rename(ckpt)
+    assert not [r for r in caplog.records if r.name == "draftkit.fit_run"]  # the recipe's options are the run's

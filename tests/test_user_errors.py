@@ -98,3 +98,77 @@ def test_a_recipe_that_is_not_yaml_names_the_file_and_line(tmp_path, monkeypatch
         assert capsys.readouterr().err.startswith(f"draftkit fit: error: -r {path}: {message}"), name
     assert main(["generate", f"--recipe={tmp_path / 'tab.yaml'}", "--output", str(tmp_path / "o.jsonl")]) == 2
     assert capsys.readouterr().err.startswith(f"draftkit generate: error: --recipe {tmp_path / 'tab.yaml'}: not valid")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["evaluate", "--checkpoint", "absent.ckpt", "--output", "r.json", "--threads", "{n}"], "--threads"),
+    (["bench", "decode", "--checkpoint", "absent.ckpt", "--threads", "{n}"], "--threads"),
+    (["evaluate-dual-precision", "--prompts", "absent.jsonl", "--threads", "{n}"], "--threads"),
+    (["select-layers", "--target", "absent", "--data", "absent.jsonl", "--output", "l.json", "--num_threads", "{n}"],
+     "--num_threads"),
+])
+def test_a_thread_count_below_one_is_one_line_before_anything_loads(argv, option, tmp_path, monkeypatch, capsys):
+    """``--threads 0`` (or -2) reached ``torch.set_num_threads``: a RuntimeError traceback ("set_num_threads expects
+    a positive integer") after the target had loaded (evaluate), or was taken silently as torch's default (the
+    other verbs); the checkpoint, prompt and target paths here do not exist, so a later check would name them."""
+    import torch
+
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    verb = " ".join(argv[:2]) if argv[0] == "bench" else argv[0]
+    for n in ("0", "-2"):
+        assert main([a.replace("{n}", n) for a in argv]) == 2
+        assert capsys.readouterr().err == (
+            f"draftkit {verb}: error: {option} must be a whole number >= 1 (CPU threads; leave it out for torch's "
+            f"default, {before} here), got {n}\n")
+    assert torch.get_num_threads() == before
+
+
+def test_set_threads_sets_torch_threads_and_none_keeps_them():
+    import torch
+
+    from draftkit.precision import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(None)
+        assert torch.get_num_threads() == before
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match=r"^--cpu_threads must be a whole number >= 1 .*got True$"):
+            set_threads(True, "--cpu_threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_evaluate_checks_max_new_tokens_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """``--max_new_tokens 0`` was refused only after the head and target had loaded and the kernels were probed;
+    the checkpoint here does not exist, so a later check would name it instead."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["evaluate", "--checkpoint", "absent.ckpt", "--output", "r.json", "--max_new_tokens", "0"]) == 2
+    assert capsys.readouterr().err == "draftkit evaluate: error: max_new_tokens must be >= 1, got 0\n"
+
+
+def test_a_bad_value_in_an_optional_config_option_is_its_own_error(tmp_path, monkeypatch, capsys):
+    """``select-layers --analysis.k 0`` printed jsonargparse's Union report: the subtypes, the config's error, "Expected
+    a <class 'NoneType'>" and the whole namespace (8 lines) for a one-line mistake."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    base = ["select-layers", "--target", "absent", "--data", "absent.jsonl", "--output", "l.json"]
+    assert main(base + ["--analysis.k", "0"]) == 2
+    assert capsys.readouterr().err == "draftkit select-layers: error: k must be >= 1, got 0\n"
+    assert main(base + ["--analysis.min_tokens", "-5"]) == 2
+    assert capsys.readouterr().err == (
+        "draftkit select-layers: error: skip_first must be >= 0 and min_tokens >= 1\n")
+
+
+def test_dual_precision_takes_one_method_or_a_comma_list(tmp_path, monkeypatch, capsys):
+    """``evaluate-dual-precision --methods verified`` stopped in the parser (a list option: only ``[verified]`` was
+    read); one method and a comma-separated list now reach the method check."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for given, unknown in (("bogus", "['bogus']"), ("verified,bogus", "['bogus']"), ("[bogus]", "['bogus']")):
+        assert main(["evaluate-dual-precision", "--prompts", "absent.jsonl", "--methods", given]) == 2
+        assert capsys.readouterr().err.startswith(f"draftkit evaluate-dual-precision: error: unknown methods {unknown}")

@@ -410,7 +410,11 @@ class LayerStatsCollector:
                 hint.append(f"lower {what}")
             if self.counts["sink"]:
                 hint.append(f"raise sink_factor (now {cfg.sink_factor})")
-            hint.append(f"raise num_tokens (now {cfg.num_tokens}) or give more data")
+            if self.counts["candidates"] >= cfg.num_tokens:  # stopped at the cap: more of the data is left
+                hint.append(f"raise num_tokens (now {cfg.num_tokens})")
+            else:  # the data ran out first: num_tokens does not bind
+                hint.append(f"give more data (all {self.counts['candidates']} candidate rows of it were read) or "
+                            f"lower min_tokens (a smaller sample ranks the layers less reliably)")
             raise ValueError(
                 f"only {n} rows are left after filtering ({counts}), fewer than min_tokens={cfg.min_tokens}; "
                 + "; ".join(hint)

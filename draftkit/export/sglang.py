@@ -152,8 +152,17 @@ def check_supported(cfg: Eagle3Config) -> None:
     """Refuse heads SGLang would compute differently.
 
     Raises:
-        ValueError: if the head uses ``norm_before_residual`` (SGLang 0.5.23 reads the EAGLE-3.1 flags, not this one).
+        ValueError: if the head fuses other than 3 aux states (``python/sglang/srt/models/llama_eagle3.py``
+            sizes ``fc`` as ``target_hidden_size * 3``: its weight would not load), or uses
+            ``norm_before_residual`` (SGLang 0.5.23 reads the EAGLE-3.1 flags, not this one).
     """
+    if cfg.num_aux_layers != 3:
+        raise ValueError(
+            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but SGLang's llama_eagle3 "
+            f"builds fc for exactly 3 (target_hidden_size x 3), so its fc.weight ({cfg.hidden_size}, "
+            f"{cfg.num_aux_layers * cfg.target_hidden_size}) would not load; export it --to vllm "
+            "(num_aux_hidden_states is written), or train a head on 3 layers"
+        )
     if cfg.norm_before_residual:
         raise ValueError(
             "this head was trained with norm_before_residual=true, which SGLang's llama_eagle3 loader does not "

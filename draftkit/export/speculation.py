@@ -24,10 +24,13 @@ Shapes: D depth (draft tokens on the longest path), K top-k, N verified draft no
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftkit.decoding.tree import TreeConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = ["REPORT_OPTION", "TREE_OPTION", "Speculation", "chain_only_note", "resolve_speculation"]
 
@@ -93,7 +96,8 @@ class Speculation:
 
         Returns:
             The shape, with ``report`` = {path, chosen_by, choice, predicted_speedup (auto only),
-            measured_speedup, tau, device, hardware, cpu_capability, target_dtype, dataset, num_prompts,
+            measured_speedup, tau, device, hardware, cpu_capability, target_dtype, dataset, checkpoint,
+            head_fingerprint (the head it measured; None in reports older than the field), num_prompts,
             temperature}.
 
         Raises:
@@ -143,11 +147,45 @@ class Speculation:
             "cpu_capability": capability,
             "target_dtype": setup.get("target_dtype"),
             "dataset": setup.get("dataset"),
+            "checkpoint": setup.get("checkpoint"),
+            "head_fingerprint": setup.get("head_fingerprint"),
             "num_prompts": report.get("num_prompts"),
             "temperature": report.get("temperature"),
             **({"hybrid": hybrid} if hybrid is not None else {}),
         }
         return cls(tree, REPORT_OPTION, provenance)
+
+    def check_head(self, checkpoint: str | Path, state: dict) -> None:
+        """Refuse a report's shape for a head the report did not measure: the shape the cost model picked (or the
+        one measured) is that head's, its speedup and τ too. Hand-given shapes and reports older than the
+        ``head_fingerprint`` field (logged) pass.
+
+        Args:
+            checkpoint: what is exported (named in the message).
+            state: its head tensors (``HeadSource.state``), fingerprinted with
+                :func:`draftkit.heads.checkpoint.head_fingerprint` as ``evaluate`` fingerprints the head it loads.
+
+        Raises:
+            ValueError: naming ``--from_report``, both heads and what to do, when the fingerprints differ.
+        """
+        from draftkit.heads.checkpoint import head_fingerprint
+
+        if self.report is None:
+            return
+        measured = self.report.get("head_fingerprint")
+        where = f"{REPORT_OPTION} {self.report['path']}"
+        if measured is None:
+            log.warning("%s names no head fingerprint (written before evaluate recorded one): not checked that it "
+                        "measured %s", where, checkpoint)
+            return
+        exported = head_fingerprint(state)
+        if exported != measured:
+            raise ValueError(
+                f"{where} measured another head ({self.report.get('checkpoint')}, weights {measured}) than the one "
+                f"exported ({checkpoint}, weights {exported}); its shape, τ and speedup are that head's: run "
+                f"`draftkit evaluate --checkpoint {checkpoint} --k auto --output REPORT.json` and export with "
+                "--from_report REPORT.json, or give the shape with --tree / --num_speculative_tokens"
+            )
 
     def record(self, engine_settings: dict | None = None) -> dict:
         """The sidecar's ``speculation`` entry: the shape, the option that gave it, what the engine was given,

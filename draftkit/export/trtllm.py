@@ -69,8 +69,17 @@ def check_supported(cfg: Eagle3Config) -> None:
     """Refuse heads TensorRT-LLM is not known to compute.
 
     Raises:
-        ValueError: if the head uses ``norm_before_residual``.
+        ValueError: if the head fuses other than 3 aux states (TensorRT-LLM's
+            ``tensorrt_llm/_torch/models/modeling_speculative.py`` sizes ``fc`` as ``target_hidden_size * 3``: its
+            weight would not load), or uses ``norm_before_residual``.
     """
+    if cfg.num_aux_layers != 3:
+        raise ValueError(
+            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but TensorRT-LLM's "
+            f"Eagle3DraftModel builds fc for exactly 3 (target_hidden_size x 3), so its fc.weight ({cfg.hidden_size}, "
+            f"{cfg.num_aux_layers * cfg.target_hidden_size}) would not load; export it --to vllm "
+            "(num_aux_hidden_states is written), or train a head on 3 layers"
+        )
     if cfg.norm_before_residual:
         raise ValueError(
             "this head was trained with norm_before_residual=true, which TensorRT-LLM's Eagle3DraftModel is not "

@@ -36,7 +36,7 @@ from draftkit.target.frozen import text_config
 __all__ = [
     "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_head_matches_target",
     "check_resumed_aux_ids", "check_tokenizer", "checkpoint_metadata", "checkpoint_tensors", "expected_tensor_specs",
-    "head_from_checkpoint", "load_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
+    "head_fingerprint", "head_from_checkpoint", "load_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,33 @@ def target_architecture(config) -> dict:
     checkpoints (``draftkit.target_architecture``) and export sidecars."""
     cfg = text_config(config)
     return {f: getattr(cfg, f, None) for f in ARCHITECTURE_FIELDS}
+
+
+def head_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """16 hex digits naming a draft head's weights, the same for the head in every form it is read in: a training
+    checkpoint (float32), an export in bfloat16 or float32, or the head as ``evaluate`` loaded it. Float tensors are
+    hashed rounded to bfloat16 (the default export dtype, so float32 and bf16 copies agree); ``d2t``/``t2d`` as
+    stored; the frozen ``embed_tokens`` copy of the target (absent from most exports) and rotary buffers are left
+    out. A float16 export rounds twice, so it may name another fingerprint than its checkpoint.
+
+    Args:
+        state: head tensors by draftkit name (``HeadSource.state``, or an ``Eagle3LlamaHead.state_dict()``).
+
+    Returns:
+        The fingerprint (sha256 of names, shapes and bytes, first 16 hex digits).
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        if name.startswith(("embed_tokens.", "rotary_emb.")):
+            continue
+        tensor = state[name].detach().to("cpu")
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.bfloat16)
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 # -- writing: what a training run stores, and what a resumed run reads back ----------------------------------

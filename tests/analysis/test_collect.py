@@ -151,8 +151,12 @@ def test_too_few_rows_names_the_threshold(tiny_llama):
     model, _ = tiny_llama
     with pytest.raises(ValueError, match=r"only 0 rows are left after filtering.*lower entropy_threshold \(now 100.0"):
         collect_layer_statistics(model, _batches(num=2), _cfg(entropy_threshold=100.0))
-    with pytest.raises(ValueError, match=r"fewer than min_tokens=100000.*raise num_tokens"):
+    # the data ran out before num_tokens: "raise num_tokens" could not help (select-layers on one conversation)
+    with pytest.raises(ValueError, match=r"fewer than min_tokens=100000; give more data \(all \d+ candidate rows of "
+                                         r"it were read\) or lower min_tokens \(a smaller sample"):
         collect_layer_statistics(model, _batches(num=2), _cfg(min_tokens=100_000))
+    with pytest.raises(ValueError, match=r"fewer than min_tokens=100000; raise num_tokens \(now 10\)$"):
+        collect_layer_statistics(model, _batches(num=2), _cfg(min_tokens=100_000, num_tokens=10))
 
 
 def test_nan_states_name_the_layer(tiny_llama):

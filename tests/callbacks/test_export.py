@@ -103,3 +103,23 @@ def test_exports_last_checkpoint_into_dirpath(tiny_target_dir, tmp_path):
 def test_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ExportOnCheckpoint(**kwargs)
+
+
+def test_an_engine_that_cannot_take_the_head_stops_the_run_before_training(tiny_target_dir, tmp_path):
+    """engines [vllm, llamacpp] on a target that is no GGUF trained the whole run, exported vllm, then failed
+    (fit exit 2, no end summary) with a message naming export's --target_gguf, which the callback does not have."""
+    torch.set_num_threads(1)
+    module = TinyHeadModule(tiny_target_dir)
+    before = module.head.fc.weight.detach().clone()
+    cb = ExportOnCheckpoint(engines=["vllm", "llamacpp"])
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with pytest.raises(ValueError) as err:
+        trainer.fit(module, _loader())
+    assert str(err.value).startswith(
+        "ExportOnCheckpoint: engines [llamacpp] cannot take this run's head, so its export at the end of training "
+        "would fail (--to llamacpp: the head's GGUF carries the target's tokenizer, and the target ")
+    assert str(err.value).endswith("); remove llamacpp from the callback's engines and export the checkpoint with "
+                                   "`draftkit export` instead")
+    assert trainer.global_step == 0 and torch.equal(module.head.fc.weight, before)  # stopped before training
+    assert cb.exported == {} and sorted(p.name for p in tmp_path.iterdir()) == []  # and left nothing behind

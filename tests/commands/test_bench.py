@@ -78,3 +78,24 @@ def test_bench_decode_packed_reports_what_it_packed_and_hf_generate_on_stock_ker
     assert result["hf_outputs_equal_plain"] == 2 and result["outputs_equal_plain"] == 2
     assert result["plain_vs_hf_generate_stock"] == pytest.approx(
         result["plain_tokens_per_s"] / result["hf_generate_stock_tokens_per_s"])
+
+
+def test_bench_decode_takes_one_dtype_as_evaluate_does(tmp_path, monkeypatch, capsys):
+    """``bench decode --dtype float32`` (evaluate's spelling) stopped in the parser: "Does not validate against any
+    of the Union subtypes ... Expected a <class 'list'>"; only ``--dtype [float32]`` ran. One dtype and a
+    comma-separated list now reach the loader (here: each dtype asked for, in order)."""
+    import draftkit.export.head_target as head_target
+
+    seen = []
+
+    def fake_load(checkpoint, target, dtype, *args, **kwargs):
+        seen.append(dtype)
+        raise ValueError(f"stop at {dtype}")
+
+    monkeypatch.setattr(head_target, "load_head_and_target", fake_load)
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    for given, first in (("float32", "float32"), ("bfloat16,float32", "bfloat16"), ("[float32]", "float32")):
+        seen.clear()
+        assert main(["decode", "--target", "tiny:llama", "--dtype", given]) == 2
+        assert capsys.readouterr().err == f"draftkit bench decode: error: stop at {first}\n"
+        assert seen == [first]

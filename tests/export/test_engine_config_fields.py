@@ -38,6 +38,27 @@ def test_sglang_and_trtllm_write_the_target_width_exactly_when_it_differs(h_t):
         assert config.get("target_hidden_size") == (h_t if h_t != 32 else None)
 
 
+@pytest.mark.parametrize("aux", [2, 4])
+def test_sglang_trtllm_and_speculators_refuse_a_head_of_other_than_3_aux_states(aux):
+    """The loaders size fc for 3 aux states (SGLang llama_eagle3.py, TensorRT-LLM modeling_speculative.py,
+    speculators eagle3/core.py):
+    a head on 2 or 4 layers exported with exit 0 and an fc.weight the engine cannot load; vLLM reads
+    num_aux_hidden_states (above)."""
+    cfg = _cfg(num_aux_layers=aux)
+    for engine, build in (("SGLang's llama_eagle3", lambda: sglang.build_config(
+            cfg, default_aux_layer_ids(N), N, "bfloat16", sglang.PLUS_ONE)),
+                          ("TensorRT-LLM's Eagle3DraftModel", lambda: trtllm.build_config(cfg, "bfloat16")),
+                          ("speculators' Eagle3DraftModel", lambda: speculators.build_config(
+                              cfg, default_aux_layer_ids(N), N, "bfloat16", "t", ["LlamaForCausalLM"], 3))):
+        with pytest.raises(ValueError) as err:
+            build()
+        why = "(its config has no count)" if engine.startswith("speculators") else "(target_hidden_size x 3)"
+        assert str(err.value) == (
+            f"this head fuses {aux} target layers (model.aux_layer_ids), but {engine} builds fc for exactly 3 "
+            f"{why}, so its fc.weight (32, {aux * 32}) would not load; export it --to vllm "
+            "(num_aux_hidden_states is written), or train a head on 3 layers")
+
+
 @pytest.mark.parametrize("flag", [False, True])
 def test_trtllm_nests_norm_before_fc_exactly_when_set(flag):
     config = trtllm.build_config(_cfg(norm_before_fc=flag), "float16")

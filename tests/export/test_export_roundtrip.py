@@ -458,3 +458,38 @@ def test_chain_only_engine_warns_that_it_serves_the_trees_depth(tmp_path, caplog
     note = chain_only_note(speculation.tree)
     assert note and [r.getMessage() for r in caplog.records if r.name == "draftkit.export.exporter"
                      and r.levelno == logging.WARNING] == [f"vllm: {note}"]
+
+
+def test_overwrite_replaces_only_an_earlier_export(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """``export CKPT run/checkpoints --overwrite true`` replaced the run's checkpoints folder, the exported
+    checkpoint among them, with the export (exit 0); any folder given by mistake (``.``, a data folder) went too."""
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    ckpt, _ = tiny_checkpoint
+    run = tmp_path / "run"
+    run.mkdir()
+    inside = run / "last.ckpt"
+    inside.write_bytes(ckpt.read_bytes())
+    (run / "best.ckpt").write_bytes(b"another checkpoint")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (data / name).write_text("{}\n")
+    cases = [
+        (inside, run, f"--overwrite: {run} holds the checkpoint being exported ({inside}); replacing it would delete "
+                      "it: give another export directory"),
+        (ckpt, data, f"--overwrite replaces only an earlier export directory (one holding draftkit_export.json), and "
+                     f"{data} is none: it holds a.jsonl, b.jsonl; give a new directory, or empty this one"),
+        (ckpt, data / "a.jsonl", f"--overwrite replaces only an earlier export directory, and {data / 'a.jsonl'} is "
+                                 "a file or a link: give another export directory"),
+    ]
+    for source, out, message in cases:
+        assert draftkit_main(["export", str(source), str(out), "--to", "vllm", "--overwrite", "true"]) == 2
+        assert capsys.readouterr().err == f"draftkit export: error: {message}\n"
+    assert sorted(p.name for p in run.iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in data.iterdir()) == ["a.jsonl", "b.jsonl"]
+    # an earlier export, an empty folder and an export re-exported in place are replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for source, out in ((ckpt, run / "exp"), (ckpt, run / "exp"), (ckpt, empty), (run / "exp", run / "exp")):
+        assert draftkit_main(["export", str(source), str(out), "--to", "sglang", "--overwrite", "true"]) == 0
+    assert json.loads((run / "exp" / "draftkit_export.json").read_text())["engine"] == "sglang"

@@ -131,7 +131,7 @@ def test_sidecar_round_trip_from_an_auto_report(tiny_checkpoint, tmp_path):
         "choice": "5,4,16", "predicted_speedup": 1.19, "measured_speedup": 1.12, "tau": 1.61, "device": "cpu",
         "hardware": "x86_64 2 cpus, 1 torch threads",
         "cpu_capability": "cpu AVX512: bf16 matmul 0.51x the float32 time -> bfloat16", "target_dtype": "float32",
-        "dataset": "mt-bench", "num_prompts": 80, "temperature": 0.0,
+        "dataset": "mt-bench", "checkpoint": None, "head_fingerprint": None, "num_prompts": 80, "temperature": 0.0,
     }
     # round trip: the recorded report gives the recorded shape again
     again = Speculation.from_report(record["report"]["path"])
@@ -248,3 +248,42 @@ def test_speculation_is_frozen():
     shape = Speculation.parse("2,3,4")
     with pytest.raises(dataclasses.FrozenInstanceError):
         shape.tree = None
+
+
+def test_a_report_of_another_head_is_refused(tiny_checkpoint, tiny_target_dir, tmp_path, capsys):
+    """``--from_report`` took the shape (and recorded the τ and speedup) of whatever head the report measured: a
+    report of another checkpoint exported silently. evaluate now records the head's fingerprint, the same for the
+    checkpoint, its bf16 and float32 exports and the head evaluate loads; export compares it."""
+    from export_helpers import make_head, write_checkpoint
+
+    from draftkit.export.head_target import load_head_and_target
+    from draftkit.heads.checkpoint import head_fingerprint, read_checkpoint
+
+    ckpt, _ = tiny_checkpoint
+    mine = head_fingerprint(read_checkpoint(ckpt).state)
+    for dtype in ("bfloat16", "float32"):
+        out = export_checkpoint(ckpt, "vllm", tmp_path / dtype, dtype=dtype, target_name=NAME)
+        assert load_head_and_target(out).meta["head_fingerprint"] == mine
+    assert load_head_and_target(ckpt).meta["head_fingerprint"] == mine
+    other = write_checkpoint(tmp_path / "other.ckpt", make_head(tiny_target_dir, seed=2)[0], tiny_target_dir,
+                             [2, 4, 5])
+    theirs = head_fingerprint(read_checkpoint(other).state)
+    assert len(theirs) == 16 and theirs != mine
+
+    report = json.loads(_auto_report(tmp_path / "r.json", "chain k=3", None, 3).read_text())
+    report["setup"].update(checkpoint="other.ckpt", head_fingerprint=theirs)
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert export([str(ckpt), str(tmp_path / "x"), "--to", "vllm", "--from_report", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == (
+        f"draftkit export: error: --from_report {tmp_path / 'r.json'} measured another head (other.ckpt, weights "
+        f"{theirs}) than the one exported ({ckpt}, weights {mine}); its shape, τ and speedup are that head's: run "
+        f"`draftkit evaluate --checkpoint {ckpt} --k auto --output REPORT.json` and export with --from_report "
+        "REPORT.json, or give the shape with --tree / --num_speculative_tokens\n")
+    assert not (tmp_path / "x").exists()
+    # the report of this head (here through its bf16 export) passes and is recorded
+    report["setup"].update(checkpoint=str(tmp_path / "bfloat16"), head_fingerprint=mine)
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert export([str(ckpt), str(tmp_path / "y"), "--to", "vllm", "--from_report", str(tmp_path / "r.json"),
+                   "--target_name", NAME]) == 0
+    assert sidecar(tmp_path / "y")["speculation"]["report"]["head_fingerprint"] == mine
