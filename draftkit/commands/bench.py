@@ -22,6 +22,8 @@ from typing import Optional, Union
 
 import torch
 
+from draftkit.commands.options import comma_list
+
 __all__ = ["decode", "dtype_overrides", "measure_train", "train"]
 
 
@@ -162,7 +164,7 @@ def train(
     if dtypes:
         if cache:
             raise ValueError("--dtypes and --cache: time one comparison at a time")
-        runs = {d: dtype_overrides(d) for d in (x.strip() for x in dtypes.split(",")) if d}
+        runs = {d: dtype_overrides(d) for d in comma_list(dtypes)}
         results = {d: measure_train(recipe, steps, warmup, overrides + extra) for d, extra in runs.items()}
         first = next(iter(results.values()))
         lines = [
@@ -264,9 +266,7 @@ def decode(
     if k < 1 or any(not 0 <= a <= k for a in counts):
         raise ValueError(f"need --k >= 1 and --pattern entries in [0, k], got k={k}, {counts}")
     results = []
-    if isinstance(dtype, str):  # --dtype float32 (as evaluate takes it) or float32,bfloat16
-        dtype = [d.strip() for d in dtype.split(",") if d.strip()]
-    for name in dtype or ["float32", "bfloat16"]:
+    for name in comma_list(dtype) or ["float32", "bfloat16"]:
         head_dtype = resolve_dtype(draft_dtype, "cpu", "--draft_dtype") if draft_dtype else None
         head, frozen, tokenizer, _, _ = load_head_and_target(
             checkpoint, target or None, resolve_dtype(name, "cpu", "--dtype"), "cpu", head_dtype,

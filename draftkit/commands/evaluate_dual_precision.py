@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Optional, Union
 
+from draftkit.commands.options import comma_list
 from draftkit.data.prompts import TEMPLATES, load_prompts, split_prompts
 from draftkit.jsonio import write_json_atomic
 
@@ -129,8 +130,7 @@ def evaluate_dual_precision(
     if template not in TEMPLATES:
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
     set_threads(threads)
-    if isinstance(methods, str):  # --methods verified, or verified,entropy_gate
-        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    methods = comma_list(methods)  # --methods verified, or verified,entropy_gate
     config = DualPrecisionConfig(
         budget=budget, entropy_threshold=entropy_threshold, margin_threshold=margin_threshold,
         max_new_tokens=max_new_tokens, k=k, bootstrap_samples=bootstrap_samples, seed=seed,

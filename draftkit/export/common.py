@@ -354,3 +354,22 @@ def write_directory(
             raise
         check(tmp)
     return out_dir
+
+
+def portable_path(path: str | Path) -> str:
+    """How a sidecar names a file or folder of the machine that exported: its path relative to the working
+    directory when it lies inside it (``checkpoints/run/last.ckpt``), else its name alone (``last.ckpt``, a cache
+    folder's name), so no absolute path of that machine is written. A relative reference that is no local path
+    (a hub id such as ``org/model``) comes back as it is.
+
+    Args:
+        path: a local path (absolute or relative to the working directory) or a hub id.
+
+    Returns:
+        str: the relative path or the name.
+    """
+    full = Path(path).expanduser().absolute()
+    try:
+        return str(full.relative_to(Path.cwd()))
+    except ValueError:
+        return full.name

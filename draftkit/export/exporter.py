@@ -33,6 +33,7 @@ from draftkit.export.common import (
     check_replaceable,
     engine_family_warning,
     head_config_dict,
+    portable_path,
     serving_tensors,
     validate_tensors,
     vocab_fingerprint,
@@ -177,25 +178,6 @@ def serving_target_name(source: HeadSource, target_name: str | None = None) -> s
 def _as_text(value) -> str | None:
     """A reference as the sidecar's JSON holds it (a module given a ``Path`` as its target stores the ``Path``)."""
     return None if value is None else str(value)
-
-
-def portable_path(path: str | Path) -> str:
-    """How a sidecar names a file or folder of the machine that exported: its path relative to the working
-    directory when it lies inside it (``checkpoints/run/last.ckpt``), else its name alone (``last.ckpt``, a cache
-    folder's name), so no absolute path of that machine is written. A relative reference that is no local path
-    (a hub id such as ``org/model``) comes back as it is.
-
-    Args:
-        path: a local path (absolute or relative to the working directory) or a hub id.
-
-    Returns:
-        str: the relative path or the name.
-    """
-    full = Path(path).expanduser().absolute()
-    try:
-        return str(full.relative_to(Path.cwd()))
-    except ValueError:
-        return full.name
 
 
 def export_head_source(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftkit.decoding.tree import TreeConfig
+from draftkit.export.common import portable_path
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ class Speculation:
     Attributes:
         tree: the topology; a chain of k drafts is ``TreeConfig.chain(k)`` (top-k 1, N = k).
         source: ``"--tree"`` or ``"--from_report"`` (the option that gave it).
-        report: for a shape read from a report, its provenance (:meth:`from_report`); else None.
+        report: for a shape read from a report, its provenance (:meth:`from_report`; the report named by its
+            :func:`~draftkit.export.common.portable_path`, as the sidecar records it); else None.
+        report_file: the report's path as given (for messages; never written).
 
     Raises:
         ValueError: for a top-k 1 tree whose N differs from its depth (a top-k 1 tree is a chain of N drafts;
@@ -57,6 +60,7 @@ class Speculation:
     tree: TreeConfig
     source: str = TREE_OPTION
     report: dict | None = None
+    report_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.tree.topk == 1 and not self.tree.is_chain:
@@ -135,7 +139,7 @@ class Speculation:
         precision = setup.get("precision") if isinstance(setup.get("precision"), dict) else {}
         capability = (precision.get("auto") or {}).get("reason") if isinstance(precision.get("auto"), dict) else None
         provenance = {
-            "path": str(path.absolute()),
+            "path": portable_path(path),  # no machine path in an export (as the sidecar names its sources)
             "chosen_by": "cost model (evaluate --k auto / --tree auto)" if auto is not None
             else "measured configuration (evaluate --k / --tree)",
             "choice": auto.get("choice") if auto is not None else None,
@@ -147,13 +151,13 @@ class Speculation:
             "cpu_capability": capability,
             "target_dtype": setup.get("target_dtype"),
             "dataset": setup.get("dataset"),
-            "checkpoint": setup.get("checkpoint"),
+            "checkpoint": portable_path(setup["checkpoint"]) if setup.get("checkpoint") else None,
             "head_fingerprint": setup.get("head_fingerprint"),
             "num_prompts": report.get("num_prompts"),
             "temperature": report.get("temperature"),
             **({"hybrid": hybrid} if hybrid is not None else {}),
         }
-        return cls(tree, REPORT_OPTION, provenance)
+        return cls(tree, REPORT_OPTION, provenance, str(path))
 
     def check_head(self, checkpoint: str | Path, state: dict) -> None:
         """Refuse a report's shape for a head the report did not measure: the shape the cost model picked (or the
@@ -173,7 +177,7 @@ class Speculation:
         if self.report is None:
             return
         measured = self.report.get("head_fingerprint")
-        where = f"{REPORT_OPTION} {self.report['path']}"
+        where = f"{REPORT_OPTION} {self.report_file or self.report['path']}"
         if measured is None:
             log.warning("%s names no head fingerprint (written before evaluate recorded one): not checked that it "
                         "measured %s", where, checkpoint)

@@ -360,7 +360,7 @@ def test_sidecar_records_the_provenance(tiny_checkpoint, tmp_path):
 
 
 def test_portable_path_names_what_lies_outside_the_working_directory(tmp_path, monkeypatch):
-    from draftkit.export.exporter import portable_path
+    from draftkit.export.common import portable_path
 
     (tmp_path / "repo").mkdir()
     monkeypatch.chdir(tmp_path / "repo")
