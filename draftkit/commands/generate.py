@@ -38,13 +38,13 @@ def generate(
     top_p: float = 1.0,
     turns: str = "first",
     seed: int = 0,
-    batch_size: int = 8,
+    batch_size: int = 8,  # regenerate.BATCH_SIZE (not imported: --help loads no torch)
     shard_size: int = 64,
     split: str = "train",
     overwrite: bool = False,
     kernels: str = "auto",
     engine: str = "torch",
-    parallel: int = 16,
+    parallel: int = 16,  # regenerate.PARALLEL
     llama_server: Optional[str] = None,
 ) -> dict:
     """Replace each assistant turn of a chat source with the target's own answer (chat JSONL with a header).

@@ -63,6 +63,10 @@ PARALLEL = 16
 """``--parallel``'s default: ``llama-server`` slots (the torch engine refuses any other value: its option is
 ``--batch_size``)."""
 
+BATCH_SIZE = 8
+"""``--batch_size``'s default: prompts the torch engine decodes together (``llama-server`` refuses any other value:
+its option is ``--parallel``)."""
+
 
 @dataclass
 class RegenerateConfig:
@@ -330,7 +334,7 @@ def regenerate(
     chat_template: str | None = None,
     split: str = "train",
     max_records: int | None = None,
-    batch_size: int = 8,
+    batch_size: int = BATCH_SIZE,
     shard_size: int = 64,
     overwrite: bool = False,
     kernels: str = "auto",
@@ -363,7 +367,8 @@ def regenerate(
             the header's ``engine`` names it and enters the settings hash). ``dtype``, ``batch_size`` and
             ``kernels`` are the torch engine's.
         parallel: ``llama-server`` slots: conversations decoded together (each its turns in order on one slot);
-            the torch engine takes only the default (:data:`PARALLEL`): it batches ``batch_size`` prompts.
+            the torch engine takes only the default (:data:`PARALLEL`): it batches ``batch_size`` prompts, which
+            ``llama-server`` takes only at its default (:data:`BATCH_SIZE`).
         llama_server: the ``llama-server`` binary (None: ``$DRAFTKIT_LLAMA_SERVER``, else the draftkit cache's).
         _after_batch: test hook called after every decoded batch (``llama-server``: every finished conversation).
 
@@ -375,7 +380,7 @@ def regenerate(
         FileExistsError: if ``output`` exists (without ``overwrite``) and is not a generate output made with the
             same settings (then it is extended), or ``<output>.parts`` holds shards made with other settings.
         ValueError: on bad settings, a source with no usable conversation, ``llama-server`` with a target that
-            is no GGUF or a temperature above 0, or the torch engine with another ``parallel`` than the default.
+            is no GGUF or a temperature above 0, or the torch engine with another ``parallel`` (llama-server: ``batch_size``) than the default.
         FileNotFoundError: ``llama-server`` without a binary (the message says how to build one).
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
@@ -394,6 +399,10 @@ def regenerate(
         raise ValueError(f"--parallel {parallel} sets llama-server's slots, which the torch engine does not use: it "
                          f"decodes --batch_size prompts together (now {batch_size}); pass --batch_size {parallel} "
                          "instead, or --engine llama-server")
+    if engine != "torch" and batch_size != BATCH_SIZE:
+        raise ValueError(f"--batch_size {batch_size} sets the torch engine's batch, which --engine {engine} does not "
+                         f"use: it decodes --parallel conversations together (now {parallel}); pass --parallel "
+                         f"{batch_size} instead, or --engine torch")
     if engine != "torch" and cfg.temperature > 0:
         raise ValueError(f"--engine {engine} decodes greedily only (llama.cpp samples with its own RNG, so a sampled "
                          "record would not be reproducible); pass --temperature 0 or use --engine torch")

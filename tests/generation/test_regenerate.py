@@ -1,6 +1,7 @@
 """``draftkit generate``: batched decoding equals plain decoding, resume, counted failures, the reader."""
 
 import gzip
+import inspect
 import json
 import logging
 
@@ -284,6 +285,24 @@ def test_parallel_with_the_torch_engine_is_refused_naming_batch_size(tmp_path, t
         "draftkit generate: error: --parallel 32 sets llama-server's slots, which the torch engine does not use: it "
         "decodes --batch_size prompts together (now 8); pass --batch_size 32 instead, or --engine llama-server")
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+
+
+def test_batch_size_with_llama_server_is_refused_naming_parallel(tmp_path, tiny_target_dir):
+    """The mirror case: ``--batch_size`` is the torch engine's; llama-server decodes ``--parallel`` conversations
+    together, so any other value than the default is refused naming the option to use, before anything is written."""
+    from draftkit.commands import generate as verb
+    from draftkit.generation.regenerate import BATCH_SIZE, PARALLEL
+
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=2), batch_size=64,
+                   engine="llama-server", parallel=4)
+    assert str(err.value) == ("--batch_size 64 sets the torch engine's batch, which --engine llama-server does not "
+                              "use: it decodes --parallel conversations together (now 4); pass --parallel 64 "
+                              "instead, or --engine torch")
+    assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()
+    defaults = inspect.signature(verb).parameters  # the verb's defaults are the library's
+    assert (defaults["batch_size"].default, defaults["parallel"].default) == (BATCH_SIZE, PARALLEL)
 
 
 def test_ctrl_c_in_the_verb_exits_130_with_the_kept_shards_message_only(tmp_path, tiny_target_dir, monkeypatch,
