@@ -373,3 +373,23 @@ def portable_path(path: str | Path) -> str:
         return str(full.relative_to(Path.cwd()))
     except ValueError:
         return full.name
+
+
+def require_three_aux_states(cfg: Eagle3Config, loader: str, why: str = "(target_hidden_size x 3)") -> None:
+    """Refuse a head fusing other than 3 aux hidden states for an engine whose loader sizes ``fc`` for exactly 3
+    (SGLang, TensorRT-LLM, speculators; vLLM reads ``num_aux_hidden_states`` instead).
+
+    Args:
+        cfg: the head's config (``num_aux_layers``, ``hidden_size``, ``target_hidden_size``).
+        loader: the engine's loader, named in the message (``SGLang's llama_eagle3``).
+        why: how the loader comes to 3, in parentheses.
+
+    Raises:
+        ValueError: naming the layers, the fc.weight shape that would not load, and ``--to vllm``.
+    """
+    if cfg.num_aux_layers != 3:
+        raise ValueError(
+            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but {loader} builds fc for "
+            f"exactly 3 {why}, so its fc.weight ({cfg.hidden_size}, {cfg.num_aux_layers * cfg.target_hidden_size}) "
+            "would not load; export it --to vllm (num_aux_hidden_states is written), or train a head on 3 layers"
+        )

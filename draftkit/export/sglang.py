@@ -25,7 +25,7 @@ from __future__ import annotations
 import shlex
 
 from draftkit.decoding.tree import TreeConfig
-from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags, require_three_aux_states
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
@@ -156,13 +156,7 @@ def check_supported(cfg: Eagle3Config) -> None:
             sizes ``fc`` as ``target_hidden_size * 3``: its weight would not load), or uses
             ``norm_before_residual`` (SGLang 0.5.23 reads the EAGLE-3.1 flags, not this one).
     """
-    if cfg.num_aux_layers != 3:
-        raise ValueError(
-            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but SGLang's llama_eagle3 "
-            f"builds fc for exactly 3 (target_hidden_size x 3), so its fc.weight ({cfg.hidden_size}, "
-            f"{cfg.num_aux_layers * cfg.target_hidden_size}) would not load; export it --to vllm "
-            "(num_aux_hidden_states is written), or train a head on 3 layers"
-        )
+    require_three_aux_states(cfg, "SGLang's llama_eagle3")
     if cfg.norm_before_residual:
         raise ValueError(
             "this head was trained with norm_before_residual=true, which SGLang's llama_eagle3 loader does not "

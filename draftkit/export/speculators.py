@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 
 from draftkit.decoding.tree import TreeConfig
-from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags, require_three_aux_states
 from draftkit.export.speculation import chain_only_note
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
@@ -82,13 +82,7 @@ def build_config(
         ValueError: for a head fusing other than 3 aux states: speculators' ``Eagle3DraftModel``
             (``src/speculators/models/eagle3/core.py``) builds ``fc`` for 3 and its config carries no count.
     """
-    if cfg.num_aux_layers != 3:
-        raise ValueError(
-            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but speculators' "
-            f"Eagle3DraftModel builds fc for exactly 3 (its config has no count), so its fc.weight "
-            f"({cfg.hidden_size}, {cfg.num_aux_layers * cfg.target_hidden_size}) would not load; export it --to vllm "
-            "(num_aux_hidden_states is written), or train a head on 3 layers"
-        )
+    require_three_aux_states(cfg, "speculators' Eagle3DraftModel", "(its config has no count)")
     layer = llama_config_fields(cfg, dtype_name)
     layer["architectures"] = ["LlamaForCausalLM"]
     layer.pop("draft_vocab_size")

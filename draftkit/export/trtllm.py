@@ -25,7 +25,7 @@ import shlex
 from pathlib import Path
 
 from draftkit.decoding.tree import TreeConfig
-from draftkit.export.common import llama_config_fields, norm_flags
+from draftkit.export.common import llama_config_fields, norm_flags, require_three_aux_states
 from draftkit.heads.checkpoint import HeadSource
 from draftkit.heads.eagle3_llama import Eagle3Config
 from draftkit.selection.layers import default_aux_layer_ids
@@ -73,13 +73,7 @@ def check_supported(cfg: Eagle3Config) -> None:
             ``tensorrt_llm/_torch/models/modeling_speculative.py`` sizes ``fc`` as ``target_hidden_size * 3``: its
             weight would not load), or uses ``norm_before_residual``.
     """
-    if cfg.num_aux_layers != 3:
-        raise ValueError(
-            f"this head fuses {cfg.num_aux_layers} target layers (model.aux_layer_ids), but TensorRT-LLM's "
-            f"Eagle3DraftModel builds fc for exactly 3 (target_hidden_size x 3), so its fc.weight ({cfg.hidden_size}, "
-            f"{cfg.num_aux_layers * cfg.target_hidden_size}) would not load; export it --to vllm "
-            "(num_aux_hidden_states is written), or train a head on 3 layers"
-        )
+    require_three_aux_states(cfg, "TensorRT-LLM's Eagle3DraftModel")
     if cfg.norm_before_residual:
         raise ValueError(
             "this head was trained with norm_before_residual=true, which TensorRT-LLM's Eagle3DraftModel is not "
