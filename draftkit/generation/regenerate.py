@@ -34,7 +34,6 @@ Shapes: B batch, T tokens, S cached positions, V target vocab.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import shutil
@@ -47,17 +46,15 @@ from pathlib import Path
 
 import torch
 
+from draftkit.generation.output_file import FORMAT, differences, part_problem, read_output, write_lines_atomic
 from draftkit.generation.torch_engine import generate_batch
 from draftkit.sampling import check_sampling
-from draftkit.jsonio import atomic_path, check_free_space, short_hash, write_json_atomic
+from draftkit.jsonio import check_free_space, short_hash, write_json_atomic
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
 
 log = logging.getLogger(__name__)
-
-FORMAT = "draftkit-regenerated-chat/1"
-"""``header.format`` of the output file."""
 
 PARALLEL = 16
 """``--parallel``'s default: ``llama-server`` slots (the torch engine refuses any other value: its option is
@@ -245,86 +242,12 @@ def _decode_on_server(decoder, todo: dict[int, list[_Work]], tokenizer, cfg: Reg
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _differences(old: dict, new: dict) -> str:
-    """The settings of header ``new`` that differ from header ``old``, named for an error message
-    (``engine``, ``decode.max_new_tokens``, ...: top-level keys, and the keys inside a differing section)."""
-    names = []
-    for key in new.keys() | old.keys():
-        if key in ("max_records", "settings", "shards", "source_ids", "counts") or old.get(key) == new.get(key):
-            continue
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            names += [f"{key}.{k}" for k in a.keys() | b.keys() if a.get(k) != b.get(k)]
-        else:
-            names.append(key)
-    return ", ".join(sorted(names)) or "the settings hash's inputs"
-
-
 def _failures(items: list[_Work]) -> Counter:
     """Failed records of a shard by reason."""
     return Counter(w.failed for w in items if w.failed is not None)
 
 
 # -- files ----------------------------------------------------------------------------------------------------
-def _write_lines_atomic(path: Path, lines: list[str]) -> None:
-    """Write text lines to ``path`` (gzip when it ends in ``.gz``, with a fixed mtime) through ``atomic_path``."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
-        if path.name.endswith(".gz"):
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-                f.write("".join(lines).encode("utf-8"))
-        else:
-            raw.write("".join(lines).encode("utf-8"))
-
-
-def _read_output(path: Path) -> tuple[dict, dict[str, list[str]]] | None:
-    """(header, {shard: its record lines}) of a complete generate output that holds its shard index, else None
-    (unreadable, not gzip or UTF-8, no header or index, or records that do not match the index: missing, extra,
-    not JSON, or another id)."""
-    try:
-        raw = path.read_bytes()
-        text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError):
-        return None
-    # records end at "\n" only: str.splitlines would also cut at U+2028, U+0085 ... inside a JSON string
-    lines = [line + "\n" for line in text.split("\n")[:-1]] if text.endswith("\n") else []
-    try:
-        header = json.loads(lines[0])["header"] if lines else None
-        if not isinstance(header, dict) or header.get("format") != FORMAT or not {"settings", "shards"} <= set(header):
-            return None
-        shards, pos = {}, 1
-        for key, meta in sorted(header["shards"].items(), key=lambda kv: int(kv[0])):
-            shards[key] = lines[pos:pos + meta["records"]]
-            pos += meta["records"]
-            if [json.loads(line)["id"] for line in shards[key]] != meta["ids"]:
-                return None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        return None
-    return (header, shards) if pos == len(lines) else None
-
-
-def _part_problem(path: Path, meta: dict) -> str | None:
-    """None when the shard part ``path`` holds exactly the records its index entry ``meta`` lists (count and
-    ids, each line a JSON object ending in a newline), else what is wrong (missing, torn, other records)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return "missing"
-    except (OSError, UnicodeDecodeError) as e:
-        return f"unreadable ({type(e).__name__}: {e})"
-    if text and not text.endswith("\n"):
-        return "torn (its last record has no end of line)"
-    lines = text.split("\n")[:-1] if text else []
-    if len(lines) != meta["records"]:
-        return f"torn ({len(lines)} record lines, the index lists {meta['records']})"
-    try:
-        ids = [json.loads(line)["id"] for line in lines]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        return f"torn (a record line is not a JSON record: {type(e).__name__}: {e})"
-    if ids != meta["ids"]:
-        return "not the shard its index lists (other record ids)"
-    return None
-
-
 def regenerate(
     source: str,
     output: str,
@@ -411,7 +334,7 @@ def regenerate(
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
     existing = None  # (header, {shard: record lines}) of a finished output this run extends
     if out.exists() and not overwrite:
-        existing = _read_output(out)
+        existing = read_output(out)
         if existing is None:
             raise FileExistsError(f"--output {output} exists and is not a complete generate output with a shard "
                                   "index (damaged, or made by an older draftkit or another tool); pass --overwrite "
@@ -482,7 +405,7 @@ def regenerate(
         if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
             raise FileExistsError(
                 f"{parts} holds shards made with other settings ({index.get('settings')} vs {settings}; "
-                f"{_differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or rerun "
+                f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or rerun "
                 "with the settings that made them"
             )
         shutil.rmtree(parts)
@@ -490,7 +413,7 @@ def regenerate(
     if existing is not None and existing[0]["settings"] != settings:
         raise FileExistsError(
             f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}; "
-            f"{_differences(existing[0], header)} differ); pass --overwrite to replace it, or write another --output"
+            f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another --output"
         )
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
     if existing is not None:
@@ -505,7 +428,7 @@ def regenerate(
         index = {"settings": settings, "header": header, "shards": {}}
         if existing is not None:  # extend a finished file: its shards come back as parts
             for key, lines in existing[1].items():
-                _write_lines_atomic(parts / f"shard-{int(key):05d}.jsonl", lines)
+                write_lines_atomic(parts / f"shard-{int(key):05d}.jsonl", lines)
             index["shards"] = existing[0]["shards"]
             log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
                      sum(len(lines) for lines in existing[1].values()))
@@ -518,7 +441,7 @@ def regenerate(
         if meta is None or meta["first"] != shards[i].start or meta["count"] != len(shards[i]):
             return False
         if i not in checked:
-            problem = _part_problem(parts / f"shard-{i:05d}.jsonl", meta)
+            problem = part_problem(parts / f"shard-{i:05d}.jsonl", meta)
             if problem is not None:
                 log.warning("generate: %s/shard-%05d.jsonl is %s; decoding shard %d again", parts, i, problem, i)
             checked[i] = problem is None
@@ -554,7 +477,7 @@ def regenerate(
             for w in items if w.failed is None
         ]
         check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
-        _write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
+        write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
         checked[i] = True
         index["shards"][str(i)] = {
             "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(_failures(items)),
@@ -612,8 +535,8 @@ def regenerate(
     first = json.dumps({"header": header}, ensure_ascii=False) + "\n"
     check_free_space(out.parent, len(first.encode("utf-8")) + sum(len(b.encode("utf-8")) for b in body),
                      f"generate --output {out}")
-    _write_lines_atomic(out, [first] + body)
-    if _read_output(out) is None:  # generate's own completeness check, before the parts are removed
+    write_lines_atomic(out, [first] + body)
+    if read_output(out) is None:  # generate's own completeness check, before the parts are removed
         out.unlink()
         raise RuntimeError(f"{out} did not read back as a complete generate output; the parts in {parts} are kept")
     shutil.rmtree(parts)

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from draftkit.generation import regenerate as regen_module
 from draftkit.generation.llama_server import completion_body, read_answer
-from draftkit.generation.regenerate import RegenerateConfig, _read_output, regenerate
+from draftkit.generation.output_file import read_output
+from draftkit.generation.regenerate import RegenerateConfig, regenerate
 from draftkit.target.tokens import encode_chat
 
 from tests.generation.test_regenerate import EOS, _write_source
@@ -206,7 +207,7 @@ def test_a_slow_server_is_waited_for_and_a_stuck_one_stops_the_run(tmp_path, ggu
     run(tmp_path / "slow.jsonl")
     bodies = [r["body"] for r in read_log() if r.get("path") == "/completion"][sent:]
     assert bodies[0] == bodies[1] and len(bodies) == sent + 1  # the first request sent again, once
-    prompt, slow = _read_output(tmp_path / "prompt.jsonl"), _read_output(tmp_path / "slow.jsonl")
+    prompt, slow = read_output(tmp_path / "prompt.jsonl"), read_output(tmp_path / "slow.jsonl")
     assert slow[1] == prompt[1] and slow[0]["counts"] == prompt[0]["counts"]
     assert prompt[0]["counts"]["failed"] == {}  # failures by reason: none
 
@@ -278,7 +279,7 @@ def test_an_output_of_the_other_engine_is_refused_naming_what_differs(tmp_path, 
     stale.mkdir()
     (stale / "index.json").write_text(json.dumps({"settings": "0123", "header": {}, "shards": {}}))
     regenerate(str(src), str(fresh), gguf_target, engine="llama-server", parallel=2, llama_server=binary, **kw)
-    assert _read_output(fresh)[0]["counts"]["records"] == 10 and not stale.exists()
+    assert read_output(fresh)[0]["counts"]["records"] == 10 and not stale.exists()
 
 
 def test_past_an_end_of_generation_token_that_is_no_stop_id_the_answer_goes_on(tmp_path, gguf_target, fake_server,
@@ -371,7 +372,7 @@ def test_llama_server_regenerates_smollm2_turns_in_the_torch_format(tmp_path):
     out = tmp_path / "o.jsonl"
     report = regenerate(str(src), str(out), target, cfg, engine="llama-server", parallel=2, shard_size=2)
     assert report["engine"]["llama_cpp"].startswith("b11434 (version: ") and report["counts"]["records"] == 3
-    header, shards = _read_output(out)
+    header, shards = read_output(out)
     records = [json.loads(line) for lines in shards.values() for line in lines]
     assert [len(r["messages"]) for r in records] == [5, 6, 2]
     for r in records:

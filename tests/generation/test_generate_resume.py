@@ -5,7 +5,8 @@ from collections import namedtuple
 
 import pytest
 
-from draftkit.generation.regenerate import RegenerateConfig, _read_output, regenerate
+from draftkit.generation.output_file import read_output
+from draftkit.generation.regenerate import RegenerateConfig, regenerate
 from draftkit.jsonio import InsufficientSpaceError
 
 from tests.generation.test_regenerate import _write_source
@@ -50,7 +51,7 @@ def test_a_torn_finished_shard_is_decoded_again(tmp_path, tiny_target_dir, tear)
     regenerate(str(src), str(out), str(tiny_target_dir), _after_batch=lambda: later.append(1), **kw)
     assert len(later) == 2  # shard 0 (redone) and shard 2; shard 1 was intact and kept
     assert out.read_bytes() == whole.read_bytes()
-    header, shards = _read_output(out)
+    header, shards = read_output(out)
     assert header["source_ids"] == [f"c{i}" for i in range(7)]
     assert sum(len(lines) for lines in shards.values()) == 7 == len(out.read_text().splitlines()) - 1
     assert not parts.exists()

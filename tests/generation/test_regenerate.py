@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draftkit.data.chat import read_conversations
-from draftkit.generation.regenerate import FORMAT, RegenerateConfig, _read_output, generate_batch, regenerate
+from draftkit.generation.output_file import read_output
+from draftkit.generation.regenerate import FORMAT, RegenerateConfig, generate_batch, regenerate
 from draftkit.decoding.verify import generate_plain
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -238,7 +239,7 @@ def test_read_output_splits_records_at_newlines_only(tmp_path):
     records = [{"id": "a", "messages": [{"role": "assistant", "content": "x\u2028y\x85z"}]}, {"id": "b"}]
     path = tmp_path / "out.jsonl.gz"
     path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in [header, *records]).encode()))
-    got_header, shards = _read_output(path)
+    got_header, shards = read_output(path)
     assert got_header == header["header"] and [json.loads(line) for line in shards["0"]] == records
 
 
