@@ -1,14 +1,20 @@
 """The output file of ``draftkit generate`` and its shards: the header's format, the atomic (gzip) writer, the
-complete-file reader that resume and joining trust, the per-shard check, and the settings that differ between two
-headers (for refusals). ``draftkit.generation.regenerate`` writes it."""
+complete-file reader that resume and joining trust, the per-shard check, the settings that differ between two
+headers (for refusals) and the run's shard store (:class:`Parts`: resume, extend a finished file, join).
+``draftkit.generation.regenerate`` decodes into it."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
+import shutil
+from collections import Counter
 from pathlib import Path
 
-from draftkit.jsonio import atomic_path
+from draftkit.jsonio import atomic_path, check_free_space, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 FORMAT = "draftkit-regenerated-chat/1"
 """``header.format`` of the output file."""
@@ -86,3 +92,150 @@ def part_problem(path: Path, meta: dict) -> str | None:
     if ids != meta["ids"]:
         return "not the shard its index lists (other record ids)"
     return None
+
+
+def existing_output(out: Path, overwrite: bool) -> tuple[dict, dict[str, list[str]]] | None:
+    """The finished output at ``out`` that a run extends (``read_output``), or None when there is none or
+    ``overwrite`` replaces it.
+
+    Raises:
+        FileExistsError: ``out`` exists, ``overwrite`` is off and it is not a complete generate output with a
+            shard index (damaged, or made by an older draftkit or another tool).
+    """
+    if not out.exists() or overwrite:
+        return None
+    existing = read_output(out)
+    if existing is None:
+        raise FileExistsError(f"--output {out} exists and is not a complete generate output with a shard "
+                              "index (damaged, or made by an older draftkit or another tool); pass --overwrite "
+                              "to replace it")
+    return existing
+
+
+class Parts:
+    """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
+    order) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
+    ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written atomically shard by shard so that a
+    rerun of the same command resumes from them; :meth:`join` writes the output file from them.
+
+    Args:
+        out: the output file (``.jsonl`` or ``.jsonl.gz``).
+        header: the run's header (settings; without ``settings``, ``shards``, ``source_ids``, ``counts``).
+        settings: the header's settings hash (``max_records`` left out: a shorter or longer run reuses shards).
+        shards: the source positions of each shard (``range`` per shard, in order).
+        existing: the finished output this run extends (``existing_output``), or None.
+        overwrite: restart when the parts or the output were made with other settings.
+
+    Raises:
+        FileExistsError: the parts hold shards made with other settings; ``existing`` was made with other
+            settings or holds more conversations than ``shards`` cover.
+    """
+
+    def __init__(self, out: Path, header: dict, settings: str, shards: list[range],
+                 existing: tuple[dict, dict[str, list[str]]] | None, overwrite: bool) -> None:
+        self.out, self.dir, self.shards = out, out.with_name(out.name + ".parts"), shards
+        self.index_path = self.dir / "index.json"
+        index = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
+        if index is not None and index.get("settings") != settings:
+            if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
+                raise FileExistsError(
+                    f"{self.dir} holds shards made with other settings ({index.get('settings')} vs {settings}; "
+                    f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or "
+                    "rerun with the settings that made them"
+                )
+            shutil.rmtree(self.dir)
+            index = None
+        if existing is not None:
+            if existing[0]["settings"] != settings:
+                raise FileExistsError(
+                    f"--output {out} was made with other settings ({existing[0]['settings']} vs {settings}; "
+                    f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another "
+                    "--output"
+                )
+            covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
+            if covered > shards[-1].stop:
+                raise FileExistsError(
+                    f"--output {out} holds the answers to the first {covered} usable conversations; "
+                    f"--max_records {header.get('max_records')} ({shards[-1].stop}) would drop some. Pass a larger "
+                    "--max_records (or none), write another --output, or pass --overwrite"
+                )
+        if index is None:
+            index = {"settings": settings, "header": header, "shards": {}}
+            if existing is not None:  # extend a finished file: its shards come back as parts
+                for key, lines in existing[1].items():
+                    write_lines_atomic(self.part(int(key)), lines)
+                index["shards"] = existing[0]["shards"]
+                log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
+                         sum(len(lines) for lines in existing[1].values()))
+                write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
+        self.index, self.settings = index, settings
+        self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
+
+    def part(self, i: int) -> Path:
+        """The part file of shard ``i``."""
+        return self.dir / f"shard-{i:05d}.jsonl"
+
+    def done(self, i: int) -> bool:
+        """Whether shard ``i`` is finished: in the index with this run's bounds and its part intact (a torn or
+        missing part is logged and decoded again)."""
+        meta = self.index["shards"].get(str(i))
+        if meta is None or meta["first"] != self.shards[i].start or meta["count"] != len(self.shards[i]):
+            return False
+        if i not in self._checked:
+            problem = part_problem(self.part(i), meta)
+            if problem is not None:
+                log.warning("generate: %s is %s; decoding shard %d again", self.part(i), problem, i)
+            self._checked[i] = problem is None
+        return self._checked[i]
+
+    def write(self, i: int, lines: list[str], meta: dict) -> None:
+        """Write shard ``i``'s record lines, then its index entry ``meta`` (``first`` and ``count`` are added).
+
+        Raises:
+            OSError: the disk lacks room for the part (``check_free_space``); nothing is written then.
+        """
+        check_free_space(self.dir, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
+        write_lines_atomic(self.part(i), lines)
+        self._checked[i] = True
+        self.index["shards"][str(i)] = {"first": self.shards[i].start, "count": len(self.shards[i]), **meta}
+        write_json_atomic(self.index_path, self.index)
+
+    def join(self, header: dict, skipped: dict) -> dict:
+        """Write the output file from the finished shards (the header with ``settings``, the shard index without
+        timings, the record ids and the counts; ``skipped`` are the reader's skips), check that it reads back
+        complete, remove the parts and return the header written.
+
+        Raises:
+            RuntimeError: a shard is missing, or the file did not read back complete (then it is removed and the
+                parts are kept).
+            OSError: the disk lacks room for the file.
+        """
+        ids, failed, tokens, body = [], Counter(), 0, []
+        for i in range(len(self.shards)):
+            if not self.done(i):
+                raise RuntimeError(f"{self.dir}: shard {i} is missing after the run")
+            meta = self.index["shards"][str(i)]
+            ids += meta["ids"]
+            failed.update(meta["failed"])
+            tokens += meta["new_tokens"]
+            body.append(self.part(i).read_text(encoding="utf-8"))
+        header = {
+            **header,
+            "settings": self.settings,
+            # what a longer rerun reuses (timings left out: the file is the same whether a run was resumed or not)
+            "shards": {str(i): {k: v for k, v in self.index["shards"][str(i)].items() if k != "seconds"}
+                       for i in range(len(self.shards))},
+            "source_ids": ids,
+            "counts": {"records": len(ids), "failed": dict(sorted(failed.items())), "skipped_by_reader": skipped,
+                       "new_tokens": tokens},
+        }
+        first = json.dumps({"header": header}, ensure_ascii=False) + "\n"
+        check_free_space(self.out.parent, len(first.encode("utf-8")) + sum(len(b.encode("utf-8")) for b in body),
+                         f"generate --output {self.out}")
+        write_lines_atomic(self.out, [first] + body)
+        if read_output(self.out) is None:  # generate's own completeness check, before the parts are removed
+            self.out.unlink()
+            raise RuntimeError(f"{self.out} did not read back as a complete generate output; the parts in {self.dir} "
+                               "are kept")
+        shutil.rmtree(self.dir)
+        return header

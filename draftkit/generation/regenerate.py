@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
 from collections import Counter
@@ -46,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from draftkit.generation.output_file import FORMAT, differences, part_problem, read_output, write_lines_atomic
+from draftkit.generation.output_file import FORMAT, Parts, existing_output
 from draftkit.generation.torch_engine import generate_batch
 from draftkit.sampling import check_sampling
-from draftkit.jsonio import check_free_space, short_hash, write_json_atomic
+from draftkit.jsonio import short_hash
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["RegenerateConfig", "generate_batch", "regenerate"]
@@ -247,7 +246,7 @@ def _failures(items: list[_Work]) -> Counter:
     return Counter(w.failed for w in items if w.failed is not None)
 
 
-# -- files ----------------------------------------------------------------------------------------------------
+# -- the run ----------------------------------------------------------------------------------------------------
 def regenerate(
     source: str,
     output: str,
@@ -308,38 +307,14 @@ def regenerate(
     """
     from draftkit.artifacts import file_sha256, resolve_artifact
     from draftkit.data.chat import read_conversations
-    from draftkit.kernels.linears import KERNELS
-    from draftkit.kernels.option import use_kernels
-    from draftkit.precision import default_device, resolve_dtype
-    from draftkit.target.frozen import config_fingerprint, load_target
-    from draftkit.target.tokens import pad_token_id, stop_token_ids, tokenizer_identity
+    from draftkit.target.frozen import config_fingerprint
+    from draftkit.target.tokens import tokenizer_identity
 
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
-    if engine not in ("torch", "llama-server"):
-        raise ValueError(f"--engine must be torch or llama-server, got {engine!r}")
-    if engine == "torch" and parallel != PARALLEL:
-        raise ValueError(f"--parallel {parallel} sets llama-server's slots, which the torch engine does not use: it "
-                         f"decodes --batch_size prompts together (now {batch_size}); pass --batch_size {parallel} "
-                         "instead, or --engine llama-server")
-    if engine != "torch" and batch_size != BATCH_SIZE:
-        raise ValueError(f"--batch_size {batch_size} sets the torch engine's batch, which --engine {engine} does not "
-                         f"use: it decodes --parallel conversations together (now {parallel}); pass --parallel "
-                         f"{batch_size} instead, or --engine torch")
-    if engine != "torch" and cfg.temperature > 0:
-        raise ValueError(f"--engine {engine} decodes greedily only (llama.cpp samples with its own RNG, so a sampled "
-                         "record would not be reproducible); pass --temperature 0 or use --engine torch")
+    _check_options(engine, cfg, batch_size, shard_size, parallel)
     out = Path(output)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
-    existing = None  # (header, {shard: record lines}) of a finished output this run extends
-    if out.exists() and not overwrite:
-        existing = read_output(out)
-        if existing is None:
-            raise FileExistsError(f"--output {output} exists and is not a complete generate output with a shard "
-                                  "index (damaged, or made by an older draftkit or another tool); pass --overwrite "
-                                  "to replace it")
-    parts = out.with_name(out.name + ".parts")
+    existing = existing_output(out, overwrite)  # a finished output this run extends
     path = resolve_artifact(source, "--source")
     conversations, summary = read_conversations(path, split, max_records)
     if not conversations:
@@ -352,105 +327,34 @@ def regenerate(
             (summary.header.get("counts") or {}).get("records", len(conversations)),
             summary.header.get("source"),
         )
-    if engine == "torch":
-        device = default_device()
-        dtype = resolve_dtype(dtype, device, "--dtype")
-        model, tokenizer = load_target(target, dtype)
-        model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
-        model_config, generation_config = model.config, getattr(model, "generation_config", None)
-        # packed once, before anything is written; released after the last shard
-        runner = use_kernels(kernels, model, options=KERNELS)
-        kernels_record = runner.target.as_dict()
-    else:  # llama.cpp decodes: only the tokenizer and config are read (no weights loaded here)
-        from draftkit.generation.llama_server import ServerDecoder, load_target_facts
-
-        model, dtype, kernels_record = None, "gguf", None
-        model_config, tokenizer, generation_config, resolved = load_target_facts(target)
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
-    stop_ids = stop_token_ids(tokenizer, generation_config)
-    pad_id = pad_token_id(tokenizer)
-    context = int(getattr(model_config, "max_position_embeddings", 1 << 30))
-    if engine != "torch":
-        limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
-        # + 1: llama.cpp ends a slot's answer once prompt + answer + 1 reaches the slot's context
-        runner = ServerDecoder(target, resolved, llama_server, parallel, torch.get_num_threads(),
-                               limit + cfg.max_new_tokens + 1)
+    e = _open_engine(engine, target, dtype, kernels, chat_template, cfg, parallel, llama_server)
     header = {
         "format": FORMAT,
         "target": target,
         "target_fingerprint": {
-            "config": config_fingerprint(model_config),
-            "tokenizer": tokenizer_identity(tokenizer, template),
-            "dtype": dtype,
+            "config": config_fingerprint(e.model_config),
+            "tokenizer": tokenizer_identity(e.tokenizer, e.template),
+            "dtype": e.dtype,
         },
-        "chat_template_sha16": short_hash(template),
-        "decode": {**asdict(cfg), "stop_token_ids": stop_ids, "batch_size": batch_size},
+        "chat_template_sha16": short_hash(e.template),
+        # llama-server: slots (engine.parallel) instead of batch_size
+        "decode": {**asdict(cfg), "stop_token_ids": e.stop_ids, **({"batch_size": batch_size} if engine == "torch" else {})},
         # the torch engine's headers carry no "engine" (its settings hash is the one of files made before engines)
-        **({"engine": runner.record()} if engine != "torch" else {}),
+        **({"engine": e.runner.record()} if engine != "torch" else {}),
         "source": source,
         "source_sha256": file_sha256(path) if Path(path).is_file() else None,
         "source_split": split,
         "max_records": max_records,
         "shard_size": shard_size,
     }
-    if engine != "torch":
-        del header["decode"]["batch_size"]  # slots (engine.parallel) instead
     # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
     settings = short_hash({k: v for k, v in header.items() if k != "max_records"})
-    index_path = parts / "index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else None
-    if index is not None and index.get("settings") != settings:
-        if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
-            raise FileExistsError(
-                f"{parts} holds shards made with other settings ({index.get('settings')} vs {settings}; "
-                f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or rerun "
-                "with the settings that made them"
-            )
-        shutil.rmtree(parts)
-        index = None
-    if existing is not None and existing[0]["settings"] != settings:
-        raise FileExistsError(
-            f"--output {output} was made with other settings ({existing[0]['settings']} vs {settings}; "
-            f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another --output"
-        )
     shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
-    if existing is not None:
-        covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
-        if covered > len(conversations):
-            raise FileExistsError(
-                f"--output {output} holds the answers to the first {covered} usable conversations; "
-                f"--max_records {max_records} ({len(conversations)}) would drop some. Pass a larger --max_records "
-                "(or none), write another --output, or pass --overwrite"
-            )
-    if index is None:
-        index = {"settings": settings, "header": header, "shards": {}}
-        if existing is not None:  # extend a finished file: its shards come back as parts
-            for key, lines in existing[1].items():
-                write_lines_atomic(parts / f"shard-{int(key):05d}.jsonl", lines)
-            index["shards"] = existing[0]["shards"]
-            log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
-                     sum(len(lines) for lines in existing[1].values()))
-            write_json_atomic(index_path, index)  # a fresh run writes its index with its first shard
-
-    checked: dict[int, bool] = {}  # shard -> its part file matches its index entry (read once per run)
-
-    def done(i: int) -> bool:
-        meta = index["shards"].get(str(i))
-        if meta is None or meta["first"] != shards[i].start or meta["count"] != len(shards[i]):
-            return False
-        if i not in checked:
-            problem = part_problem(parts / f"shard-{i:05d}.jsonl", meta)
-            if problem is not None:
-                log.warning("generate: %s/shard-%05d.jsonl is %s; decoding shard %d again", parts, i, problem, i)
-            checked[i] = problem is None
-        return checked[i]
-
-    todo_records = sum(len(r) for i, r in enumerate(shards) if not done(i))
+    parts = Parts(out, header, settings, shards, existing, overwrite)
+    todo_records = sum(len(r) for i, r in enumerate(shards) if not parts.done(i))
     log.info(
         "generate: %d conversations from %s (%s) in %d shards, %d left; target %s (%s), %s, max %d new tokens, T=%g",
-        len(conversations), source, summary, len(shards), todo_records, target, dtype, cfg.turns,
+        len(conversations), source, summary, len(shards), todo_records, target, e.dtype, cfg.turns,
         cfg.max_new_tokens, cfg.temperature,
     )
     t0, new_tokens, records_done = time.perf_counter(), 0, 0
@@ -468,82 +372,128 @@ def regenerate(
             _after_batch()
 
     def finish(i: int, items: list[_Work], ts: float) -> None:
-        """Write shard i's part (its records in source order), then its index entry; log the run's progress."""
+        """Write shard i (its records in source order, then its index entry); log the run's progress."""
         nonlocal records_done
-        rows = shards[i]
-        lines = [
+        parts.write(i, [
             json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
                         "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
             for w in items if w.failed is None
-        ]
-        check_free_space(parts, sum(len(line.encode("utf-8")) for line in lines), "generate: shard part")
-        write_lines_atomic(parts / f"shard-{i:05d}.jsonl", lines)
-        checked[i] = True
-        index["shards"][str(i)] = {
-            "first": rows.start, "count": len(rows), "records": len(lines), "failed": dict(_failures(items)),
+        ], {
+            "records": sum(w.failed is None for w in items), "failed": dict(_failures(items)),
             "ids": [w.source_id for w in items if w.failed is None],
             "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
-        }
-        write_json_atomic(index_path, index)
-        records_done += len(rows)
+        })
+        records_done += len(shards[i])
         elapsed = time.perf_counter() - t0
-        rate = new_tokens / max(elapsed, 1e-9)
         eta = elapsed / records_done * (todo_records - records_done)
         log.info(
             "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
-            i + 1, len(shards), records_done, todo_records, new_tokens, rate, eta,
+            i + 1, len(shards), records_done, todo_records, new_tokens, new_tokens / max(elapsed, 1e-9), eta,
         )
 
     todo = {
         i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
-        for i, rows in enumerate(shards) if not done(i)
+        for i, rows in enumerate(shards) if not parts.done(i)
     }
     try:
-        with runner:
+        with e.runner:
             if engine == "torch":
                 for i, items in todo.items():
                     ts = time.perf_counter()
-                    _decode_shard(model, tokenizer, items, cfg, template, stop_ids, pad_id, batch_size, context,
-                                  progress)
+                    _decode_shard(e.model, e.tokenizer, items, cfg, e.template, e.stop_ids, e.pad_id, batch_size,
+                                  e.context, progress)
                     finish(i, items, ts)
             else:
-                _decode_on_server(runner, todo, tokenizer, cfg, template, stop_ids, context, progress, finish)
+                _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
+                                  finish)
     except KeyboardInterrupt:
         log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
-                    "them", len(index["shards"]), len(shards), parts)
+                    "them", len(parts.index["shards"]), len(shards), parts.dir)
         raise
-    ids, failed, tokens, body = [], Counter(), 0, []
-    for i in range(len(shards)):
-        meta = index["shards"][str(i)]
-        if not done(i):
-            raise RuntimeError(f"{parts}: shard {i} is missing after the run")
-        ids += meta["ids"]
-        failed.update(meta["failed"])
-        tokens += meta["new_tokens"]
-        body.append((parts / f"shard-{i:05d}.jsonl").read_text(encoding="utf-8"))
-    header = {
-        **header,
-        "settings": settings,
-        # what a longer rerun reuses (timings left out: the file is the same whether a run was resumed or not)
-        "shards": {str(i): {k: v for k, v in index["shards"][str(i)].items() if k != "seconds"} for i in range(len(shards))},
-        "source_ids": ids,
-        "counts": {
-            "records": len(ids), "failed": dict(sorted(failed.items())), "skipped_by_reader": dict(summary.skipped),
-            "new_tokens": tokens,
-        },
-    }
-    first = json.dumps({"header": header}, ensure_ascii=False) + "\n"
-    check_free_space(out.parent, len(first.encode("utf-8")) + sum(len(b.encode("utf-8")) for b in body),
-                     f"generate --output {out}")
-    write_lines_atomic(out, [first] + body)
-    if read_output(out) is None:  # generate's own completeness check, before the parts are removed
-        out.unlink()
-        raise RuntimeError(f"{out} did not read back as a complete generate output; the parts in {parts} are kept")
-    shutil.rmtree(parts)
+    header = parts.join(header, dict(summary.skipped))
     seconds = time.perf_counter() - t0
+    counts = header["counts"]
     log.info(
         "generate: wrote %s: %d records, failed %s, skipped by the reader %s; %d new tokens this run in %.0f s "
-        "(%.1f tokens/s)", out, len(ids), dict(failed) or "none", dict(summary.skipped) or "none", new_tokens,
-        seconds, new_tokens / max(seconds, 1e-9),
+        "(%.1f tokens/s)", out, counts["records"], counts["failed"] or "none", counts["skipped_by_reader"] or "none",
+        new_tokens, seconds, new_tokens / max(seconds, 1e-9),
     )
-    return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9), "kernels": kernels_record}
+    return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9), "kernels": e.kernels_record}
+
+
+def _check_options(engine: str, cfg: RegenerateConfig, batch_size: int, shard_size: int, parallel: int) -> None:
+    """Refuse settings :func:`regenerate` cannot run, naming the option (ValueError), before anything is loaded."""
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
+    if engine not in ("torch", "llama-server"):
+        raise ValueError(f"--engine must be torch or llama-server, got {engine!r}")
+    if engine == "torch" and parallel != PARALLEL:
+        raise ValueError(f"--parallel {parallel} sets llama-server's slots, which the torch engine does not use: it "
+                         f"decodes --batch_size prompts together (now {batch_size}); pass --batch_size {parallel} "
+                         "instead, or --engine llama-server")
+    if engine != "torch" and batch_size != BATCH_SIZE:
+        raise ValueError(f"--batch_size {batch_size} sets the torch engine's batch, which --engine {engine} does not "
+                         f"use: it decodes --parallel conversations together (now {parallel}); pass --parallel "
+                         f"{batch_size} instead, or --engine torch")
+    if engine != "torch" and cfg.temperature > 0:
+        raise ValueError(f"--engine {engine} decodes greedily only (llama.cpp samples with its own RNG, so a sampled "
+                         "record would not be reproducible); pass --temperature 0 or use --engine torch")
+
+
+@dataclass
+class _Engine:
+    """What decodes (``runner``: a context manager; the torch engine's ``model`` or None) and the target's facts."""
+
+    runner: object
+    model: torch.nn.Module | None
+    tokenizer: object
+    model_config: object
+    dtype: object
+    kernels_record: dict | None
+    template: str
+    stop_ids: list[int]
+    pad_id: int
+    context: int
+
+
+def _open_engine(engine: str, target: str, dtype: str, kernels: str, chat_template: str | None,
+                 cfg: RegenerateConfig, parallel: int, llama_server: str | None) -> _Engine:
+    """Load the target for ``engine``: torch (the weights, on the precision policy's device and dtype, the linears
+    packed once) or llama-server (only the tokenizer and config here; the server is started on entering ``runner``).
+
+    Raises:
+        ValueError: the tokenizer has no chat template and none is given.
+    """
+    from draftkit.kernels.linears import KERNELS
+    from draftkit.kernels.option import use_kernels
+    from draftkit.precision import default_device, resolve_dtype
+    from draftkit.target.frozen import load_target
+    from draftkit.target.tokens import pad_token_id, stop_token_ids
+
+    if engine == "torch":
+        device = default_device()
+        dtype = resolve_dtype(dtype, device, "--dtype")
+        model, tokenizer = load_target(target, dtype)
+        model.to(device)  # batched decoding runs where the dtype was chosen (the tensors follow the model)
+        model_config, generation_config = model.config, getattr(model, "generation_config", None)
+        # packed once, before anything is written; released after the last shard
+        runner = use_kernels(kernels, model, options=KERNELS)
+        kernels_record = runner.target.as_dict()
+    else:  # llama.cpp decodes: only the tokenizer and config are read (no weights loaded here)
+        from draftkit.generation.llama_server import load_target_facts
+
+        model, dtype, kernels_record = None, "gguf", None
+        model_config, tokenizer, generation_config, resolved = load_target_facts(target)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
+    context = int(getattr(model_config, "max_position_embeddings", 1 << 30))
+    if engine != "torch":
+        from draftkit.generation.llama_server import ServerDecoder
+
+        limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
+        # + 1: llama.cpp ends a slot's answer once prompt + answer + 1 reaches the slot's context
+        runner = ServerDecoder(target, resolved, llama_server, parallel, torch.get_num_threads(),
+                               limit + cfg.max_new_tokens + 1)
+    return _Engine(runner, model, tokenizer, model_config, dtype, kernels_record, template,
+                   stop_token_ids(tokenizer, generation_config), pad_token_id(tokenizer), context)
