@@ -9,8 +9,9 @@ or UTF-16 with one; a ``.gz`` file is decompressed first and read as the format 
 A record is a string (one user turn), or an object with ``turns`` (a list: its first element is the user
 turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / ``input`` (one user turn), or
 ``messages`` / ``conversations`` (role/content or ShareGPT from/value turns, role names as
-``draftkit.data.chat.ROLE_ALIASES``; the messages up to the first assistant turn after a user turn; a turn's
-content is a string or an OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The
+``draftkit.data.chat.ROLE_ALIASES``: a list ending with a user turn is a request, kept whole with its history,
+as an engine receives it; a list ending with an assistant turn is a whole conversation, cut before its first
+assistant turn after a user turn, so its first question is the prompt; a turn's content is a string or an OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The
 optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer.
 
 Shapes: none (records).
@@ -49,7 +50,8 @@ class Prompt:
 
     Attributes:
         id: a name for the report (MT-bench ``question_id``, record ``id``, or the record number).
-        messages: ``[{"role", "content"}]`` ending with a user turn, or None when ``ids`` is given.
+        messages: ``[{"role", "content"}]`` ending with a user turn (earlier turns are its history), or None when
+            ``ids`` is given.
         ids: templated token ids, or None.
         answer: a reference answer (enables per-prompt correctness in the dual-precision report), or None.
     """
@@ -66,7 +68,9 @@ class Prompt:
 
 
 def _messages(record: Any) -> list[dict] | None:
-    """Messages of one record, up to its first assistant turn after a user turn; None if it has no prompt.
+    """Messages of one record: a ``messages`` list that ends with a user turn is a request and is kept whole,
+    its history (earlier user and assistant turns) included; one that ends with an assistant turn is a whole
+    conversation and is cut before its first assistant turn after a user turn. None if it has no prompt.
 
     Raises:
         ValueError: on a turn whose content is not text (``content_text``: e.g. an image part; names the turn,
@@ -95,11 +99,12 @@ def _messages(record: Any) -> list[dict] | None:
             raise ValueError(f"turn {i} {problem[1]}")
         if role is None:
             return None
-        if role == "assistant":
-            if messages:
-                break
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
             continue  # a conversation that opens with the model
         messages.append({"role": role, "content": content})
+    if messages and messages[-1]["role"] != "user":  # a whole conversation: its first user turn(s) are the prompt
+        first_answer = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
+        messages = messages[:first_answer]
     return messages if messages and messages[-1]["role"] == "user" else None
 
 
@@ -247,8 +252,8 @@ def encode_prompt(prompt: Prompt, tokenizer, template: str = "chat", chat_templa
 
     A prompt with ``ids`` gives them unchanged. Otherwise ``chat`` renders its messages with the chat template
     (``chat_template``, else the tokenizer's; ``draftkit.target.tokens.encode_chat``, as the training data is
-    tokenized) and ``plain`` tokenizes its user turns joined by a blank line, with the tokenizer's special tokens
-    (BOS), as a base model reads text. ``auto`` is resolved by :func:`resolve_template`.
+    tokenized) and ``plain`` tokenizes its user and assistant turns (the history of a multi-turn request included)
+    joined by a blank line, with the tokenizer's special tokens (BOS), as a base model reads text. ``auto`` is resolved by :func:`resolve_template`.
 
     Args:
         prompt: a :class:`Prompt`.
@@ -269,7 +274,7 @@ def encode_prompt(prompt: Prompt, tokenizer, template: str = "chat", chat_templa
     if template == "auto":
         template = resolve_template(template, tokenizer)
     if template == "plain":
-        return tokenizer("\n\n".join(m["content"] for m in prompt.messages if m["role"] == "user"))["input_ids"]
+        return tokenizer("\n\n".join(m["content"] for m in prompt.messages if m["role"] != "system"))["input_ids"]
     if template != "chat":
         raise ValueError(f"--template must be one of {', '.join(TEMPLATES)}, got {template!r}")
     return encode_chat(tokenizer, prompt.messages, chat_template)

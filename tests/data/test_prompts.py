@@ -17,6 +17,35 @@ def test_load_prompts_formats(tmp_path, prompts_file):
     assert [p.messages[0]["content"] for p in load_prompts(str(array))] == ["one", "two"]
 
 
+def test_a_request_keeps_its_history_and_a_whole_conversation_gives_its_first_question(tmp_path):
+    """A messages list ending with a user turn is a multi-turn request (as an engine receives it, e.g. MT-bench's
+    second turn after the target's own first answer): kept whole. Before, its history was dropped silently and the
+    first question evaluated instead. A list ending with an assistant turn is a whole conversation: its first
+    question (system turn kept, opening assistant turns skipped)."""
+    u1, a1, u2, a2 = ({"role": r, "content": c} for r, c in
+                      (("user", "Name a colour."), ("assistant", "Blue."), ("user", "Another?"), ("assistant", "Red.")))
+    system = {"role": "system", "content": "Be brief."}
+    records = [
+        {"id": "request", "messages": [system, u1, a1, u2]},
+        {"id": "conversation", "messages": [system, u1, a1, u2, a2]},
+        {"id": "opens-with-model", "messages": [a1, u1, a2, u2]},
+        {"id": "sharegpt", "conversations": [{"from": "human", "value": "Name a colour."},
+                                             {"from": "gpt", "value": "Blue."}, {"from": "human", "value": "Another?"}]},
+        {"id": "two-users", "messages": [u1, u2, a2]},
+    ]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = {p.id: p.messages for p in load_prompts(str(path))}
+    assert got == {
+        "request": [system, u1, a1, u2],
+        "conversation": [system, u1],
+        "opens-with-model": [u1, a2, u2],
+        "sharegpt": [u1, a1, u2],
+        "two-users": [u1, u2],
+    }
+    assert load_prompts(str(path))[0].text == "Another?"
+
+
 def test_prompt_file_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
@@ -88,7 +117,8 @@ def test_encode_prompt_chat_plain_auto_and_ids(tiny_tokenizer):
     assert encode_prompt(prompt, tiny_tokenizer, "auto") == encode_chat(tiny_tokenizer, messages)  # it has a template
     two = Prompt("q", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                        {"role": "user", "content": "c"}])
-    assert encode_prompt(two, tiny_tokenizer, "plain") == tiny_tokenizer("a\n\nc")["input_ids"]
+    # plain: the history's answer is part of the text a base model reads (it was left out before: "a\n\nc")
+    assert encode_prompt(two, tiny_tokenizer, "plain") == tiny_tokenizer("a\n\nb\n\nc")["input_ids"]
     assert encode_prompt(Prompt("i", ids=[5, 6, 7]), None, "plain") == [5, 6, 7]
     with pytest.raises(ValueError, match="prompt p: text prompts need a tokenizer"):
         encode_prompt(prompt, None)
