@@ -49,7 +49,10 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   ``len-2048.yaml`` + ``all-turns.yaml``: every human turn answered in context, 2,048 tokens); ``all-turns-512``
   (+ ``len-512.yaml`` + ``all-turns.yaml``). Run it with ``--max_steps`` (equal steps, as the issue asks; a
   2,048-token step costs more and carries more tokens, see ``tokens_trained``). val/tau_sim is measured on each
-  data set's own split, so between ``first-turns`` and ``all-turns`` only the MT-bench tau compares.
+  data set's own split, so between ``first-turns`` and ``all-turns`` only the MT-bench tau compares. Each run is
+  also evaluated on MT-bench's second turns after the target's own first answer (``TURN2``,
+  ``benchmarks/mt_bench_turn2.py``; ``eval-turn2.json``, ``tau_turn2``): the multi-turn, longer prompts these arms
+  are about, which the first turns alone cannot show.
 
 ``--max_steps N`` replaces the recipe's 30-minute wall-time budget by N optimizer steps (the cosine planned to end
 there): the runs then see the same batches whatever else the machine runs, so a study can share its cores with other
@@ -92,11 +95,19 @@ EAGLE3 = A / "eagle3-plain.yaml"  # the head without EAGLE-3.1 norms, as every s
 
 
 class Study(NamedTuple):
-    """Base recipe stack, arms (extra recipes stacked on the base) and seed-paired differences (name -> (a, b))."""
+    """Base recipe stack, arms (extra recipes stacked on the base), seed-paired differences (name -> (a, b)) and
+    prompt sets evaluated besides MT-bench's first turns (name -> ``--prompts`` source; each run's
+    ``eval-<name>.json``, the row's ``tau_<name>``)."""
 
     base: list[Path]
     arms: dict[str, list[Path]]
     diffs: dict[str, tuple[str, str]]
+    more_prompts: tuple[tuple[str, str], ...] = ()
+
+
+TURN2 = ("turn2", "recipes/data/mt-bench-turn2-smollm2-135m.jsonl")
+"""MT-bench's second turns after SmolLM2-135M-Instruct's own first answer (``benchmarks/mt_bench_turn2.py``): the
+multi-turn, longer prompts (~300-700 tokens) that training on later turns and at 2,048 tokens is for."""
 
 
 LAYER_ARMS = {
@@ -159,6 +170,7 @@ STUDIES = {
               "all-turns": [A / "len-2048.yaml", A / "all-turns.yaml"],
               "all-turns-512": [A / "len-512.yaml", A / "all-turns.yaml"]},
         diffs={"all_minus_first_turns": ("all-turns", "first-turns"), "len2048_minus_512": ("all-turns", "all-turns-512")},
+        more_prompts=(TURN2,),
     ),
     "decoder-init": Study(
         base=[DEFAULT],
@@ -218,19 +230,21 @@ def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     log, report, fitted = run_dir / "run.log", run_dir / "eval.json", run_dir / "fit.done"
     start = time.time()
-    if not report.exists():
-        if not fitted.exists():
-            # an unfinished run (the study was stopped) continues from its last validation's last.ckpt
-            resume = last_checkpoint(run_dir)
-            # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
-            _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps, resume)],
-                 REPO, log, args.threads)
-            fitted.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
-        _run([sys.executable, "-m", "draftkit", "evaluate", "--checkpoint", str(best_checkpoint(run_dir)),
-              "--prompts", "mt-bench", "--num_prompts", str(args.num_prompts), "--max_new_tokens",
-              str(args.max_new_tokens), "--k", str(args.k), "--dtype", args.dtype, "--baseline", "false",
-              "--prompt_lookup", "false", "--threads", str(args.threads), "--output", "eval.json"],
-             run_dir, log, args.threads)
+    if not report.exists() and not fitted.exists():
+        # an unfinished run (the study was stopped) continues from its last validation's last.ckpt
+        resume = last_checkpoint(run_dir)
+        # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
+        _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps, resume)],
+             REPO, log, args.threads)
+        fitted.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+    for name, prompts in (("", "mt-bench"), *study.more_prompts):
+        output = f"eval-{name}.json" if name else "eval.json"
+        if not (run_dir / output).exists():
+            _run([sys.executable, "-m", "draftkit", "evaluate", "--checkpoint", str(best_checkpoint(run_dir)),
+                  "--prompts", prompts if prompts == "mt-bench" else str(REPO / prompts), "--num_prompts",
+                  str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens), "--k", str(args.k), "--dtype",
+                  args.dtype, "--baseline", "false", "--prompt_lookup", "false", "--threads", str(args.threads),
+                  "--output", output], run_dir, log, args.threads)
     ckpt = torch.load(best_checkpoint(run_dir), map_location="cpu", weights_only=False)
     val = [v for k, v in ckpt["callbacks"].items() if k.startswith("ModelCheckpoint")][0]["best_model_score"]
     ev = json.loads(report.read_text())
@@ -240,6 +254,7 @@ def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
         "tokens_trained": int(ckpt.get("draftkit", {}).get("tokens_trained", 0)),
         "val_tau_sim": float(val), "tau": ev["tau"], "alpha": ev["acceptance_per_position"],
         "acceptance_rate": ev["acceptance_rate"], "num_prompts": ev["num_prompts"], "new_tokens": ev["new_tokens"],
+        **{f"tau_{name}": json.loads((run_dir / f"eval-{name}.json").read_text())["tau"] for name, _ in study.more_prompts},
     }
     print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}: tau {row['tau']:.4f}, val/tau_sim {row['val_tau_sim']:.4f}"
           f" ({time.time() - start:.0f} s)", flush=True)
@@ -265,6 +280,7 @@ def summarize(rows: list[dict], study: Study) -> dict:
                 "seeds": [r["seed"] for r in rs], "tau_mean": _mean([r["tau"] for r in rs]),
                 "tau": [r["tau"] for r in rs], "val_tau_sim_mean": _mean([r["val_tau_sim"] for r in rs]),
                 "alpha1_mean": _mean([r["alpha"][0] for r in rs]),
+                **{f"tau_{n}_mean": _mean([r[f"tau_{n}"] for r in rs]) for n, _ in study.more_prompts},
             }
     diffs = {}
     for name, (a, b) in study.diffs.items():
@@ -273,6 +289,9 @@ def summarize(rows: list[dict], study: Study) -> dict:
             d = [by[(a, s)]["tau"] - by[(b, s)]["tau"] for s in seeds]
             dv = [by[(a, s)]["val_tau_sim"] - by[(b, s)]["val_tau_sim"] for s in seeds]
             diffs[name] = {"seeds": seeds, "tau": d, "tau_mean": _mean(d), "val_tau_sim": dv, "val_tau_sim_mean": _mean(dv)}
+            for n, _ in study.more_prompts:
+                dn = [by[(a, s)][f"tau_{n}"] - by[(b, s)][f"tau_{n}"] for s in seeds]
+                diffs[name] |= {f"tau_{n}": dn, f"tau_{n}_mean": _mean(dn)}
     return {"arms": arms, "paired_differences": diffs}
 
 
@@ -286,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max_steps", type=int, default=None,
                    help="a fixed step budget instead of the recipe's wall time (equal batches under any machine load)")
-    p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns")
+    p.add_argument("--num_prompts", type=int, default=80, help="MT-bench first turns (and of each study's more prompts)")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=5, help="draft tokens per round")
     p.add_argument("--dtype", default="auto", help="evaluate's dtype: auto = the precision policy's (bfloat16 where "
@@ -317,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['arm']:15s} {r['seed']:4d} {str(r['aux_layer_ids']):14s} {r['entropy_filter']['mode']:8s} "
               f"{r['steps']:5d} {r['tokens_trained']:8d} {r['val_tau_sim']:11.4f} {r['tau']:7.4f} {r['alpha'][0]:7.4f}")
     for name, d in summary["paired_differences"].items():
+        more = "".join(f", tau {n} {d[f'tau_{n}_mean']:+.4f}" for n, _ in study.more_prompts)
         print(f"{name}: tau {d['tau_mean']:+.4f} (per seed {[round(x, 4) for x in d['tau']]}), "
-              f"val/tau_sim {d['val_tau_sim_mean']:+.4f}")
+              f"val/tau_sim {d['val_tau_sim_mean']:+.4f}{more}")
     print(f"summary: {args.out / 'summary.json'}")
     return 0
 

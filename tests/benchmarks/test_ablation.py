@@ -240,3 +240,55 @@ def test_a_stopped_fit_continues_from_its_last_checkpoint(tmp_path, benchmark_mo
     cmd = fits[-1]
     assert cmd[cmd.index("--ckpt_path") + 1] == str(d.parents[1] / "version_10" / "checkpoints" / "last.ckpt")
     assert cmd[cmd.index("--trainer.max_steps") + 1] == "200"
+
+
+def test_turns_length_also_evaluates_mt_bench_second_turns(tmp_path, benchmark_module):
+    """The turns-length study evaluates every run on MT-bench's first turns (eval.json) and on the second turns after
+    the target's own first answer (eval-turn2.json, the shipped prompt file); a run that has eval.json but not the
+    second report (stopped between the two) evaluates only what is missing; summaries carry tau_turn2."""
+    import argparse
+
+    mod = benchmark_module("ablation")
+    study = mod.STUDIES["turns-length"]
+    assert dict(study.more_prompts) == {"turn2": "recipes/data/mt-bench-turn2-smollm2-135m.jsonl"}
+    args = argparse.Namespace(max_steps=200, threads=1, num_prompts=80, max_new_tokens=64, k=5, dtype="auto")
+    run = tmp_path / "all-turns-s0"
+    best = run / "checkpoints" / "all-turns" / "lightning_logs" / "version_0" / "checkpoints"
+    best.mkdir(parents=True)
+    for name in ("best-step=200.ckpt", "last.ckpt"):
+        (best / name).write_bytes(b"")
+    (run / "fit.done").write_text("done\n")
+    (run / "eval.json").write_text("{}")
+    ran = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(cmd, cwd, log, threads):
+        ran.append(cmd)
+
+    mod_run, mod._run = mod._run, fake_run
+    def fake_load(path, **kwargs):  # last.ckpt names the best checkpoint; reading the best one ends the test
+        if Path(path).name == "last.ckpt":
+            return {"callbacks": {"ModelCheckpoint{}": {"best_model_path": str(best / "best-step=200.ckpt")}}}
+        raise Stop
+
+    mod_load, mod.torch.load = mod.torch.load, fake_load
+    try:
+        with pytest.raises(Stop):
+            mod.run_one(study, "all-turns", 0, tmp_path, args)
+    finally:
+        mod._run, mod.torch.load = mod_run, mod_load
+    assert len(ran) == 1 and ran[0][3] == "evaluate"
+    cmd = ran[0]
+    assert cmd[cmd.index("--prompts") + 1] == str(mod.REPO / "recipes/data/mt-bench-turn2-smollm2-135m.jsonl")
+    assert cmd[cmd.index("--output") + 1] == "eval-turn2.json"
+    assert cmd[cmd.index("--checkpoint") + 1] == str(best / "best-step=200.ckpt")
+    row = {"val_tau_sim": 1.5, "alpha": [0.3]}
+    rows = [{**row, "arm": "all-turns", "seed": 0, "tau": 1.5, "tau_turn2": 1.25},
+            {**row, "arm": "all-turns-512", "seed": 0, "tau": 1.4, "tau_turn2": 1.0},
+            {**row, "arm": "first-turns", "seed": 0, "tau": 1.45, "tau_turn2": 1.125}]
+    s = mod.summarize(rows, study)
+    assert s["arms"]["all-turns"]["tau_turn2_mean"] == 1.25
+    d = s["paired_differences"]
+    assert d["len2048_minus_512"]["tau_turn2"] == [0.25] and d["all_minus_first_turns"]["tau_turn2_mean"] == 0.125
