@@ -242,6 +242,15 @@ class _RecipeReader(DraftkitCLI):
     def instantiate_classes(self) -> None:
         """Reading a recipe instantiates nothing."""
 
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse ``args`` only, without LightningCLI's warning that the process has command-line arguments too (a
+        verb such as ``generate --recipe R`` reads its recipe here while ``sys.argv`` holds its own options)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, args)
+
 
 def load_recipe(recipes: list[str], overrides: list[str] | None = None):
     """The parsed config of stacked recipes, exactly as ``fit`` reads them (the only recipe reader).

@@ -307,3 +307,19 @@ def test_interrupt_checkpoint_leaves_a_stopped_runs_state_to_other_verbs(tmp_pat
     with pytest.raises(ValueError, match="on_exception.ckpt holds a file this run's InterruptCheckpoint would overwrite"):
         DraftkitCLI(args=["fit"] + args, trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
     assert kept.read_bytes() == b"a stopped run's state"
+
+
+def test_reading_a_recipe_from_a_verb_gives_no_lightning_args_warning(monkeypatch):
+    """``generate --recipe R`` (and every verb that reads a recipe) printed LightningCLI's warning that "args" and
+    the command line were both given, quoting the whole command line: the verb's own options are no recipe input."""
+    import warnings
+
+    from draftkit.cli import load_recipe
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", ["draftkit", "generate", "--recipe", "recipes/tiny-debug.yaml", "--output", "o.jsonl"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load_recipe(["recipes/tiny-debug.yaml"], ["--data.max_length", "64"])
+    assert config.data.max_length == 64 and config.model.target == "tiny:llama"
+    assert [str(w.message) for w in caught if "args parameter" in str(w.message)] == []
