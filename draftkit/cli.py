@@ -163,7 +163,16 @@ class DraftkitCLI(LightningCLI):
             raise SystemExit(report_stop(self.trainer, run, self._argv)) from exc
 
     def before_validate(self) -> None:
-        _check_context_window(self.config[self.subcommand])
+        config = self.config[self.subcommand]
+        _check_context_window(config)
+        if not config.get("ckpt_path") and not config.model.get("init_head") and self.trainer.is_global_zero:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "validate without --ckpt_path (or model.init_head) measures a newly initialised head, not a trained "
+                "one: pass --ckpt_path CKPT (a fit checkpoint) or --model.init_head HEAD (a checkpoint or an export "
+                "directory) to validate a trained head"
+            )
         # the checkpoint holds the weights and d2t/t2d: build() skips model.init_head, which may be gone by now
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")
 
