@@ -46,7 +46,12 @@ def test_a_head_continues_on_other_data(tmp_path, monkeypatch, capsys):
     # and trains on: exit 0, a new run (step count and schedule fresh)
     assert main(new + ["--model.init_head", str(ckpt), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]) == 0
     last = tmp_path / "next" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == 2
+    continued = torch.load(last, weights_only=False)
+    assert continued["global_step"] == 2
+    # the trained length is the head's: the first run's 128-token rows, not only this run's shorter ones
+    first_length = torch.load(ckpt, weights_only=False)["draftkit"]["trained_length"]
+    assert first_length == 128 > max(len(cli.datamodule.train_set[i]["input_ids"]) for i in range(len(cli.datamodule.train_set)))
+    assert continued["draftkit"]["trained_length"] == first_length
     # resumed with the same command after the init head moved away: the checkpoint holds the weights and vocab map
     moved = tmp_path / "moved.ckpt"
     ckpt.rename(moved)
