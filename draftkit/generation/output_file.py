@@ -20,6 +20,17 @@ FORMAT = "draftkit-regenerated-chat/1"
 """``header.format`` of the output file."""
 
 
+FAILURE_HINTS = {
+    "prompt too long": "the prompts are longer than --max_prompt_tokens, or than the target's context window less "
+                       "--max_new_tokens; raise --max_prompt_tokens or lower --max_new_tokens",
+    "empty prompt": "the chat template renders nothing before the first assistant turn; check --chat_template",
+    "empty answer": "the target ends every answer at once; check --chat_template and the target",
+    "template error": "the chat template cannot render these conversations; check --chat_template",
+    "decoding error": "the target failed while decoding; the log's warnings name the error",
+}
+"""What to do when every conversation failed for a reason that starts with the key (:meth:`Parts.join`)."""
+
+
 def differences(old: dict, new: dict) -> str:
     """The settings of header ``new`` that differ from header ``old``, named for an error message
     (``engine``, ``decode.max_new_tokens``, ...: top-level keys, and the keys inside a differing section)."""
@@ -208,6 +219,8 @@ class Parts:
         Raises:
             RuntimeError: a shard is missing, or the file did not read back complete (then it is removed and the
                 parts are kept).
+            ValueError: no conversation was answered (every one failed): nothing is written and the parts are
+                removed, so that a rerun with other settings starts clean; the message names the reasons.
             OSError: the disk lacks room for the file.
         """
         ids, failed, tokens, body = [], Counter(), 0, []
@@ -219,6 +232,13 @@ class Parts:
             failed.update(meta["failed"])
             tokens += meta["new_tokens"]
             body.append(self.part(i).read_text(encoding="utf-8"))
+        if not ids:  # a file of no record would only fail later, in training
+            shutil.rmtree(self.dir)
+            reasons = ", ".join(f"{n} {why}" for why, n in failed.most_common())
+            main = failed.most_common(1)[0][0] if failed else ""
+            hint = next((h for k, h in FAILURE_HINTS.items() if main.startswith(k)), "the log names each failure")
+            raise ValueError(f"generate: no conversation was answered ({reasons}), so nothing was written to "
+                             f"{self.out}: {hint}")
         header = {
             **header,
             "settings": self.settings,
