@@ -123,6 +123,27 @@ def existing_output(out: Path, overwrite: bool) -> tuple[dict, dict[str, list[st
     return existing
 
 
+def _read_index(path: Path, overwrite: bool) -> dict | None:
+    """The shard index at ``path`` (None when absent); an unreadable one is refused naming it, or, with
+    ``overwrite``, read as an index of other settings (the run restarts).
+
+    Raises:
+        ValueError: ``path`` is not a JSON object and ``overwrite`` is off.
+    """
+    if not path.exists():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        index = f"{type(e).__name__}: {e}"
+    if isinstance(index, dict):
+        return index
+    if overwrite:
+        return {"settings": None, "shards": {}}  # restarted: the folder is removed
+    raise ValueError(f"{path} is not a generate shard index ({index if isinstance(index, str) else 'no JSON object'})"
+                     "; restore it, or pass --overwrite to restart (the shards beside it are decoded again)")
+
+
 class Parts:
     """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
     order) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
@@ -138,15 +159,19 @@ class Parts:
         overwrite: restart when the parts or the output were made with other settings.
 
     Raises:
-        FileExistsError: the parts hold shards made with other settings; ``existing`` was made with other
-            settings or holds more conversations than ``shards`` cover.
+        FileExistsError: the parts hold shards made with other settings, or ``<output>.parts`` is a file;
+            ``existing`` was made with other settings or holds more conversations than ``shards`` cover.
+        ValueError: ``index.json`` is unreadable (without ``overwrite``, which restarts).
     """
 
     def __init__(self, out: Path, header: dict, settings: str, shards: list[range],
                  existing: tuple[dict, dict[str, list[str]]] | None, overwrite: bool) -> None:
         self.out, self.dir, self.shards = out, out.with_name(out.name + ".parts"), shards
         self.index_path = self.dir / "index.json"
-        index = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
+        if self.dir.exists() and not self.dir.is_dir():
+            raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
+                                  "away, or write another --output")
+        index = _read_index(self.index_path, overwrite)
         if index is not None and index.get("settings") != settings:
             if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
                 raise FileExistsError(
