@@ -11,7 +11,9 @@ turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / 
 ``messages`` / ``conversations`` (role/content or ShareGPT from/value turns, role names as
 ``draftkit.data.chat.ROLE_ALIASES``; the messages up to the first assistant turn after a user turn; a turn's
 content is a string or an OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The
-optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer.
+optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer. A first
+record ``{"header": {...}}`` (as ``draftkit generate`` writes) is no prompt and is skipped, so a chat file made for
+training (held-out conversations) reads as prompts.
 
 Shapes: none (records).
 """
@@ -152,6 +154,8 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
                 records.append((n, json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{option}: {path}:{n} is not valid JSON ({exc.msg})") from exc
+    if records and isinstance(records[0][1], dict) and set(records[0][1]) == {"header"}:
+        records = records[1:]  # a chat JSONL's header (``draftkit generate``'s output), as the training reader skips it
     prompts = []
     for n, record in records:
         try:
