@@ -178,6 +178,11 @@ class DraftkitCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        init_head = self.config[self.subcommand].model.get("init_head")
+        if init_head and not self.config[self.subcommand].get("ckpt_path"):  # before the data and the target load
+            from draftkit.models.init_head import check_head_options
+
+            check_head_options(init_head, self.model.hparams)
         _check_context_window(self.config[self.subcommand])
         _check_memory(self.model, self.datamodule, self.trainer)
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")  # build() skips model.init_head
