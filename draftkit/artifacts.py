@@ -217,6 +217,11 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
         join = ("; to train on several chat files, join them into one (JSON Lines files concatenate: "
                 "cat a.jsonl b.jsonl > both.jsonl)" if option in ("data.path", "--source") else "")
         raise ValueError(f"{option}: {ref} is a list; {option} takes one file, directory or hub id{join}")
+    if path.with_name(path.name + ".parts").is_dir():  # draftkit generate keeps its shards there until it is done
+        raise FileNotFoundError(
+            f"{option}: {ref} does not exist yet: {ref}.parts holds the shards of an unfinished `draftkit generate` "
+            "run; rerun that generate command to finish and join them"
+        )
     if looks_like_path(ref):
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
         kind = "directory " if option.endswith(MODEL_OPTIONS) and path.suffix not in FILE_SUFFIXES else ""

@@ -188,3 +188,15 @@ def test_a_list_of_data_files_is_named_as_a_list(ref, tmp_path, monkeypatch):
         resolve_artifact("[a, b]", "model.target")
     (tmp_path / "odd,name.jsonl").write_text("")
     assert resolve_artifact("odd,name.jsonl", "data.path") == "odd,name.jsonl"  # an existing file is never a list
+
+
+def test_a_data_file_that_generate_is_still_writing_is_named_so(tmp_path, monkeypatch):
+    """``data.path regen.jsonl.gz`` while ``draftkit generate`` has only written shards: "does not exist; fix the
+    path" sent the user looking for a typo."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "regen.jsonl.gz.parts").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_artifact("regen.jsonl.gz", "data.path")
+    assert str(err.value) == ("data.path: regen.jsonl.gz does not exist yet: regen.jsonl.gz.parts holds the shards of "
+                              "an unfinished `draftkit generate` run; rerun that generate command to finish and join "
+                              "them")
