@@ -8,7 +8,9 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import shutil
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -146,7 +148,7 @@ def _read_index(path: Path, overwrite: bool) -> dict | None:
 
 class Parts:
     """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
-    order) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
+    order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
     ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written atomically shard by shard so that a
     rerun of the same command resumes from them; :meth:`join` writes the output file from them.
 
@@ -159,8 +161,9 @@ class Parts:
         overwrite: restart when the parts or the output were made with other settings.
 
     Raises:
-        FileExistsError: the parts hold shards made with other settings, or ``<output>.parts`` is a file;
-            ``existing`` was made with other settings or holds more conversations than ``shards`` cover.
+        FileExistsError: the parts hold shards made with other settings, or ``<output>.parts`` is a file, or
+            another live process writes them (:meth:`_lock`); ``existing`` was made with other settings or holds
+            more conversations than ``shards`` cover.
         ValueError: ``index.json`` is unreadable (without ``overwrite``, which restarts).
     """
 
@@ -206,6 +209,49 @@ class Parts:
                 write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
         self.index, self.settings = index, settings
         self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
+        self._lock()
+
+    def _lock(self) -> None:
+        """Claim the shard folder for this process (``lock``: host and pid), so that a second generate of the same
+        output stops at once instead of racing this one (both decoded every shard, then one failed on a part the
+        other had removed). A lock of a process that has ended (killed, interrupted) is taken over.
+
+        Raises:
+            FileExistsError: a live process (or one on another host) holds the lock, naming it and the lock file.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock, me = self.dir / "lock", f"{socket.gethostname()} {os.getpid()}"
+        try:
+            host, pid = lock.read_text().split()
+        except (FileNotFoundError, ValueError):
+            host, pid = None, None
+        if host is not None and f"{host} {pid}" != me:
+            alive = host != socket.gethostname()  # another host's process cannot be checked: assume it runs
+            if not alive:
+                try:
+                    os.kill(int(pid), 0)
+                    alive = True
+                except (ProcessLookupError, ValueError):
+                    alive = False
+                except PermissionError:  # it exists, under another user
+                    alive = True
+            if alive:
+                raise FileExistsError(
+                    f"--output {self.out} is being written by another draftkit generate (process {pid} on {host}, "
+                    f"{lock}); wait for it to finish (this command then finds the file done), or stop it. If no "
+                    "such run exists, delete the lock file")
+            log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid, host)
+        lock.write_text(me)
+        self._me = me
+
+    def release(self) -> None:
+        """Give up this process's claim (:meth:`_lock`): remove its lock, and the folder when nothing else is in it
+        (a run that failed before its first shard leaves no trace). Nothing to do after :meth:`join`."""
+        lock = self.dir / "lock"
+        if lock.is_file() and lock.read_text() == self._me:
+            lock.unlink()
+        if self.dir.is_dir() and not any(self.dir.iterdir()):
+            self.dir.rmdir()
 
     def part(self, i: int) -> Path:
         """The part file of shard ``i``."""

@@ -410,11 +410,13 @@ def regenerate(
             else:
                 _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
                                   finish)
+        header = parts.join(header, dict(summary.skipped))
     except KeyboardInterrupt:
         log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
                     "them", len(parts.index["shards"]), len(shards), parts.dir)
         raise
-    header = parts.join(header, dict(summary.skipped))
+    finally:
+        parts.release()  # a run that stops leaves its shards for the next, not its claim on them
     seconds = time.perf_counter() - t0
     counts = header["counts"]
     log.info(
