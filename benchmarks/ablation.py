@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--arms {unknown} are not arms of study {args.study!r} (its arms: {', '.join(study.arms)})")
     missing, ready = [], []
-    for arm in args.arms:  # before any run: a missing data file would stop a fit only after minutes of set-up
+    for arm in [] if args.summarize_only else args.arms:  # a missing data file would stop a fit after its set-up
         try:
             warning = check_data(study, arm, args.max_steps)
         except FileNotFoundError as e:

@@ -24,7 +24,8 @@ Resume: rerunning the same command skips the shards in the index; a shard is alw
 batches, and a sampled record draws from its own generator (seed, record position), so the result is
 the same file as an uninterrupted run (with the torch engine: llama.cpp's answers depend on which
 conversations share its batch, so there a resumed file is complete but not byte-identical). The output's header keeps the shard index, so a finished file is
-extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused.
+extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused. One process
+writes an output at a time (``Parts``' lock: a second is refused naming the first; an ended one's is taken over).
 
 Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
 are counted by reason in the header and the log, never fatal, unless no record at all is answered: then nothing is

@@ -275,6 +275,7 @@ def test_a_missing_data_file_stops_the_study_before_any_run(tmp_path, monkeypatc
         ": error: arm 'gone' trains on data/gone.jsonl (data.path of gone.yaml), which does not exist: "
         "make it first (the recipe's header says how), or leave those arms out (--arms short)")
     assert not (tmp_path / "out").exists()
+    assert mod.main(["--study", "data-test", "--out", str(tmp_path / "out"), "--summarize_only"]) == 0  # trains nothing
 
 
 def test_an_arm_whose_data_is_shorter_than_its_steps_is_named(tmp_path, monkeypatch, benchmark_module):
