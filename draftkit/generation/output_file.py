@@ -148,9 +148,10 @@ def _read_index(path: Path, overwrite: bool) -> dict | None:
 
 class Parts:
     """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
-    order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
-    ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written atomically shard by shard so that a
-    rerun of the same command resumes from them; :meth:`join` writes the output file from them.
+    order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished
+    shard's entry: ``first``, ``count``, ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written
+    atomically shard by shard so that a rerun of the same command resumes from them; :meth:`join` writes the output
+    file from them.
 
     Args:
         out: the output file (``.jsonl`` or ``.jsonl.gz``).
@@ -174,6 +175,7 @@ class Parts:
         if self.dir.exists() and not self.dir.is_dir():
             raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
                                   "away, or write another --output")
+        self._lock()  # before anything here is removed or rewritten (again at the end: a restart removes it)
         index = _read_index(self.index_path, overwrite)
         if index is not None and index.get("settings") != settings:
             if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted

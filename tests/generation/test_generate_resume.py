@@ -122,6 +122,10 @@ def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_targe
         "for it to finish (this command then finds the file done), or stop it. If no such run exists, delete the "
         "lock file")
     assert lock.read_text() == f"{host} {alive}" and not out.exists()
+    (lock.parent / "shard-00000.jsonl").write_text("the other run's\n")
+    with pytest.raises(FileExistsError, match="is being written by another draftkit generate"):
+        regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)  # --overwrite removes nothing
+    assert (lock.parent / "shard-00000.jsonl").read_text() == "the other run's\n"
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock.write_text(f"{host} {ended.stdout.strip()}")  # a run killed with -9 left it
     regenerate(str(src), str(out), str(tiny_target_dir), **kw)
