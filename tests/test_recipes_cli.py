@@ -307,3 +307,35 @@ def test_interrupt_checkpoint_leaves_a_stopped_runs_state_to_other_verbs(tmp_pat
     with pytest.raises(ValueError, match="on_exception.ckpt holds a file this run's InterruptCheckpoint would overwrite"):
         DraftkitCLI(args=["fit"] + args, trainer_defaults={"callbacks": [InterruptCheckpoint(kept.parent)]})
     assert kept.read_bytes() == b"a stopped run's state"
+
+
+def test_reading_a_recipe_from_a_verb_gives_no_lightning_args_warning(monkeypatch):
+    """``generate --recipe R`` (and every verb that reads a recipe) printed LightningCLI's warning that "args" and
+    the command line were both given, quoting the whole command line: the verb's own options are no recipe input."""
+    import warnings
+
+    from draftkit.cli import load_recipe
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("sys.argv", ["draftkit", "generate", "--recipe", "recipes/tiny-debug.yaml", "--output", "o.jsonl"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = load_recipe(["recipes/tiny-debug.yaml"], ["--data.max_length", "64"])
+    assert config.data.max_length == 64 and config.model.target == "tiny:llama"
+    assert [str(w.message) for w in caught if "args parameter" in str(w.message)] == []
+
+
+def test_validate_without_a_trained_head_says_so(tmp_path, monkeypatch, caplog):
+    """``validate --recipe R`` without ``--ckpt_path`` ran a newly initialised head and reported its val/tau_sim with
+    no word: a forgotten flag read as a result. It now warns, naming both ways to give a trained head."""
+    import logging
+
+    monkeypatch.chdir(REPO)
+    args = ["--recipe", "recipes/tiny-debug.yaml", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path)]
+    with caplog.at_level(logging.WARNING, logger="draftkit.cli"):
+        DraftkitCLI(args=["validate"] + args)
+    assert [r.getMessage() for r in caplog.records if r.name == "draftkit.cli"] == [
+        "validate without --ckpt_path (or model.init_head) measures a newly initialised head, not a trained one: pass "
+        "--ckpt_path CKPT (a fit checkpoint) or --model.init_head HEAD (a checkpoint or an export directory) to "
+        "validate a trained head"]

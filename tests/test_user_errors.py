@@ -172,3 +172,31 @@ def test_dual_precision_takes_one_method_or_a_comma_list(tmp_path, monkeypatch, 
     for given, unknown in (("bogus", "['bogus']"), ("verified,bogus", "['bogus']"), ("[bogus]", "['bogus']")):
         assert main(["evaluate-dual-precision", "--prompts", "absent.jsonl", "--methods", given]) == 2
         assert capsys.readouterr().err.startswith(f"draftkit evaluate-dual-precision: error: unknown methods {unknown}")
+
+
+@pytest.mark.parametrize("ref", ["[a.jsonl, b.jsonl]", "a.jsonl,b.jsonl"])
+def test_a_list_of_data_files_is_named_as_a_list(ref, tmp_path, monkeypatch):
+    """``--data.path '[a.jsonl, b.jsonl]'`` ended in the hub's "Repo id must use alphanumeric chars" error."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        resolve_artifact(ref, "data.path")
+    assert str(err.value) == (f"data.path: {ref} is a list; data.path takes one file, directory or hub id; to train "
+                              "on several chat files, join them into one (JSON Lines files concatenate: cat a.jsonl "
+                              "b.jsonl > both.jsonl)")
+    with pytest.raises(ValueError, match=r"^model.target: \[a, b\] is a list; model.target takes one file, directory "
+                                         r"or hub id$"):
+        resolve_artifact("[a, b]", "model.target")
+    (tmp_path / "odd,name.jsonl").write_text("")
+    assert resolve_artifact("odd,name.jsonl", "data.path") == "odd,name.jsonl"  # an existing file is never a list
+
+
+def test_a_data_file_that_generate_is_still_writing_is_named_so(tmp_path, monkeypatch):
+    """``data.path regen.jsonl.gz`` while ``draftkit generate`` has only written shards: "does not exist; fix the
+    path" sent the user looking for a typo."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "regen.jsonl.gz.parts").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_artifact("regen.jsonl.gz", "data.path")
+    assert str(err.value) == ("data.path: regen.jsonl.gz does not exist yet: regen.jsonl.gz.parts holds the shards of "
+                              "an unfinished `draftkit generate` run; rerun that generate command to finish and join "
+                              "them")

@@ -387,7 +387,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
     Args:
         ref: a local ``.json`` or ``.json.gz`` (array of ShareGPT or chat records; a file cut off mid-record is
             read up to the cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first
-            line ``{"header": {...}}`` is kept in ``summary.header``, not read as a record), or a ``datasets`` source
+            line ``{"header": {...}}`` is kept in ``summary.header``, not read as a record, and a later such line, as
+            in ``draftkit generate`` outputs joined with ``cat``, is no record either), or a ``datasets`` source
             (hub id, a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local
             files are UTF-8 (with or without a byte-order mark) or UTF-16/UTF-32 with a byte-order mark, with LF or
             CRLF line ends; a ``.gz`` file cut off mid-stream is read up to the cut with one warning.
@@ -418,8 +419,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
         records = _iter_datasets(ref, split)
     conversations = []
     for n, (name, record) in enumerate(records):
-        if n == 0 and isinstance(record, dict) and set(record) == {"header"}:
-            summary.header = record["header"]
+        if isinstance(record, dict) and set(record) == {"header"}:  # a later one: generate outputs joined with cat
+            summary.header = record["header"] if n == 0 else summary.header
             continue
         messages, why = normalize_record(record)
         if messages is None:

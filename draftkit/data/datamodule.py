@@ -76,6 +76,9 @@ PROMPT_RULE_HINTS = {
 }
 """What to do about each reason of the prompt rule (``splits.PromptFilter``) when its drops stop set-up."""
 
+LOST_TO_TRUNCATION = "assistant tokens lost to truncation"
+"""The skip reason of a conversation whose assistant tokens all lie past ``data.max_length``."""
+
 
 class ChatDataModule(pl.LightningDataModule):
     """Chat conversations for draft-head training.
@@ -297,6 +300,7 @@ class ChatDataModule(pl.LightningDataModule):
             "no_supervised_token": len(dropped), "lost_to_truncation": sum(1 for r in lost if r["needs"]),
             "prompt_only": sum(1 for n in ds["num_supervised"] if n == 0),
             "shortest_needed_length": min((r["needs"] for r in lost if r["needs"]), default=None),
+            "longest_needed_length": max((r["needs"] for r in lost if r["needs"]), default=None),
             "sequences": len(ds),
             "skips": summary.skip_rows() + template_skips + [{k: r[k] for k in SKIP_KEYS} for r in lost],
         }
@@ -326,7 +330,7 @@ class ChatDataModule(pl.LightningDataModule):
                 full = tokenize_conversation(self.load_tokenizer(), conversations[index[name]], hp.chat_template)
                 needs = next((t + 1 for t, m in enumerate(full["loss_mask"]) if m and t >= 1), None)
             if needs:
-                out.append({"record": name, "reason": "assistant tokens lost to truncation", "needs": needs,
+                out.append({"record": name, "reason": LOST_TO_TRUNCATION, "needs": needs,
                             "detail": f"no assistant token within data.max_length={hp.max_length} (needs {needs})"})
             else:
                 out.append({"record": name, "reason": "no trainable assistant token", "needs": None,
@@ -437,13 +441,16 @@ class ChatDataModule(pl.LightningDataModule):
         counts = _reason_counts(skips)
         reason = next(iter(counts))
         example = next(s for s in skips if s["reason"] == reason)
+        if reason == LOST_TO_TRUNCATION:  # the length is the fix, not the records' format
+            hint = (f"raise data.max_length (now {hp.max_length}; these records keep an assistant token from "
+                    f"{stats['shortest_needed_length']} tokens, all of them from {stats.get('longest_needed_length')})")
+        else:
+            hint = PROMPT_RULE_HINTS.get(reason, "convert the data to chat (messages) or ShareGPT (conversations) "
+                                         "records, fix data.chat_template")
         raise ValueError(
             f"{hp.path}: {len(skips)} of {total} records skipped ({len(skips) / total:.0%}), more than "
             f"data.max_skip_fraction={hp.max_skip_fraction:g}; main reason: {reason} ({counts[reason]} records; "
-            f"{example['record']}: {example['detail']}); "
-            + PROMPT_RULE_HINTS.get(reason, "convert the data to chat (messages) or ShareGPT (conversations) records, "
-                                    "fix data.chat_template")
-            + ", or raise data.max_skip_fraction to train on the rest"
+            f"{example['record']}: {example['detail']}); {hint}, or raise data.max_skip_fraction to train on the rest"
         )
 
     def _write_skip_list(self) -> None:

@@ -11,8 +11,11 @@ turn, as in MT-bench), ``prompt`` / ``question`` / ``instruction`` / ``text`` / 
 ``messages`` / ``conversations`` (role/content or ShareGPT from/value turns, role names as
 ``draftkit.data.chat.ROLE_ALIASES``: a list ending with a user turn is a request, kept whole with its history,
 as an engine receives it; a list ending with an assistant turn is a whole conversation, cut before its first
-assistant turn after a user turn, so its first question is the prompt; a turn's content is a string or an OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The
-optional ``question_id`` or ``id`` names the prompt in reports, and ``answer`` holds a reference answer.
+assistant turn after a user turn, so its first question is the prompt; a turn's content is a string or an
+OpenAI-style list of text parts, ``draftkit.data.chat.content_text``). The optional ``question_id`` or ``id`` names
+the prompt in reports, and ``answer`` holds a reference answer. A first record ``{"header": {...}}`` (as ``draftkit
+generate`` writes) is no prompt and is skipped, so a chat file made for training (held-out conversations) reads as
+prompts.
 
 Shapes: none (records).
 """
@@ -157,6 +160,8 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
                 records.append((n, json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{option}: {path}:{n} is not valid JSON ({exc.msg})") from exc
+    if records and isinstance(records[0][1], dict) and set(records[0][1]) == {"header"}:
+        records = records[1:]  # a chat JSONL's header (``draftkit generate``'s output), as the training reader skips it
     prompts = []
     for n, record in records:
         try:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import shutil
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +20,17 @@ log = logging.getLogger(__name__)
 
 FORMAT = "draftkit-regenerated-chat/1"
 """``header.format`` of the output file."""
+
+
+FAILURE_HINTS = {
+    "prompt too long": "the prompts are longer than --max_prompt_tokens, or than the target's context window less "
+                       "--max_new_tokens; raise --max_prompt_tokens or lower --max_new_tokens",
+    "empty prompt": "the chat template renders nothing before the first assistant turn; check --chat_template",
+    "empty answer": "the target ends every answer at once; check --chat_template and the target",
+    "template error": "the chat template cannot render these conversations; check --chat_template",
+    "decoding error": "the target failed while decoding; the log's warnings name the error",
+}
+"""What to do when every conversation failed for a reason that starts with the key (:meth:`Parts.join`)."""
 
 
 def differences(old: dict, new: dict) -> str:
@@ -112,11 +125,33 @@ def existing_output(out: Path, overwrite: bool) -> tuple[dict, dict[str, list[st
     return existing
 
 
+def _read_index(path: Path, overwrite: bool) -> dict | None:
+    """The shard index at ``path`` (None when absent); an unreadable one is refused naming it, or, with
+    ``overwrite``, read as an index of other settings (the run restarts).
+
+    Raises:
+        ValueError: ``path`` is not a JSON object and ``overwrite`` is off.
+    """
+    if not path.exists():
+        return None
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        index = f"{type(e).__name__}: {e}"
+    if isinstance(index, dict):
+        return index
+    if overwrite:
+        return {"settings": None, "shards": {}}  # restarted: the folder is removed
+    raise ValueError(f"{path} is not a generate shard index ({index if isinstance(index, str) else 'no JSON object'})"
+                     "; restore it, or pass --overwrite to restart (the shards beside it are decoded again)")
+
+
 class Parts:
     """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
-    order) and ``index.json`` (the settings hash, the header and each finished shard's entry: ``first``, ``count``,
-    ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written atomically shard by shard so that a
-    rerun of the same command resumes from them; :meth:`join` writes the output file from them.
+    order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished
+    shard's entry: ``first``, ``count``, ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written
+    atomically shard by shard so that a rerun of the same command resumes from them; :meth:`join` writes the output
+    file from them.
 
     Args:
         out: the output file (``.jsonl`` or ``.jsonl.gz``).
@@ -127,15 +162,21 @@ class Parts:
         overwrite: restart when the parts or the output were made with other settings.
 
     Raises:
-        FileExistsError: the parts hold shards made with other settings; ``existing`` was made with other
-            settings or holds more conversations than ``shards`` cover.
+        FileExistsError: the parts hold shards made with other settings, or ``<output>.parts`` is a file, or
+            another live process writes them (:meth:`_lock`); ``existing`` was made with other settings or holds
+            more conversations than ``shards`` cover.
+        ValueError: ``index.json`` is unreadable (without ``overwrite``, which restarts).
     """
 
     def __init__(self, out: Path, header: dict, settings: str, shards: list[range],
                  existing: tuple[dict, dict[str, list[str]]] | None, overwrite: bool) -> None:
         self.out, self.dir, self.shards = out, out.with_name(out.name + ".parts"), shards
         self.index_path = self.dir / "index.json"
-        index = json.loads(self.index_path.read_text()) if self.index_path.exists() else None
+        if self.dir.exists() and not self.dir.is_dir():
+            raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
+                                  "away, or write another --output")
+        self._lock()  # before anything here is removed or rewritten (again at the end: a restart removes it)
+        index = _read_index(self.index_path, overwrite)
         if index is not None and index.get("settings") != settings:
             if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
                 raise FileExistsError(
@@ -170,6 +211,49 @@ class Parts:
                 write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
         self.index, self.settings = index, settings
         self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
+        self._lock()
+
+    def _lock(self) -> None:
+        """Claim the shard folder for this process (``lock``: host and pid), so that a second generate of the same
+        output stops at once instead of racing this one (both decoded every shard, then one failed on a part the
+        other had removed). A lock of a process that has ended (killed, interrupted) is taken over.
+
+        Raises:
+            FileExistsError: a live process (or one on another host) holds the lock, naming it and the lock file.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock, me = self.dir / "lock", f"{socket.gethostname()} {os.getpid()}"
+        try:
+            host, pid = lock.read_text().split()
+        except (FileNotFoundError, ValueError):
+            host, pid = None, None
+        if host is not None and f"{host} {pid}" != me:
+            alive = host != socket.gethostname()  # another host's process cannot be checked: assume it runs
+            if not alive:
+                try:
+                    os.kill(int(pid), 0)
+                    alive = True
+                except (ProcessLookupError, ValueError):
+                    alive = False
+                except PermissionError:  # it exists, under another user
+                    alive = True
+            if alive:
+                raise FileExistsError(
+                    f"--output {self.out} is being written by another draftkit generate (process {pid} on {host}, "
+                    f"{lock}); wait for it to finish (this command then finds the file done), or stop it. If no "
+                    "such run exists, delete the lock file")
+            log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid, host)
+        lock.write_text(me)
+        self._me = me
+
+    def release(self) -> None:
+        """Give up this process's claim (:meth:`_lock`): remove its lock, and the folder when nothing else is in it
+        (a run that failed before its first shard leaves no trace). Nothing to do after :meth:`join`."""
+        lock = self.dir / "lock"
+        if lock.is_file() and lock.read_text() == self._me:
+            lock.unlink()
+        if self.dir.is_dir() and not any(self.dir.iterdir()):
+            self.dir.rmdir()
 
     def part(self, i: int) -> Path:
         """The part file of shard ``i``."""
@@ -208,6 +292,8 @@ class Parts:
         Raises:
             RuntimeError: a shard is missing, or the file did not read back complete (then it is removed and the
                 parts are kept).
+            ValueError: no conversation was answered (every one failed): nothing is written and the parts are
+                removed, so that a rerun with other settings starts clean; the message names the reasons.
             OSError: the disk lacks room for the file.
         """
         ids, failed, tokens, body = [], Counter(), 0, []
@@ -219,6 +305,13 @@ class Parts:
             failed.update(meta["failed"])
             tokens += meta["new_tokens"]
             body.append(self.part(i).read_text(encoding="utf-8"))
+        if not ids:  # a file of no record would only fail later, in training
+            shutil.rmtree(self.dir)
+            reasons = ", ".join(f"{n} {why}" for why, n in failed.most_common())
+            main = failed.most_common(1)[0][0] if failed else ""
+            hint = next((h for k, h in FAILURE_HINTS.items() if main.startswith(k)), "the log names each failure")
+            raise ValueError(f"generate: no conversation was answered ({reasons}), so nothing was written to "
+                             f"{self.out}: {hint}")
         header = {
             **header,
             "settings": self.settings,

@@ -24,10 +24,12 @@ Resume: rerunning the same command skips the shards in the index; a shard is alw
 batches, and a sampled record draws from its own generator (seed, record position), so the result is
 the same file as an uninterrupted run (with the torch engine: llama.cpp's answers depend on which
 conversations share its batch, so there a resumed file is complete but not byte-identical). The output's header keeps the shard index, so a finished file is
-extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused.
+extended the same way: rerun with a larger ``max_records`` and the shards it holds are reused. One process
+writes an output at a time (``Parts``' lock: a second is refused naming the first; an ended one's is taken over).
 
 Failed records (a template error, a prompt over ``max_prompt_tokens``, an empty answer, a decoding error)
-are counted by reason in the header and the log, never fatal.
+are counted by reason in the header and the log, never fatal, unless no record at all is answered: then nothing is
+written and the error names the reasons.
 
 Shapes: B batch, T tokens, S cached positions, V target vocab.
 """
@@ -310,12 +312,15 @@ def regenerate(
     from draftkit.target.frozen import config_fingerprint
     from draftkit.target.tokens import tokenizer_identity
 
-    _check_options(engine, cfg, batch_size, shard_size, parallel)
+    _check_options(engine, cfg, batch_size, shard_size, parallel, max_records)
     out = Path(output)
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise ValueError(f"--output {output}: write a .jsonl or .jsonl.gz file")
     existing = existing_output(out, overwrite)  # a finished output this run extends
     path = resolve_artifact(source, "--source")
+    if Path(path).resolve() == out.resolve():
+        raise ValueError(f"--output {output} is the --source file: write the regenerated records to another file "
+                         "(--overwrite would replace the source with them)")
     conversations, summary = read_conversations(path, split, max_records)
     if not conversations:
         raise ValueError(f"no usable conversation in {source}: {summary}")
@@ -406,11 +411,13 @@ def regenerate(
             else:
                 _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
                                   finish)
+        header = parts.join(header, dict(summary.skipped))
     except KeyboardInterrupt:
         log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
                     "them", len(parts.index["shards"]), len(shards), parts.dir)
         raise
-    header = parts.join(header, dict(summary.skipped))
+    finally:
+        parts.release()  # a run that stops leaves its shards for the next, not its claim on them
     seconds = time.perf_counter() - t0
     counts = header["counts"]
     log.info(
@@ -421,10 +428,13 @@ def regenerate(
     return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9), "kernels": e.kernels_record}
 
 
-def _check_options(engine: str, cfg: RegenerateConfig, batch_size: int, shard_size: int, parallel: int) -> None:
+def _check_options(engine: str, cfg: RegenerateConfig, batch_size: int, shard_size: int, parallel: int,
+                   max_records: int | None) -> None:
     """Refuse settings :func:`regenerate` cannot run, naming the option (ValueError), before anything is loaded."""
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"--batch_size and --shard_size must be >= 1, got {batch_size}, {shard_size}")
+    if max_records is not None and max_records < 1:
+        raise ValueError(f"--max_records must be >= 1 (or left out: every usable conversation), got {max_records}")
     if engine not in ("torch", "llama-server"):
         raise ValueError(f"--engine must be torch or llama-server, got {engine!r}")
     if engine == "torch" and parallel != PARALLEL:
@@ -488,6 +498,9 @@ def _open_engine(engine: str, target: str, dtype: str, kernels: str, chat_templa
     if not template:
         raise ValueError(f"tokenizer of {target} has no chat template; pass --chat_template")
     context = int(getattr(model_config, "max_position_embeddings", 1 << 30))
+    if cfg.max_new_tokens >= context:
+        raise ValueError(f"--max_new_tokens {cfg.max_new_tokens} leaves no room for a prompt in the context window of "
+                         f"{target} ({context} tokens; a prompt gets the rest): lower --max_new_tokens")
     if engine != "torch":
         from draftkit.generation.llama_server import ServerDecoder
 

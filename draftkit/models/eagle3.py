@@ -229,7 +229,8 @@ class Eagle3Module(pl.LightningModule):
 
                 self.tokenizer_fingerprint = tokenizer_identity(dm.load_tokenizer(), self.chat_template)
         # resume_ckpt_path: set by `draftkit fit --ckpt_path` before set-up (the checkpoint holds the weights)
-        init = read_init(self.hparams, self.target.aux_layer_ids, getattr(self, "resume_ckpt_path", None))
+        init, init_length = read_init(self.hparams, self.target.aux_layer_ids, getattr(self, "resume_ckpt_path", None))
+        self.trained_length = max(self.trained_length, init_length)  # an init head keeps its trained length
         vocab = draft_vocab(vocab_size, self.hparams.draft_vocab_size, counts, init, self.hparams.init_head)
         guards.check_filter_keeps_tokens(self.entropy_filter, vocab_size)
         self.head = start_head(self.target, vocab, self.hparams, init)

@@ -44,8 +44,9 @@ def check_start_options(init_from_target: bool, freeze_lm_head: bool, init_head:
 
 
 def read_init(hp, aux_layer_ids: list[int], resuming: str | None):
-    """The ``model.init_head`` head to start from (``init_head.read_init_head``), or None: without the option,
-    and when resuming (``fit --ckpt_path``: the checkpoint holds the weights and d2t/t2d, the file may be gone).
+    """The ``model.init_head`` head to start from (``init_head.read_init_head``) and the longest sequence it was
+    trained on (tokens; 0 when not recorded), or (None, 0): without the option, and when resuming (``fit
+    --ckpt_path``: the checkpoint holds the weights, d2t/t2d and trained length; the file may be gone).
 
     Args:
         hp: the module's hyperparameters (``init_head``, ``target``, ``draft_vocab_size``).
@@ -56,13 +57,14 @@ def read_init(hp, aux_layer_ids: list[int], resuming: str | None):
         FileNotFoundError, ValueError: as ``read_init_head``.
     """
     if not hp.init_head:
-        return None
+        return None, 0
     if resuming:
         log.info("model.init_head %s: not read, resuming from %s", hp.init_head, resuming)
-        return None
+        return None, 0
     from draftkit.models.init_head import read_init_head
 
-    return read_init_head(hp.init_head, hp.target, aux_layer_ids, hp.draft_vocab_size)[0]
+    head, meta = read_init_head(hp.init_head, hp.target, aux_layer_ids, hp.draft_vocab_size)
+    return head, int(meta.get("trained_length") or 0)
 
 
 def draft_vocab(vocab_size: int, draft_vocab_size: int, counts: torch.Tensor | None, init=None,

@@ -292,3 +292,63 @@ def test_turns_length_also_evaluates_mt_bench_second_turns(tmp_path, benchmark_m
     assert s["arms"]["all-turns"]["tau_turn2_mean"] == 1.25
     d = s["paired_differences"]
     assert d["len2048_minus_512"]["tau_turn2"] == [0.25] and d["all_minus_first_turns"]["tau_turn2_mean"] == 0.125
+
+
+def _data_study(mod, tmp_path, records):
+    """A study on the tiny recipe (batch 4, val_size 8) whose arm ``short`` trains on a generate output of
+    ``records`` conversations and whose arm ``gone`` on a file that does not exist."""
+    import gzip
+    import json
+    import shutil
+
+    base = Path(shutil.copy(PATH.parents[1] / "recipes" / "tiny-debug.yaml", tmp_path / "base.yaml"))
+    (tmp_path / "short.yaml").write_text("data:\n  path: data/short.jsonl.gz\n")
+    (tmp_path / "gone.yaml").write_text("data:\n  path: data/gone.jsonl\n")
+    (tmp_path / "data").mkdir()
+    with gzip.open(tmp_path / "data" / "short.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"header": {"format": "draftkit-regenerated-chat/1", "counts": {"records": records}}}) + "\n")
+    return mod.Study(base=[base], arms={"short": [tmp_path / "short.yaml"], "gone": [tmp_path / "gone.yaml"]}, diffs={})
+
+
+def test_a_missing_data_file_stops_the_study_before_any_run(tmp_path, monkeypatch, capsys, benchmark_module):
+    """An arm whose data file is missing stops the script at once, naming the arm, the file, the recipe and the arms
+    that could run (it used to start each fit, which stopped after set-up, and end in a 30-line traceback)."""
+    mod = benchmark_module("ablation")
+    study = _data_study(mod, tmp_path, 20)
+    monkeypatch.setattr(mod, "REPO", tmp_path)
+    monkeypatch.setitem(mod.STUDIES, "data-test", study)
+    with pytest.raises(FileNotFoundError) as err:
+        mod.check_data(study, "gone", None)
+    assert str(err.value) == "arm 'gone' trains on data/gone.jsonl (data.path of gone.yaml), which does not exist"
+    with pytest.raises(SystemExit) as stop:
+        mod.main(["--study", "data-test", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(  # the prog name is pytest's here
+        ": error: arm 'gone' trains on data/gone.jsonl (data.path of gone.yaml), which does not exist: "
+        "make it first (the recipe's header says how), or leave those arms out (--arms short)")
+    assert not (tmp_path / "out").exists()
+    assert mod.main(["--study", "data-test", "--out", str(tmp_path / "out"), "--summarize_only"]) == 0  # trains nothing
+
+
+def test_an_arm_whose_data_is_shorter_than_its_steps_is_named(tmp_path, monkeypatch, benchmark_module):
+    """With --max_steps, a generate output with fewer training conversations than the steps take is warned about
+    with the numbers (20 conversations - 8 held out = 12 = 3 steps of 4)."""
+    mod = benchmark_module("ablation")
+    study = _data_study(mod, tmp_path, 20)
+    monkeypatch.setattr(mod, "REPO", tmp_path)
+    assert mod.check_data(study, "short", None) is None and mod.check_data(study, "short", 3) is None
+    assert mod.check_data(study, "short", 4) == (
+        "arm 'short': --max_steps 4 x 4 sequences = 16 sequences, but data/short.jsonl.gz holds 20 conversations "
+        "(12 after data.val_size 8): this arm sees its data 1.3 times; regenerate more of it (recipes/data/README.md) "
+        "or lower --max_steps")
+
+
+def test_a_failed_run_names_its_error_line_and_log(tmp_path, benchmark_module):
+    import sys
+
+    mod = benchmark_module("ablation")
+    cmd = [sys.executable, "-c", "import sys; print('set-up'); sys.exit('draftkit fit: error: data.path: x is gone')"]
+    with pytest.raises(RuntimeError) as err:
+        mod._run(cmd, tmp_path, tmp_path / "run.log", 1)
+    assert str(err.value) == (f"{cmd[2]} failed with exit code 1: draftkit fit: error: data.path: x is gone "
+                              f"(whole log: {tmp_path / 'run.log'})")

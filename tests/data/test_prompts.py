@@ -150,3 +150,24 @@ def test_prompt_messages_with_text_parts_and_the_refusal_of_other_parts(tmp_path
         load_prompts(str(path))
     assert str(err.value) == (f"--prompts: {path} record 2: turn 1 content part 1 is 'input_audio': draftkit reads "
                               "text only; drop the input_audio parts or the record")
+
+
+def test_a_generate_output_reads_as_prompts_without_its_header(tmp_path):
+    """``evaluate --prompts regen.jsonl.gz`` (held-out conversations of a ``draftkit generate`` output) stopped at
+    "record 1 has no prompt text": the header line. It is skipped as the training reader skips it; each record's
+    prompt is its messages up to the first assistant turn."""
+    import gzip
+
+    records = [{"header": {"format": "draftkit-regenerated-chat/1", "counts": {"records": 2}}}] + [
+        {"id": f"c{i}", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"},
+                                     {"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": "more"},
+                                     {"role": "assistant", "content": "b"}], "stop": ["eos", "eos"]} for i in range(2)]
+    path = tmp_path / "regen.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    prompts = load_prompts(str(path))
+    assert [(p.id, p.messages) for p in prompts] == [
+        (f"c{i}", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"}]) for i in range(2)]
+    # a header anywhere else is no prompt: still refused, naming the record
+    (tmp_path / "mid.jsonl").write_text(json.dumps(records[1]) + "\n" + json.dumps(records[0]) + "\n")
+    with pytest.raises(ValueError, match=r"mid\.jsonl record 2 has no prompt text"):
+        load_prompts(str(tmp_path / "mid.jsonl"))

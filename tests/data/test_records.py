@@ -290,3 +290,21 @@ def test_val_size_larger_than_the_training_split_is_an_error(tiny_target_dir, ti
     ok = ChatDataModule(str(tiny_chat_jsonl), tokenizer=str(tiny_target_dir), val_size=4)
     ok.setup("fit")
     assert (len(ok.train_set), len(ok.val_set)) == (4, 4)
+
+
+def test_generate_outputs_joined_with_cat_read_as_one_file(tmp_path):
+    """Two ``draftkit generate`` outputs joined with ``cat`` (the way the data.path list refusal suggests): the
+    second header line was read as a record and skipped as "no conversation key (keys: header)", counting toward
+    data.max_skip_fraction. It is no record; the first header stays the file's."""
+
+    def output(name, ids):
+        rows = [{"header": {"format": "draftkit-regenerated-chat/1", "name": name}}] + [
+            {"id": i, "messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": "a"}]}
+            for i in ids]
+        return "".join(json.dumps(r) + "\n" for r in rows)
+
+    both = tmp_path / "both.jsonl"
+    both.write_text(output("first", ["a0", "a1"]) + output("second", ["b0"]))
+    conversations, summary = read_conversations(str(both))
+    assert summary.records == ["a0", "a1", "b0"] and len(conversations) == 3
+    assert summary.skips == [] and summary.header["name"] == "first"

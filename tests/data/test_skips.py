@@ -131,3 +131,28 @@ def test_case_b16_fit_stops_before_the_run_writes_anything(tmp_path, monkeypatch
         DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--data.path", str(path),
                           "--trainer.default_root_dir", str(root)])
     assert not (root / "lightning_logs").exists()
+
+
+def test_records_lost_to_truncation_name_data_max_length_with_the_lengths_they_need(tmp_path, tiny_target_dir,
+                                                                                    tiny_tokenizer):
+    """When most records lose every assistant token to truncation, the stop names data.max_length and the lengths
+    that keep them (it used to say "convert the data to chat or ShareGPT records, fix data.chat_template")."""
+    rows = [_chat(i) for i in range(2)] + [
+        {"id": f"long{i}", "messages": [{"role": "user", "content": "why " * (20 + 5 * i)},
+                                        {"role": "assistant", "content": "because"}]} for i in range(3)]
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    needs = [next(t + 1 for t, m in enumerate(tokenize_conversation(tiny_tokenizer, r["messages"])["loss_mask"])
+                  if m and t >= 1) for r in rows[2:]]
+    assert 64 < needs[0] < needs[1] < needs[2]
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=64, val_size=1)
+    with pytest.raises(ValueError) as err:
+        dm.prepare_data()
+    assert str(err.value) == (
+        f"{path}: 3 of 5 records skipped (60%), more than data.max_skip_fraction=0.2; main reason: assistant tokens "
+        f"lost to truncation (3 records; long0: no assistant token within data.max_length=64 (needs {needs[0]})); "
+        f"raise data.max_length (now 64; these records keep an assistant token from {needs[0]} tokens, all of them "
+        f"from {needs[2]}), or raise data.max_skip_fraction to train on the rest"
+    )
+    ok = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=needs[2], val_size=1)
+    ok.setup("fit")
+    assert len(ok.train_set) + len(ok.val_set) == 5

@@ -66,3 +66,75 @@ def test_generate_refuses_a_full_disk_before_writing(tmp_path, tiny_target_dir, 
         regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200),
                    dtype="float32", batch_size=3, shard_size=3)
     assert not out.exists() and not list((tmp_path / "o" / "full.jsonl.parts").glob("shard-*"))
+
+
+@pytest.mark.parametrize("damage", ["not json", "a list"])
+def test_an_unreadable_shard_index_is_named_and_overwrite_restarts(tmp_path, tiny_target_dir, damage):
+    """A damaged ``<output>.parts/index.json`` stopped generate with json's bare "Expecting property name ..." (or
+    an AttributeError), naming no file."""
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "o.jsonl"
+    index = tmp_path / "o.jsonl.parts" / "index.json"
+    index.parent.mkdir()
+    index.write_text("{bad" if damage == "not json" else "[1, 2]")
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+    why = ("JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+           if damage == "not json" else "no JSON object")
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    assert str(err.value) == (f"{index} is not a generate shard index ({why}); restore it, or pass --overwrite to "
+                              "restart (the shards beside it are decoded again)")
+    assert not out.exists()
+    regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)
+    assert read_output(out)[0]["counts"]["records"] == 7 and not index.parent.exists()
+
+
+def test_a_file_where_the_shards_go_is_named(tmp_path, tiny_target_dir):
+    src = _write_source(tmp_path / "src.jsonl")
+    (tmp_path / "o.jsonl.parts").write_text("not a folder")
+    with pytest.raises(FileExistsError) as err:
+        regenerate(str(src), str(tmp_path / "o.jsonl"), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3),
+                   dtype="float32")
+    assert str(err.value) == (f"{tmp_path / 'o.jsonl.parts'} is a file, where generate keeps the shards of --output "
+                              f"{tmp_path / 'o.jsonl'}: move it away, or write another --output")
+
+
+def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_target_dir):
+    """Two generate runs of one output at once both decoded every shard; the first to finish removed the parts and
+    the other stopped with "[Errno 2] No such file or directory: '...parts/shard-00000.jsonl'". Now the second is
+    refused naming the first; a lock left by a process that has ended (kill -9) is taken over."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "o.jsonl"
+    lock = tmp_path / "o.jsonl.parts" / "lock"
+    lock.parent.mkdir()
+    host, alive = socket.gethostname(), os.getppid()  # pytest's parent: a live process other than this one
+    lock.write_text(f"{host} {alive}")
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+    with pytest.raises(FileExistsError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    assert str(err.value) == (
+        f"--output {out} is being written by another draftkit generate (process {alive} on {host}, {lock}); wait "
+        "for it to finish (this command then finds the file done), or stop it. If no such run exists, delete the "
+        "lock file")
+    assert lock.read_text() == f"{host} {alive}" and not out.exists()
+    (lock.parent / "shard-00000.jsonl").write_text("the other run's\n")
+    with pytest.raises(FileExistsError, match="is being written by another draftkit generate"):
+        regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)  # --overwrite removes nothing
+    assert (lock.parent / "shard-00000.jsonl").read_text() == "the other run's\n"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock.write_text(f"{host} {ended.stdout.strip()}")  # a run killed with -9 left it
+    regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    assert read_output(out)[0]["counts"]["records"] == 7 and not lock.parent.exists()
+
+
+def test_an_interrupted_run_leaves_its_shards_but_not_its_lock(tmp_path, tiny_target_dir):
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=5, max_prompt_tokens=200), dtype="float32", batch_size=3,
+              shard_size=3)
+    _, out = _interrupted(tmp_path, tiny_target_dir, kw)
+    assert sorted(p.name for p in (tmp_path / "torn.jsonl.parts").iterdir()) == [
+        "index.json", "shard-00000.jsonl", "shard-00001.jsonl"]

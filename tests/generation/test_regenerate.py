@@ -339,3 +339,48 @@ def test_ctrl_c_in_the_verb_exits_130_with_the_kept_shards_message_only(tmp_path
     err = capsys.readouterr().err  # the target's loading bar only
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error" not in err
     assert list(json.loads((parts / "index.json").read_text())["shards"]) == ["0"] and not out.exists()
+
+
+def test_a_run_that_answers_no_conversation_writes_nothing_and_says_why(tmp_path, tiny_target_dir):
+    """Every prompt over --max_prompt_tokens (or the context less --max_new_tokens): the run wrote a file of 0
+    records and exited 0; the next fit on it failed far from the cause. Now nothing is written, the parts are
+    removed (a rerun with other settings starts clean) and the error names the reasons and the options."""
+    src = _write_source(tmp_path / "src.jsonl", n_good=3)
+    out = tmp_path / "none.jsonl"
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=1),
+                   dtype="float32", shard_size=2)
+    assert str(err.value) == (
+        f"generate: no conversation was answered (4 prompt too long), so nothing was written to {out}: the prompts "
+        "are longer than --max_prompt_tokens, or than the target's context window less --max_new_tokens; raise "
+        "--max_prompt_tokens or lower --max_new_tokens")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.jsonl"]
+    regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200),
+               dtype="float32", shard_size=2)
+    assert read_output(out)[0]["counts"]["records"] == 3  # the 300-character record is over 200 tokens
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(max_records=0), "--max_records must be >= 1 (or left out: every usable conversation), got 0"),
+    (dict(cfg=RegenerateConfig(max_new_tokens=512)),
+     "--max_new_tokens 512 leaves no room for a prompt in the context window of {target} (512 tokens; a prompt gets "
+     "the rest): lower --max_new_tokens"),
+])
+def test_settings_that_can_answer_nothing_are_refused_before_decoding(tmp_path, tiny_target_dir, kw, message):
+    """--max_records 0 said "no usable conversation in SRC" of a source with 7; --max_new_tokens at the context
+    window failed every record as "prompt too long"."""
+    src = _write_source(tmp_path / "src.jsonl", n_good=3)
+    with pytest.raises(ValueError) as err:
+        regenerate(str(src), str(tmp_path / "o.jsonl"), str(tiny_target_dir), dtype="float32", **kw)
+    assert str(err.value) == message.format(target=tiny_target_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.jsonl"]
+
+
+def test_the_source_is_never_the_output(tmp_path, tiny_target_dir):
+    """--output equal to --source with --overwrite replaced a 9-record source by the regenerated first 2."""
+    src = _write_source(tmp_path / "src.jsonl", n_good=3)
+    before = src.read_bytes()
+    with pytest.raises(ValueError, match=r"^--output .*src\.jsonl is the --source file: write the regenerated records "
+                                         r"to another file \(--overwrite would replace the source with them\)$"):
+        regenerate(str(src), str(tmp_path / "." / "src.jsonl"), str(tiny_target_dir), overwrite=True, max_records=2)
+    assert src.read_bytes() == before

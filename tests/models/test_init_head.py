@@ -46,7 +46,12 @@ def test_a_head_continues_on_other_data(tmp_path, monkeypatch, capsys):
     # and trains on: exit 0, a new run (step count and schedule fresh)
     assert main(new + ["--model.init_head", str(ckpt), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]) == 0
     last = tmp_path / "next" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == 2
+    continued = torch.load(last, weights_only=False)
+    assert continued["global_step"] == 2
+    # the trained length is the head's: the first run's 128-token rows, not only this run's shorter ones
+    first_length = torch.load(ckpt, weights_only=False)["draftkit"]["trained_length"]
+    assert first_length == 128 > max(len(cli.datamodule.train_set[i]["input_ids"]) for i in range(len(cli.datamodule.train_set)))
+    assert continued["draftkit"]["trained_length"] == first_length
     # resumed with the same command after the init head moved away: the checkpoint holds the weights and vocab map
     moved = tmp_path / "moved.ckpt"
     ckpt.rename(moved)
@@ -69,6 +74,17 @@ def test_a_head_continues_on_other_data(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"draftkit fit: error: model.init_head {ckpt} has a draft vocab of 64 ids, this run "
         "model.draft_vocab_size=128: set model.draft_vocab_size 64 (the head's lm_head rows are its draft ids)")
+    # another head variant (the README's command on the plain EAGLE-3 shipped head under the EAGLE-3.1 default):
+    # refused with the flags that match the head, before the data is read or the target loaded (minutes on SmolLM2)
+    monkeypatch.setattr("draftkit.data.datamodule.ChatDataModule.prepare_data",
+                        lambda self: (_ for _ in ()).throw(AssertionError("the data was read")))
+    for head in (ckpt, tmp_path / "exp"):
+        assert main(new + ["--model.init_head", str(head), "--model.norm_before_fc", "true",
+                           "--model.norm_output", "true"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"draftkit fit: error: model.init_head {head}: the head differs from the one this run builds in "
+            "norm_before_fc False (this run True); norm_output False (this run True); set the model options to the "
+            "head's: --model.norm_before_fc false --model.norm_output false")
 
 
 def test_an_init_head_that_is_no_head_names_the_option(tmp_path):
