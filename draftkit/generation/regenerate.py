@@ -123,14 +123,17 @@ def _next_prompt(w: _Work, tokenizer, cfg: RegenerateConfig, chat_template, cont
     """Token ids of ``w``'s next turn: the regenerated answers so far, then the source's user turns up to that
     assistant turn, chat-templated with ``add_generation_prompt``. None when ``w`` has nothing left to decode: it
     failed (set here on a template error, an empty first prompt or one over the limit) or its turns are done (a
-    later turn over the limit ends the conversation before it)."""
+    later turn over the limit, or one the template cannot render, ends the conversation before it: the answers so
+    far are kept)."""
     if w.failed is not None or w.next_turn is None:
         return None
     prefix = w.done + w.source[len(w.done):w.next_turn]  # regenerated answers, then the source's user turns
     try:
         ids = encode_chat(tokenizer, prefix, chat_template)
     except Exception as err:  # a record the template cannot render
-        w.failed = f"template error ({type(err).__name__})"
+        if not w.done:
+            w.failed = f"template error ({type(err).__name__})"
+        w.next_turn = None  # 'all' mode: a later turn the template cannot render ends the conversation before it
         return None
     limit = min(cfg.max_prompt_tokens or context, context - cfg.max_new_tokens)
     if not ids or len(ids) > limit:

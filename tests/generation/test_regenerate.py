@@ -14,6 +14,7 @@ from draftkit.generation.regenerate import FORMAT, RegenerateConfig, generate_ba
 from draftkit.decoding.verify import generate_plain
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
+from draftkit.target.tokens import encode_chat
 
 EOS = 257  # <|im_end|> of the tiny tokenizer
 
@@ -209,6 +210,28 @@ def test_every_turn_answers_the_regenerated_conversation(tmp_path, tiny, tiny_ta
         tokens = _plain(target, _prompt(tokenizer, messages[:turn]), 4, [EOS])
         assert messages[turn]["content"] == tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
     assert messages[3] == conv[3] and messages[2]["content"] != "old 1"
+
+
+def test_a_later_turn_the_template_cannot_render_ends_the_conversation_before_it(tmp_path, tiny, tiny_target_dir):
+    """--turns all: a template error at a later turn keeps the answers before it (the record was failed whole, its
+    earlier answers lost); at the first turn the record fails, counted by reason."""
+    target, tokenizer = tiny
+    template = ("{% for m in messages %}{% if 'BAD' in m['content'] %}{{ raise_exception('no') }}{% endif %}"
+                "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    later = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old 1"},
+             {"role": "user", "content": "BAD turn"}, {"role": "assistant", "content": "old 2"}]
+    first = [{"role": "user", "content": "BAD first"}, {"role": "assistant", "content": "old"}]
+    src = tmp_path / "src.jsonl"
+    src.write_text(json.dumps({"id": "later", "messages": later}) + "\n" + json.dumps({"id": "first", "messages": first}) + "\n")
+    out = tmp_path / "o.jsonl"
+    header = regenerate(str(src), str(out), str(tiny_target_dir), RegenerateConfig(max_new_tokens=4, turns="all"),
+                        dtype="float32", chat_template=template)
+    assert header["counts"]["records"] == 1
+    assert header["counts"]["failed"] == {"template error (TemplateError)": 1}
+    (messages,), summary = read_conversations(str(out))
+    assert summary.records == ["later"] and [m["role"] for m in messages] == ["user", "assistant"]
+    tokens = _plain(target, encode_chat(tokenizer, messages[:1], template), 4, [EOS])
+    assert messages[1]["content"] == tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
 
 
 @pytest.mark.parametrize("kw,match", [
