@@ -78,8 +78,8 @@ class Eagle3Module(pl.LightningModule):
             2H input columns with the embedding half at zero, so that the draft layer starts as the target layer
             applied to the feature (``Eagle3LlamaHead.init_decoder_from_target_layer``). Needs a plain Llama-style
             target layer of the head's shape (Llama, Mistral: no biases, q/k norms or MoE; same heads, head_dim
-            and intermediate size), else refused. None (default) = random. Applied when the head is built, so a
-            run resumed from a checkpoint still gets the checkpoint's weights.
+            and intermediate size), else refused. None (default) = random (layer 29 lost 0.089 tau on SmolLM2-135M,
+            2 seeds: benchmarks/README.md). Applied when the head is built; a resumed run keeps its checkpoint's.
         hidden_state_noise: s >= 0: training batches add uniform noise in [-s, s] to every aux hidden state
             before ``fc`` (speculators' ``AddUniformNoise`` on the verifier hidden states, std 0.05 there; EAGLE-1
             trained with uniform noise too), so the head learns from inputs near, not only on, the target's exact
