@@ -14,7 +14,6 @@ import argparse
 import collections
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")

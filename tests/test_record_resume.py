@@ -1,6 +1,5 @@
 """``ResumableRecord`` (dual precision's per-prompt record) redoes torn units on resume."""
 
-import json
 
 import pytest
 

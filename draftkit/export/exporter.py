@@ -260,7 +260,6 @@ def export_head_source(
             "fingerprint": vocab_fingerprint(source.state["d2t"], cfg.vocab_size),
         },
         "head_config": head_config_dict(cfg),
-        "chat_template": meta.get("chat_template"),
         "ttt": meta.get("ttt"),
         # the longest sequence (tokens) the head was trained on; None for heads trained before it was recorded
         "trained_length": meta.get("trained_length"),

@@ -35,7 +35,6 @@ V_d draft vocab, N target layers.
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """Fixtures of the layer-analysis tests: the shared tiny random Llama target."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")

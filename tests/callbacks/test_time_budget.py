@@ -277,7 +277,7 @@ def test_recipe_with_budget_fits_and_summarises(tmp_path, monkeypatch, caplog):
         cli = DraftkitCLI(args=["fit", "--recipe", "recipes/tiny-debug.yaml", "--recipe", str(tmp_path / "r.yaml")])
     assert cli.model.lr_horizon == 6 and cli.trainer.global_step == 6
     text = caplog.text
-    assert f"trained: 6 optimizer steps (6 in this run, " in text
+    assert "trained: 6 optimizer steps (6 in this run, " in text
     assert f"{cli.model.tokens_trained:,} tokens" in text and cli.model.tokens_trained > 0
     auto = cli.precision["auto"]["reason"]
     assert f"precision: head 32-true, target float32 (requested 32-true/float32; auto on this machine: {auto})" in text

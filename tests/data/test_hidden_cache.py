@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from draftkit.artifacts import resolve_artifact
 from draftkit.cli import DraftkitCLI
 from draftkit.data.collate import collate_offline
-from draftkit.data.hidden_cache import HiddenStateCache, OfflineDataset, bytes_per_token, plan_shards
+from draftkit.data.hidden_cache import HiddenStateCache, bytes_per_token, plan_shards
 from draftkit.generation.hidden_states import write_hidden_states
 from draftkit.target.lm_head import TargetLMHead
 

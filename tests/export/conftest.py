@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 # pytest runs with --import-mode=importlib (no sys.path changes): make the helper module importable
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import namedtuple
 
-import pytest
 import torch
 
 from draftkit.commands import main

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftkit.data.datamodule import ChatDataModule
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 from draftkit.models.eagle3 import Eagle3Module
 from draftkit.target.frozen import FrozenTarget, load_target

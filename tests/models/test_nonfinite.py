@@ -100,8 +100,6 @@ def _offline_batch(model, b: int = 2, t: int = 6, seed: int = 0) -> dict:
 @pytest.fixture()
 def offline_module(tiny_target_dir):
     """A module in offline mode (the target's LM head only), V_d = V, K = 2."""
-    from draftkit.target.lm_head import load_target_lm_head
-
     torch.manual_seed(0)
     model = Eagle3Module(str(tiny_target_dir), target_dtype="float32", draft_vocab_size=320, ttt={"steps": 2})
 
