@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -146,6 +147,21 @@ def _read_index(path: Path, overwrite: bool) -> dict | None:
                      "; restore it, or pass --overwrite to restart (the shards beside it are decoded again)")
 
 
+def _holder_alive(host: str, pid: str) -> bool:
+    """Whether the generate process ``pid`` on ``host`` that holds a ``Parts`` lock may still run: True for another
+    host's process (it cannot be checked), for a process of another user, and for a live one; False for one that
+    has ended."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 class Parts:
     """The shards of one generate run: ``<output>.parts/shard-NNNNN.jsonl`` (each shard's records, in source
     order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished
@@ -176,6 +192,7 @@ class Parts:
             raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
                                   "away, or write another --output")
         self._lock()  # before anything here is removed or rewritten (again at the end: a restart removes it)
+        self._remove_torn_temporaries()
         index = _read_index(self.index_path, overwrite)
         if index is not None and index.get("settings") != settings:
             if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
@@ -216,35 +233,56 @@ class Parts:
     def _lock(self) -> None:
         """Claim the shard folder for this process (``lock``: host and pid), so that a second generate of the same
         output stops at once instead of racing this one (both decoded every shard, then one failed on a part the
-        other had removed). A lock of a process that has ended (killed, interrupted) is taken over.
+        other had removed). The lock file is created exclusively (``O_EXCL``), so of two runs started together
+        exactly one gets it. A lock of a process that has ended (killed, interrupted) is taken over.
 
         Raises:
             FileExistsError: a live process (or one on another host) holds the lock, naming it and the lock file.
         """
         self.dir.mkdir(parents=True, exist_ok=True)
         lock, me = self.dir / "lock", f"{socket.gethostname()} {os.getpid()}"
-        try:
-            host, pid = lock.read_text().split()
-        except (FileNotFoundError, ValueError):
-            host, pid = None, None
-        if host is not None and f"{host} {pid}" != me:
-            alive = host != socket.gethostname()  # another host's process cannot be checked: assume it runs
-            if not alive:
-                try:
-                    os.kill(int(pid), 0)
-                    alive = True
-                except (ProcessLookupError, ValueError):
-                    alive = False
-                except PermissionError:  # it exists, under another user
-                    alive = True
-            if alive:
+        for _ in range(3):  # create; or find a holder; or take over an ended holder's lock and create again
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(me)
+                self._me = me
+                return
+            try:
+                holder = lock.read_text()
+                if not holder:  # created this instant by a run that writes its name next: read it again
+                    time.sleep(0.2)
+                    holder = lock.read_text()
+            except FileNotFoundError:  # its holder just released it
+                continue
+            if holder == me:
+                self._me = me
+                return
+            host, _, pid = holder.partition(" ")
+            if host and pid.isdigit() and _holder_alive(host, pid):  # else damaged: taken over
                 raise FileExistsError(
                     f"--output {self.out} is being written by another draftkit generate (process {pid} on {host}, "
                     f"{lock}); wait for it to finish (this command then finds the file done), or stop it. If no "
                     "such run exists, delete the lock file")
-            log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid, host)
-        lock.write_text(me)
-        self._me = me
+            log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid or "?",
+                     host or "?")
+            lock.unlink(missing_ok=True)
+        raise FileExistsError(f"{lock} keeps changing hands: another draftkit generate is starting on --output "
+                              f"{self.out}; stop it, or write another --output")
+
+    def _remove_torn_temporaries(self) -> None:
+        """Remove the temporaries (``atomic_path``'s ``.<name>.XXXX``) that a run killed mid-write left beside the
+        output and among the parts: only a generate of this output writes them, and this process holds the lock."""
+        torn = [*self.out.parent.glob(f".{self.out.name}.*"), *self.dir.glob(".*")]
+        for path in torn:
+            if path.is_file():
+                path.unlink()
+        if torn:
+            log.info("generate: removed %d temporary file(s) that an interrupted run left: %s", len(torn),
+                     ", ".join(str(p) for p in torn))
 
     def release(self) -> None:
         """Give up this process's claim (:meth:`_lock`): remove its lock, and the folder when nothing else is in it

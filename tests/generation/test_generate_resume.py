@@ -138,3 +138,38 @@ def test_an_interrupted_run_leaves_its_shards_but_not_its_lock(tmp_path, tiny_ta
     _, out = _interrupted(tmp_path, tiny_target_dir, kw)
     assert sorted(p.name for p in (tmp_path / "torn.jsonl.parts").iterdir()) == [
         "index.json", "shard-00000.jsonl", "shard-00001.jsonl"]
+
+
+def test_temporaries_of_a_killed_run_are_removed(tmp_path, tiny_target_dir):
+    """A run killed with -9 while writing the output file (or a part, or the index) left its ``atomic_path``
+    temporary (``.o.jsonl.XXXX``) beside them for good; the next run of the same output removes them and writes the
+    same file as a run that was never killed."""
+    src = _write_source(tmp_path / "src.jsonl")
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+    regenerate(str(src), str(tmp_path / "clean.jsonl"), str(tiny_target_dir), **kw)
+    out = tmp_path / "o.jsonl"
+    parts = tmp_path / "o.jsonl.parts"
+    parts.mkdir()
+    torn = [tmp_path / ".o.jsonl.k9x2ab", parts / ".shard-00000.jsonl.q1w2e3", parts / ".index.json.zz9"]
+    for path in torn:
+        path.write_text("half a write")
+    other = tmp_path / ".other.jsonl.k9x2ab"  # another output's: not this run's to remove
+    other.write_text("kept")
+    regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    assert [p.exists() for p in torn] == [False, False, False] and other.read_text() == "kept"
+    assert out.read_bytes() == (tmp_path / "clean.jsonl").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.jsonl.k9x2ab", "clean.jsonl", "o.jsonl", "src.jsonl"]
+
+
+@pytest.mark.parametrize("content", ["", "no-pid-here", "host notanumber"])
+def test_a_damaged_lock_is_taken_over(tmp_path, tiny_target_dir, content):
+    """A lock file that names no process (empty: killed between creating and writing it; or garbage) is taken over,
+    as a lock of an ended process is."""
+    src = _write_source(tmp_path / "src.jsonl")
+    out = tmp_path / "o.jsonl"
+    lock = tmp_path / "o.jsonl.parts" / "lock"
+    lock.parent.mkdir()
+    lock.write_text(content)
+    kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+    regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    assert read_output(out)[0]["counts"]["records"] == 7 and not lock.parent.exists()
