@@ -64,9 +64,9 @@ studies ran before the default moved to ``norm_before_fc`` + ``norm_output``, an
 Seed s sets both ``seed_everything`` (head init) and ``data.seed`` (split, order, draft vocab counts). Each run
 lives in ``OUT/<arm>-s<seed>/`` (fit runs from the repository root with ``trainer.default_root_dir`` there) and is skipped when its
 ``eval.json`` exists, so the script resumes; a fit it stopped mid-way continues from its ``last.ckpt`` (written at each
-validation) or, when newer, the ``interrupted/on_exception.ckpt`` that stopping the study with SIGTERM or Ctrl-C wrote
-(no step lost; ``fit --ckpt_path`` resumes exactly), so a study can span sessions. Stop a study with
-``kill -TERM -- -<its process group>`` (the fit must get the signal). The best checkpoint (``ModelCheckpoint``'s monitor,
+validation, and by ``fit`` at the step a SIGTERM or Ctrl-C stopped it: stop a study with ``kill -TERM -- -<its process
+group>`` so that the fit gets the signal and no step is lost; ``fit --ckpt_path`` resumes exactly), so a study can span
+sessions. The best checkpoint (``ModelCheckpoint``'s monitor,
 ``val/tau_sim``) is evaluated. It prints a table and writes ``OUT/summary.json``: per run the aux layers,
 steps, training tokens, ``val/tau_sim`` (teacher-forced, on the arm's own validation split, so comparable only
 between arms with the same data) and MT-bench τ (counts the bonus token) and α_1; per arm the mean over
@@ -254,16 +254,6 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return lasts[-1] if lasts else None
 
 
-def resume_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint an unfinished fit of ``run_dir`` continues from: the newer (by modification time) of its
-    :func:`last_checkpoint` and the ``interrupted/on_exception.ckpt`` that a SIGTERM or Ctrl-C of the study wrote
-    (``draftkit.callbacks.interrupt.InterruptCheckpoint``: the step the fit stopped at, not the last validation's);
-    None before either was written."""
-    found = [p for p in (last_checkpoint(run_dir), *run_dir.glob("checkpoints/*/interrupted/on_exception.ckpt"))
-             if p is not None]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
 def best_checkpoint(run_dir: Path) -> Path:
     """The best checkpoint of the run's newest ``lightning_logs/version_N`` (``ModelCheckpoint``'s own record).
 
@@ -298,8 +288,8 @@ def run_one(study: Study, arm: str, seed: int, out: Path, args) -> dict:
     log, report, fitted = run_dir / "run.log", run_dir / "eval.json", run_dir / "fit.done"
     start = time.time()
     if not report.exists() and not fitted.exists():
-        # an unfinished run (the study was stopped) continues where it stopped
-        resume = resume_checkpoint(run_dir)
+        # an unfinished run (the study was stopped) continues from its last validation's last.ckpt
+        resume = last_checkpoint(run_dir)
         # from the repository root, so that the recipes' relative data paths resolve; outputs go to run_dir
         _run([sys.executable, "-m", "draftkit", "fit", *fit_args(study, arm, seed, run_dir, args.max_steps, resume)],
              REPO, log, args.threads)

@@ -242,32 +242,6 @@ def test_a_stopped_fit_continues_from_its_last_checkpoint(tmp_path, benchmark_mo
     assert cmd[cmd.index("--trainer.max_steps") + 1] == "200"
 
 
-def test_a_fit_stopped_by_a_signal_continues_from_its_interrupt_checkpoint(tmp_path, benchmark_module):
-    """SIGTERM to a study makes its fit write interrupted/on_exception.ckpt at the step it reached: the rerun
-    continues from it, not from the older last.ckpt of the last validation (up to 99 steps, ~1 h on 2 cores, were
-    trained again); a last.ckpt written after it (the resumed run validated again) wins again."""
-    import argparse
-    import os
-
-    mod = benchmark_module("ablation")
-    study = mod.STUDIES["decoder-init"]
-    args = argparse.Namespace(max_steps=200, threads=1, num_prompts=2, max_new_tokens=4, k=2, dtype="auto")
-    root = tmp_path / "random-s0" / "checkpoints" / "random"
-    last = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
-    stopped = root / "interrupted" / "on_exception.ckpt"
-    for path, mtime in ((last, 1000), (stopped, 2000)):
-        path.parent.mkdir(parents=True)
-        path.write_bytes(b"")
-        os.utime(path, (mtime, mtime))
-    assert mod.resume_checkpoint(tmp_path / "random-s0") == stopped
-    os.utime(last, (3000, 3000))
-    assert mod.resume_checkpoint(tmp_path / "random-s0") == last
-    stopped.unlink()
-    assert mod.resume_checkpoint(tmp_path / "random-s0") == last
-    last.unlink()
-    assert mod.resume_checkpoint(tmp_path / "random-s0") is None
-
-
 def test_turns_length_also_evaluates_mt_bench_second_turns(tmp_path, benchmark_module):
     """The turns-length study evaluates every run on MT-bench's first turns (eval.json) and on the second turns after
     the target's own first answer (eval-turn2.json, the shipped prompt file); a run that has eval.json but not the
