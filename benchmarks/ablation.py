@@ -43,8 +43,9 @@ Studies (``--study``), each a base recipe stack and arms stacked on it:
   draft decoder layer starts. ``random`` (the default); ``target-layer`` (+
   ``recipes/ablation/init-decoder-from-target.yaml``: the target's last decoder layer, 29, copied into it,
   ``model.init_decoder_from_target_layer``). Equal cost per step, so run it with ``--max_steps``.
-- ``turns-length`` (issue 52 item 2; base the default recipe as it is; PREPARED, its all-turns arms wait for
-  ``recipes/data/smollm2-135m-regen-turns.jsonl.gz``, issue 52 item 1): ``first-turns`` (+ ``len-2048.yaml`` +
+- ``turns-length`` (issue 52 item 2; base the default recipe as it is; its all-turns arms train on
+  ``recipes/data/smollm2-135m-regen-turns.jsonl.gz``, issue 52 item 1, as far as it is regenerated; seed 0 of two
+  arms measured, benchmarks/README.md): ``first-turns`` (+ ``len-2048.yaml`` +
   ``first-turns.yaml``: the shipped head's 13,264 distinct first turns, 2,048 tokens); ``all-turns`` (+
   ``len-2048.yaml`` + ``all-turns.yaml``: every human turn answered in context, 2,048 tokens); ``all-turns-512``
   (+ ``len-512.yaml`` + ``all-turns.yaml``). Run it with ``--max_steps`` (equal steps, as the issue asks; a
@@ -404,11 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "runs": rows, **summarize(rows, study)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    more_cols = [f"tau_{n}" for n, _ in study.more_prompts]  # each study's other prompt sets (tau_turn2)
     print(f"\n{'arm':15s} {'seed':>4s} {'aux layers':14s} {'filter':8s} {'steps':>5s} {'tokens':>8s} "
-          f"{'val/tau_sim':>11s} {'tau':>7s} {'alpha_1':>7s}")
+          f"{'val/tau_sim':>11s} {'tau':>7s} {'alpha_1':>7s}" + "".join(f" {c:>10s}" for c in more_cols))
     for r in rows:
         print(f"{r['arm']:15s} {r['seed']:4d} {str(r['aux_layer_ids']):14s} {r['entropy_filter']['mode']:8s} "
-              f"{r['steps']:5d} {r['tokens_trained']:8d} {r['val_tau_sim']:11.4f} {r['tau']:7.4f} {r['alpha'][0]:7.4f}")
+              f"{r['steps']:5d} {r['tokens_trained']:8d} {r['val_tau_sim']:11.4f} {r['tau']:7.4f} {r['alpha'][0]:7.4f}"
+              + "".join(f" {r[c]:10.4f}" for c in more_cols))
     for name, d in summary["paired_differences"].items():
         more = "".join(f", tau {n} {d[f'tau_{n}_mean']:+.4f}" for n, _ in study.more_prompts)
         print(f"{name}: tau {d['tau_mean']:+.4f} (per seed {[round(x, 4) for x in d['tau']]}), "
