@@ -276,10 +276,11 @@ class Parts:
     def _remove_torn_temporaries(self) -> None:
         """Remove the temporaries (``atomic_path``'s ``.<name>.XXXX``) that a run killed mid-write left beside the
         output and among the parts: only a generate of this output writes them, and this process holds the lock."""
-        torn = [*self.out.parent.glob(f".{self.out.name}.*"), *self.dir.glob(".*")]
+        prefix = f".{self.out.name}."  # compared as text: a name may hold glob characters ([, *, ?)
+        torn = [p for p in (*self.out.parent.iterdir(), *self.dir.iterdir())
+                if p.is_file() and (p.name.startswith(prefix) or (p.parent == self.dir and p.name.startswith(".")))]
         for path in torn:
-            if path.is_file():
-                path.unlink()
+            path.unlink()
         if torn:
             log.info("generate: removed %d temporary file(s) that an interrupted run left: %s", len(torn),
                      ", ".join(str(p) for p in torn))

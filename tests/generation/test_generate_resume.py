@@ -147,10 +147,10 @@ def test_temporaries_of_a_killed_run_are_removed(tmp_path, tiny_target_dir):
     src = _write_source(tmp_path / "src.jsonl")
     kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
     regenerate(str(src), str(tmp_path / "clean.jsonl"), str(tiny_target_dir), **kw)
-    out = tmp_path / "o.jsonl"
-    parts = tmp_path / "o.jsonl.parts"
+    out = tmp_path / "o[1].jsonl"  # glob characters in the name are plain text
+    parts = tmp_path / "o[1].jsonl.parts"
     parts.mkdir()
-    torn = [tmp_path / ".o.jsonl.k9x2ab", parts / ".shard-00000.jsonl.q1w2e3", parts / ".index.json.zz9"]
+    torn = [tmp_path / ".o[1].jsonl.k9x2ab", parts / ".shard-00000.jsonl.q1w2e3", parts / ".index.json.zz9"]
     for path in torn:
         path.write_text("half a write")
     other = tmp_path / ".other.jsonl.k9x2ab"  # another output's: not this run's to remove
@@ -158,7 +158,7 @@ def test_temporaries_of_a_killed_run_are_removed(tmp_path, tiny_target_dir):
     regenerate(str(src), str(out), str(tiny_target_dir), **kw)
     assert [p.exists() for p in torn] == [False, False, False] and other.read_text() == "kept"
     assert out.read_bytes() == (tmp_path / "clean.jsonl").read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.jsonl.k9x2ab", "clean.jsonl", "o.jsonl", "src.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.jsonl.k9x2ab", "clean.jsonl", "o[1].jsonl", "src.jsonl"]
 
 
 @pytest.mark.parametrize("content", ["", "no-pid-here", "host notanumber"])
