@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
-    "InsufficientSpaceError", "ResumableRecord", "atomic_path", "bytes_needed", "check_free_space", "check_writable",
+    "InsufficientSpaceError", "ResumableRecord", "atomic_leftovers", "atomic_path", "bytes_needed", "check_free_space", "check_writable",
     "short_hash", "write_json_atomic",
 ]
 
@@ -113,6 +113,15 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_leftovers(folder: Path, name: str | None = None) -> list[Path]:
+    """The temporaries (``.<name>.XXXX`` files) that :func:`atomic_path` calls writing ``folder / name`` (any name
+    when ``name`` is None) left in ``folder`` because their process was killed mid-write (a clean exit or an error
+    removes them). Only a caller that knows no writer of those names runs (e.g. one holding their lock) may remove
+    them. Names are compared as text (glob characters in ``name`` are literal)."""
+    prefix = "." if name is None else f".{name}."
+    return [p for p in folder.iterdir() if p.is_file() and p.name.startswith(prefix)]
 
 
 @contextmanager

@@ -111,3 +111,19 @@ def test_short_hash_is_sha256_of_sorted_json_or_of_bytes():
     assert short_hash("x") == hashlib.sha256(b'"x"').hexdigest()[:16]
     assert short_hash(b"x") == hashlib.sha256(b"x").hexdigest()[:16] == "2d711642b726b044"
     assert short_hash({"p": Path("/a")}) == short_hash({"p": "/a"})  # default=str
+
+
+def test_atomic_leftovers_names_only_the_temporaries_of_that_name(tmp_path):
+    """atomic_path's temporaries are ``.<name>.XXXX`` beside the target: a killed writer's are found by name (glob
+    characters literal), never the target, another name's temporary or a folder."""
+    from draftkit.jsonio import atomic_leftovers, atomic_path
+
+    with atomic_path(tmp_path / "a[1].jsonl") as tmp:  # the real naming, not a copy of it
+        left = tmp.name
+        tmp.write_text("x")
+    (tmp_path / left).write_text("a killed writer's")
+    for name in ("a[1].jsonl", ".b.jsonl.q9", ".a1.jsonl.z"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".a[1].jsonl.dir").mkdir()
+    assert [p.name for p in atomic_leftovers(tmp_path, "a[1].jsonl")] == [left]
+    assert sorted(p.name for p in atomic_leftovers(tmp_path)) == sorted([left, ".b.jsonl.q9", ".a1.jsonl.z"])

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from draftkit.jsonio import atomic_path, check_free_space, write_json_atomic
+from draftkit.jsonio import atomic_leftovers, atomic_path, check_free_space, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def _holder_alive(host: str, pid: str) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, under another user
-        return True
+        pass
     return True
 
 
@@ -276,9 +276,7 @@ class Parts:
     def _remove_torn_temporaries(self) -> None:
         """Remove the temporaries (``atomic_path``'s ``.<name>.XXXX``) that a run killed mid-write left beside the
         output and among the parts: only a generate of this output writes them, and this process holds the lock."""
-        prefix = f".{self.out.name}."  # compared as text: a name may hold glob characters ([, *, ?)
-        torn = [p for p in (*self.out.parent.iterdir(), *self.dir.iterdir())
-                if p.is_file() and (p.name.startswith(prefix) or (p.parent == self.dir and p.name.startswith(".")))]
+        torn = atomic_leftovers(self.out.parent, self.out.name) + atomic_leftovers(self.dir)
         for path in torn:
             path.unlink()
         if torn:
