@@ -27,13 +27,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from draftkit.models.schedule import RESUME_KEY
 
 __all__ = [
-    "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
+    "DATA_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
     "check_resume_options", "claim_run_dir", "continue_run_dir", "remove_run_dir", "report_stop", "resume_command",
     "save_final_last", "trainer_record", "warn_replaced_model_options", "with_step",
 ]
 
 
 RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
+DATA_KEY = "draftkit_data_source"  # checkpoint key: the data source's content (ChatDataModule.source_fingerprint)
 
 
 SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -106,19 +107,38 @@ def _world(trainer: dict) -> int | None:
     return None if count is None else count * int(trainer.get("trainer.num_nodes") or 1)
 
 
+def _data_changed(config, ckpt: dict) -> str:
+    """Why the data source differs from the one the checkpoint trained on ("" when it does not, or when the
+    checkpoint stores no ``DATA_KEY``): a file that grew or was rewritten under the same ``data.path`` changes the
+    rows, the split and the batch order, so a resume would silently train on other batches than the run planned."""
+    old = ckpt.get(DATA_KEY)
+    if not old or not config.get("data") or not config.data.get("path"):
+        return ""
+    from draftkit.artifacts import resolve_artifact
+    from draftkit.data.datamodule import data_source_fingerprint
+
+    new = data_source_fingerprint(resolve_artifact(config.data.path, "data.path"))
+    if new == old:
+        return ""
+    return (f"data.path {config.data.path} holds other data than the run trained on (content {new[:16]} now, "
+            f"{old[:16]} in the checkpoint: the file was rewritten or extended since), so the split and the batch "
+            "order would change; restore the file the run started from to resume")
+
+
 def check_resume_options(config, ckpt: dict, path: str) -> None:
     """Compare a resumed fit's ``model.*``, ``data.*`` and ``trainer.*`` options with the checkpoint's.
 
     The checkpoint's model and data options are the ``hyper_parameters`` / ``datamodule_hyper_parameters``
     that ``save_hyperparameters`` stores; its trainer options are ``RESUME_KEY`` (written by ``RunStart``).
     A change listed in :data:`SAFE_ON_RESUME` is logged once (``old -> new``); ``data.batch_size`` may change
-    only together with the processes, keeping the global batch (``batch_size x devices x num_nodes``). An
+    only together with the processes, keeping the global batch (``batch_size x devices x num_nodes``). The data
+    source's content must be the one the checkpoint stores under ``DATA_KEY`` (:func:`_data_changed`). An
     option the checkpoint does not store (written by an older draftkit) is reported and not compared.
 
     Raises:
-        ValueError: for any other difference (LightningCLI would otherwise replace the new ``model.*`` values
-            with the checkpoint's without a word), naming each option, the checkpoint's and the new value, and
-            how to proceed; raised before anything is instantiated.
+        ValueError: for any other difference, or a data file whose content changed (LightningCLI would otherwise
+            replace the new ``model.*`` values with the checkpoint's without a word), naming each option, the
+            checkpoint's and the new value, and how to proceed; raised before anything is instantiated.
     """
     safe = {name for names, _ in SAFE_ON_RESUME for name in names}
     stored = {**_flatten("model", ckpt.get("hyper_parameters") or {}),
@@ -147,6 +167,9 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
         else:
             hint = " (it may change only with trainer.devices, keeping the global batch)" if name == "data.batch_size" else ""
             refused.append(f"{name} is {new!r} in this run but {old!r} in the checkpoint{hint}")
+    changed = _data_changed(config, ckpt)
+    if changed:
+        refused.append(changed)
     if missing:
         rank_zero_info(f"resuming {path}: the checkpoint stores no {', '.join(missing)} (written by an older "
                        "draftkit): not compared")
@@ -271,6 +294,9 @@ class RunStart(Callback):
             checkpoint[RUN_DIR_KEY] = str(trainer.logger.log_dir)
         if self.trainer_options is not None:
             checkpoint[RESUME_KEY] = self.trainer_options
+        source = getattr(trainer.datamodule, "source_fingerprint", None)
+        if source is not None:
+            checkpoint[DATA_KEY] = source()
 
     def _restore(self) -> None:
         if hasattr(self, "_previous"):

@@ -11,7 +11,8 @@ import torch
 
 from draftkit.cli import DraftkitCLI, load_recipe
 from draftkit.commands import main
-from draftkit.fit_run import check_resume_options
+from draftkit.artifacts import file_sha256
+from draftkit.fit_run import DATA_KEY, check_resume_options
 from draftkit.models.schedule import RESUME_KEY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +82,34 @@ def test_an_option_the_checkpoint_lacks_is_reported_not_refused(two_steps, monke
         check_resume_options(config, saved, "old.ckpt")
     assert "resuming old.ckpt: the checkpoint stores no trainer options (an older draftkit)" in caplog.text
     assert "resuming old.ckpt: the checkpoint stores no model.serving_k (this run: 2) (written by an older" in caplog.text
+
+
+def test_a_data_file_that_changed_since_the_checkpoint_is_refused(tmp_path, monkeypatch, capsys):
+    """The checkpoint stores the data file's sha256; a file extended under the same data.path (as a growing
+    regeneration output is) would change the split and the batch order, so the resume is refused naming the file;
+    the file restored, the same resume trains on."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    data = tmp_path / "chat.jsonl"
+    original = (REPO / "recipes/data/tiny-chat.jsonl").read_bytes()
+    data.write_bytes(original)
+    root = tmp_path / "run"
+    DraftkitCLI(args=_args(root, "--trainer.max_steps", "2", "--data.path", str(data)))
+    ckpt = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert _stored(ckpt)[DATA_KEY] == file_sha256(data)
+    first_line = original.split(b"\n", 1)[0]
+    data.write_bytes(original + first_line.replace(b"?", b"??") + b"\n")  # one more conversation
+    changed = file_sha256(data)
+    before = _checkpoints(root)
+    assert main(_args(root, "--trainer.max_steps", "3", "--data.path", str(data), "--ckpt_path", str(ckpt))) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"draftkit fit: error: --ckpt_path {ckpt}: data.path {data} holds other data than the run "
+                          f"trained on (content {changed[:16]} now, {file_sha256(REPO / 'recipes/data/tiny-chat.jsonl')[:16]} "
+                          "in the checkpoint: the file was rewritten or extended since)")
+    assert _checkpoints(root) == before  # refused before anything ran
+    data.write_bytes(original)
+    cli = DraftkitCLI(args=_args(root, "--trainer.max_steps", "3", "--data.path", str(data), "--ckpt_path", str(ckpt)))
+    assert cli.trainer.global_step == 3
 
 
 def test_the_batch_size_may_change_only_keeping_the_global_batch(two_steps, monkeypatch, caplog):

@@ -39,7 +39,7 @@ from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
-__all__ = ["ChatDataModule"]
+__all__ = ["ChatDataModule", "data_source_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,16 @@ PROMPT_RULE_HINTS = {
 
 LOST_TO_TRUNCATION = "assistant tokens lost to truncation"
 """The skip reason of a conversation whose assistant tokens all lie past ``data.max_length``."""
+
+
+def data_source_fingerprint(path: str | Path) -> str:
+    """What a data source holds, for cache keys and resume checks: the hex sha256 of a local file's bytes; for a
+    directory (a saved ``datasets`` set) or a hub id, the reference itself (their content is not hashed).
+
+    Args:
+        path: a resolved ``data.path`` (``draftkit.artifacts.resolve_artifact``).
+    """
+    return file_sha256(path) if Path(path).is_file() else str(path)
 
 
 class ChatDataModule(pl.LightningDataModule):
@@ -205,11 +215,12 @@ class ChatDataModule(pl.LightningDataModule):
         return pad_token_id(self.load_tokenizer())
 
     # -- preparation ------------------------------------------------------------------------------------
-    def _data_fingerprint(self, path: str) -> str:
-        p = Path(path)
-        if p.is_file():
-            return file_sha256(p)
-        return str(path)
+    def source_fingerprint(self) -> str:
+        """The data source's content as :func:`data_source_fingerprint` gives it (hashed once per module); ``fit``
+        stores it in every checkpoint, and a resume refuses data that has changed since
+        (``draftkit.fit_run.check_resume_options``)."""
+        self._cache_key()
+        return self._source
 
     def _cache_key(self) -> tuple[str, Path]:
         """(key, data path); computed once per module, since it hashes the whole data file.
@@ -226,8 +237,9 @@ class ChatDataModule(pl.LightningDataModule):
         hp = self.hparams
         tok = self.load_tokenizer()
         path = resolve_artifact(hp.path, "data.path")
+        self._source = data_source_fingerprint(path)
         key = _fingerprint(
-            "chat-v4", tokenization_fingerprint(), self._data_fingerprint(path), hp.split,
+            "chat-v4", tokenization_fingerprint(), self._source, hp.split,
             hp.chat_template or tok.chat_template, tok.name_or_path, len(tok),
             tok.backend_tokenizer.to_str()[:100000] if tok.is_fast else "", hp.max_length,
             hp.max_conversations, hp.supervise,
