@@ -202,7 +202,9 @@ def test_turns_length_study_arms_set_only_their_data_and_length(arm, monkeypatch
     the default recipe (batch 4, online, Muon, 3 TTT steps)."""
     cli = _stacked(benchmark_module("ablation").STUDIES["turns-length"], arm, list(TURNS), monkeypatch, max_steps=600)
     assert (cli.datamodule.hparams.path, cli.datamodule.hparams.max_length) == TURNS[arm]
-    assert cli.datamodule.hparams.max_conversations is None and cli.datamodule.hparams.val_size == 32
+    # the all-turns arms read the growing file's first 890 records, the data their seed 0 trained on
+    assert cli.datamodule.hparams.max_conversations == (None if arm == "first-turns" else 890)
+    assert cli.datamodule.hparams.val_size == 32
     assert cli.datamodule.hparams.batch_size == 4 and cli.datamodule.hparams.hidden_states_cache is None
     assert cli.model.optim.optimizer == "muon" and cli.model.ttt.steps == 3 and cli.trainer.max_steps == 600
 
