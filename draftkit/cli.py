@@ -24,6 +24,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from draftkit.callbacks.progress import ProgressLog
 from draftkit.fit_run import (
     RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
     save_final_last, trainer_record, warn_replaced_model_options, with_step,
@@ -191,6 +192,8 @@ class DraftkitCLI(LightningCLI):
         self._run_start = RunStart()
         self._run_start.trainer_options = trainer_record(self.config[self.subcommand] if self.subcommand else self.config)
         self.trainer.callbacks.append(self._run_start)
+        if not sys.stdout.isatty() and not any(isinstance(cb, ProgressLog) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(ProgressLog())  # the progress bar draws nothing into a log file
         # logged in the setup hook, after prepare_data: a run that the data or model checks stop writes nothing
         self.trainer.callbacks.append(_LogHyperparams({"precision": self.precision}))
 
