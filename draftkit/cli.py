@@ -24,7 +24,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-from draftkit.callbacks.progress import ProgressLog
+from draftkit.fit_progress import ProgressLog
 from draftkit.fit_run import (
     RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
     save_final_last, trainer_record, warn_replaced_model_options, with_step,

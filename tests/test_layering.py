@@ -9,7 +9,7 @@ on one floor or not:
 2. target, heads/checkpoint, data, kernels/{compile, option}, generation
 3. decoding, dual_precision, export, analysis/{collect, report}
 4. models
-5. cli, fit_run, callbacks (callbacks may import any of 1-4)
+5. cli, fit_run, fit_progress, callbacks (callbacks may import any of 1-4)
 6. commands, __main__
 """
 
@@ -33,7 +33,7 @@ FLOORS = {
     3: ["draftkit.decoding", "draftkit.dual_precision", "draftkit.export", "draftkit.analysis.collect",
         "draftkit.analysis.report"],
     4: ["draftkit.models"],
-    5: ["draftkit.cli", "draftkit.fit_run", "draftkit.callbacks"],
+    5: ["draftkit.cli", "draftkit.fit_run", "draftkit.fit_progress", "draftkit.callbacks"],
     6: ["draftkit.commands", "draftkit.__main__"],
 }
 RULES = {name: floor for floor, names in FLOORS.items() for name in names}

@@ -165,8 +165,8 @@ MUTANTS: dict[str, list[Mutant]] = {
           "spans.append((len(prefix), len(upto)))", CHAT, "-k", "loss_mask"),
     ],
     "draftkit/data/datamodule.py": [
-        M("cache-key-without-code", "tokenization_fingerprint(), self._data_fingerprint(path)",
-          "self._data_fingerprint(path)", CHAT, "-k", "cache_key"),
+        M("cache-key-without-code", "tokenization_fingerprint(), self._source",
+          "self._source", CHAT, "-k", "cache_key"),
     ],
     "draftkit/heads/checkpoint.py": [
         M("t2d-without-d2t-offset", "ids = torch.arange(vm.numel()) + vm", "ids = torch.arange(vm.numel())",

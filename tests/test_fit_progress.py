@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftkit.callbacks import progress
-from draftkit.callbacks.progress import ProgressLog
+from draftkit import fit_progress as progress
+from draftkit.fit_progress import ProgressLog
 from draftkit.cli import DraftkitCLI
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _lines(caplog) -> list[str]:
