@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.fit_progress import ProgressLog
 from draftkit.fit_run import (
-    RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
+    HELD_OUT_KEY, RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
     save_final_last, trainer_record, warn_replaced_model_options, with_step,
 )
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
@@ -81,7 +81,8 @@ def _check_context_window(config) -> None:
 
 
 class DraftkitCLI(LightningCLI):
-    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target``, and the
+    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target`` and
+    ``data.init_head`` to ``model.init_head``, and the
     precision policy applied to ``trainer.precision`` and ``model.target_dtype`` (see the module docstring).
 
     Attributes:
@@ -107,6 +108,7 @@ class DraftkitCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
+        parser.link_arguments("model.init_head", "data.init_head")  # its training prompts stay out of validation
 
     def _parse_ckpt_path(self) -> None:
         """``fit``/``validate --ckpt_path``: a file that is no draftkit checkpoint is refused naming it; ``fit``
@@ -122,6 +124,7 @@ class DraftkitCLI(LightningCLI):
             from draftkit.heads.checkpoint import load_checkpoint
 
             ckpt = load_checkpoint(path, "--ckpt_path")[0]
+            self._held_out = (ckpt.get(HELD_OUT_KEY),)  # the split the run trained with (restore_head_prompts)
             if verb == "fit":
                 check_resume_options(config, ckpt, path)
             else:
@@ -176,6 +179,14 @@ class DraftkitCLI(LightningCLI):
             )
         # the checkpoint holds the weights and d2t/t2d: build() skips model.init_head, which may be gone by now
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")
+        self._restore_split()
+
+    def _restore_split(self) -> None:
+        """With ``--ckpt_path``, validation keeps out the prompts the checkpoint's run kept out (not those
+        ``data.init_head`` records now: it may have changed or gone)."""
+        held_out = getattr(self, "_held_out", None)
+        if held_out is not None and hasattr(self.datamodule, "restore_head_prompts"):
+            self.datamodule.restore_head_prompts(held_out[0])
 
     def before_fit(self) -> None:
         check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
@@ -187,6 +198,7 @@ class DraftkitCLI(LightningCLI):
         _check_context_window(self.config[self.subcommand])
         _check_memory(self.model, self.datamodule, self.trainer)
         self.model.resume_ckpt_path = self.config[self.subcommand].get("ckpt_path")  # build() skips model.init_head
+        self._restore_split()
         self._created_dirs = claim_run_dir(self.trainer.logger) if self.trainer.world_size == 1 else []
         self._fit_started = time.monotonic()
         self._run_start = RunStart()

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from draftkit.models.schedule import RESUME_KEY
 
 __all__ = [
-    "DATA_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
+    "DATA_KEY", "HELD_OUT_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
     "check_resume_options", "claim_run_dir", "continue_run_dir", "remove_run_dir", "report_stop", "resume_command",
     "save_final_last", "trainer_record", "warn_replaced_model_options", "with_step",
 ]
@@ -35,6 +35,7 @@ __all__ = [
 
 RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
 DATA_KEY = "draftkit_data_source"  # checkpoint key: the data source's content (ChatDataModule.source_fingerprint)
+HELD_OUT_KEY = "draftkit_init_head_prompts"  # checkpoint key: the prompts data.init_head kept out of validation
 
 
 SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -58,8 +59,8 @@ RESOLVED_ON_RUN = {"model.aux_layer_ids": None, "model.target_dtype": "auto", "d
 """Options whose placeholder a run replaces in place (and the checkpoint stores resolved): the placeholder in
 the resumed run's config means "the checkpoint's value", not a change."""
 
-NOT_COMPARED = ("data.tokenizer",)
-"""Linked to ``model.target``, which is compared."""
+NOT_COMPARED = ("data.tokenizer", "data.init_head")
+"""Linked to ``model.target`` and ``model.init_head``, which are compared."""
 
 
 def _plain(value):
@@ -297,6 +298,13 @@ class RunStart(Callback):
         source = getattr(trainer.datamodule, "source_fingerprint", None)
         if source is not None:
             checkpoint[DATA_KEY] = source()
+        if hasattr(trainer.datamodule, "trained_prompts"):
+            from draftkit.data.trained_prompts import CHECKPOINT_KEY
+
+            checkpoint[CHECKPOINT_KEY] = trainer.datamodule.trained_prompts()
+            held_out = trainer.datamodule.head_prompts()
+            if held_out is not None:  # a resume keeps this split even if data.init_head changes or goes
+                checkpoint[HELD_OUT_KEY] = held_out
 
     def _restore(self) -> None:
         if hasattr(self, "_previous"):

@@ -37,6 +37,7 @@ from draftkit.data.hidden_cache import AUTO, HiddenStateCache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
+from draftkit.data.trained_prompts import digest, hash_each, prompt_hashes, read_trained_prompts
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
 __all__ = ["ChatDataModule", "data_source_fingerprint"]
@@ -133,6 +134,10 @@ class ChatDataModule(pl.LightningDataModule):
             ``data.dedup_prompts``); more stops set-up naming the main reason and the option that controls it,
             since it usually means the data has another format or shape than the reader expects. 1.0 = never
             stop.
+        init_head: the head this run starts from (``.ckpt`` or export directory; the CLI links it to
+            ``model.init_head``): the prompts it trained on, as it records them (``draftkit.data.trained_prompts``),
+            stay out of validation and train; a head that records none is named in a warning (its validation
+            may hold prompts it trained on). None: no head, every prompt may validate.
 
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
@@ -165,6 +170,7 @@ class ChatDataModule(pl.LightningDataModule):
         max_skip_fraction: float = 0.2,
         dedup_prompts: bool = True,
         min_prompt_chars: int = 8,
+        init_head: str | None = None,
     ) -> None:
         super().__init__()
         if supervise not in SUPERVISE:
@@ -190,6 +196,8 @@ class ChatDataModule(pl.LightningDataModule):
         self.hidden_states = None  # HiddenStateCache in offline mode
         self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (generation.hidden_states)
         self._offline: dict = {}
+        self._held_out: tuple | None = None  # (hashes or None,) once read from data.init_head
+        self._trained: torch.Tensor | None = None
 
     # -- tokenizer --------------------------------------------------------------------------------------
     def load_tokenizer(self):
@@ -423,20 +431,78 @@ class ChatDataModule(pl.LightningDataModule):
         # validation scores assistant tokens: rows without one (kept under supervise: all) train, unless
         # their prompt is on the validation side
         n_sup = ds["num_supervised"]
-        train_idx, val_idx = grouped_split(keys, [i for i in kept if n_sup[i] > 0], hp.val_size, hp.seed)
+        seen = self.head_prompts()
+        trained_by_head = set() if seen is None else self._trained_by_head(keys, kept, seen)
+        candidates = [i for i in kept if n_sup[i] > 0 and i not in trained_by_head]
+        train_idx, val_idx = grouped_split(keys, candidates, hp.val_size, hp.seed)
         if len(val_idx) < hp.val_size:
+            head = (f", {len(trained_by_head)} more have a prompt that data.init_head {hp.init_head} trained on"
+                    if trained_by_head else "")
             raise ValueError(
                 f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has with an assistant "
-                f"token within data.max_length={hp.max_length} ({len(val_idx)}); lower data.val_size or raise "
-                "data.max_length"
+                f"token within data.max_length={hp.max_length} ({len(val_idx)}{head}); lower data.val_size, raise "
+                "data.max_length" + (" or add conversations the head has not seen" if trained_by_head else "")
             )
+        if seen is not None:
+            self.stats["trained_by_init_head"] = len(trained_by_head)
         val_keys = {keys[i] for i in val_idx}
-        train_idx = sorted(train_idx + [i for i in kept if n_sup[i] == 0 and keys[i] not in val_keys])
+        train_idx = sorted(train_idx + [i for i in kept if (n_sup[i] == 0 or i in trained_by_head)
+                                        and keys[i] not in val_keys])
         order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(hp.seed)).tolist()
         train_idx = [train_idx[i] for i in order]
         if hp.max_samples is not None:
             train_idx = train_idx[: hp.max_samples]
         return train_idx, val_idx, dropped
+
+    @staticmethod
+    def _trained_by_head(keys: list[str], rows: list[int], seen: torch.Tensor) -> set[int]:
+        """The rows of ``rows`` whose prompt key's hash is in ``seen`` ((P,) int64 sorted)."""
+        if not rows or not len(seen):
+            return set()
+        hashes = hash_each([keys[i] for i in rows])
+        pos = torch.searchsorted(seen, hashes).clamp(max=len(seen) - 1)
+        hit = seen[pos] == hashes
+        return {r for r, h in zip(rows, hit.tolist()) if h}
+
+    def head_prompts(self) -> torch.Tensor | None:
+        """(P,) int64 sorted hashes of the prompts ``data.init_head`` trained on (read once); None without
+        ``data.init_head`` or when the head records none (then a warning names it).
+
+        Raises:
+            FileNotFoundError, ValueError: as ``draftkit.data.trained_prompts.read_trained_prompts``.
+        """
+        if self._held_out is None:
+            head = self.hparams.get("init_head")
+            hashes = read_trained_prompts(head) if head else None
+            if head and hashes is None:
+                log.warning(
+                    "data.init_head %s records no training prompts (written before draftkit recorded them): this "
+                    "run's validation may hold conversations the head trained on, and then reads optimistic from "
+                    "step 0 on; measure it on held-out prompts (draftkit evaluate) to judge the run", head)
+            self._held_out = (hashes,)
+        return self._held_out[0]
+
+    def restore_head_prompts(self, hashes: torch.Tensor | None) -> None:
+        """Keep out of validation the prompts a checkpoint of this run recorded (``fit --ckpt_path``, ``validate
+        --ckpt_path``: the split the run trained with, even if ``data.init_head`` changed or is gone since),
+        instead of reading ``data.init_head``. Call before :meth:`setup`.
+
+        Args:
+            hashes: (P,) int64 sorted, or None when the run kept none out (no ``data.init_head``, or a checkpoint of
+                a draftkit before this record).
+        """
+        self._held_out = (hashes,)
+
+    def trained_prompts(self) -> torch.Tensor:
+        """(P,) int64 sorted hashes of the prompts this run's head has trained on: the training rows' (after
+        :meth:`setup`) joined with those of ``data.init_head``; ``fit`` stores them in every checkpoint
+        (``draftkit.data.trained_prompts.CHECKPOINT_KEY``)."""
+        if self._trained is None:
+            self.setup()
+            own = prompt_hashes(self._train_keys)
+            head = self.head_prompts()
+            self._trained = own if head is None else torch.unique(torch.cat([head, own]))
+        return self._trained
 
     def _check_skip_fraction(self, stats: dict, dropped: list[dict]) -> None:
         """Refuse a source of which more than ``data.max_skip_fraction`` of the records is skipped (read and
@@ -490,6 +556,8 @@ class ChatDataModule(pl.LightningDataModule):
         self._check_signal(self.stats)
         hp = self.hparams
         train_idx, val_idx, self.stats["prompt_rule"] = self._split(ds, self.stats)
+        keys = ds["prompt_key"]
+        self._train_keys = [keys[i] for i in train_idx]  # trained_prompts() hashes them when a checkpoint is saved
         cols = ["input_ids", "loss_mask", "record"]  # record: batches name their rows in errors
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)
@@ -501,6 +569,9 @@ class ChatDataModule(pl.LightningDataModule):
         elif hp.hidden_states_cache:
             self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
+        if "trained_by_init_head" in self.stats:
+            log.info("data.init_head %s trained on the prompts of %d of these conversations: they train, none "
+                     "validates", hp.init_head, self.stats["trained_by_init_head"])
         prompt_only = self.stats.get("prompt_only", 0)
         log.info(
             "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens%s, %d dropped with no "
@@ -546,11 +617,12 @@ class ChatDataModule(pl.LightningDataModule):
 
     def fingerprint(self) -> str:
         """Key of the tokenized data (tokenization code, tokenizer, data, template, max_length) plus the split,
-        the prompt rule and the sample cap."""
+        the prompt rule, the sample cap and the prompts ``data.init_head`` trained on (kept out of validation)."""
         key, _ = self._cache_key()
         hp = self.hparams
+        held_out = self.head_prompts()  # the head's prompts stay out of validation: another split
         return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples, "grouped", "dedup-conversations", hp.dedup_prompts,
-                            hp.min_prompt_chars)
+                            hp.min_prompt_chars, *([] if held_out is None else ["init-head", digest(held_out)]))
 
     # -- loaders ----------------------------------------------------------------------------------------
     def _loader(self, split: str, shuffle: bool) -> DataLoader:

@@ -304,6 +304,7 @@ def write_directory(
     overwrite: bool,
     check,
     write_weights=None,
+    extra_tensor_files: dict | None = None,
 ) -> Path:
     """Write an export directory atomically: build it in a temporary sibling, check it, then rename.
 
@@ -316,6 +317,8 @@ def write_directory(
         check: ``check(tmp_dir)`` runs on the finished temporary directory before the rename; it raises to abort.
         write_weights: ``write_weights(tensors, tmp_dir)`` writes the weights in an engine's own format (llama.cpp:
             one GGUF) instead of ``model.safetensors``.
+        extra_tensor_files: file name -> ``(writer, tensor)``: ``writer(tmp_dir, tensor)`` writes one more file
+            (the head's trained prompts, ``draftkit.data.trained_prompts.write_trained_prompts``).
 
     Returns:
         The final directory path.
@@ -333,7 +336,8 @@ def write_directory(
     check_replaceable(out_dir)
     json_text = {name: json.dumps(obj, indent=2) + "\n" for name, obj in json_files.items()}
     nbytes = (sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 4096
-              + sum(len(t.encode("utf-8")) for t in [*json_text.values(), *text_files.values()]))
+              + sum(len(t.encode("utf-8")) for t in [*json_text.values(), *text_files.values()])
+              + sum(t.numel() * t.element_size() + 4096 for _, t in (extra_tensor_files or {}).values()))
     check_free_space(out_dir.parent, nbytes, f"export to {out_dir}")
     with atomic_path(out_dir, directory=True) as tmp:
         try:
@@ -345,6 +349,8 @@ def write_directory(
                 (tmp / name).write_text(text)
             for name, text in text_files.items():
                 (tmp / name).write_text(text)
+            for writer, tensor in (extra_tensor_files or {}).values():
+                writer(tmp, tensor)
         except Exception as exc:  # the disk filled while writing (safetensors raises its own error type)
             if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc):
                 raise InsufficientSpaceError(

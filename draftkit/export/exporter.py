@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from draftkit.artifacts import cache_dir
+from draftkit.data.trained_prompts import EXPORT_FILE, read_trained_prompts, write_trained_prompts
 from draftkit.export.common import (
     EXPORT_DTYPES,
     NORM_FLAGS,
@@ -229,6 +230,8 @@ def export_head_source(
     engine_version = files.get("engine_version", module.ENGINE_VERSION)
 
     meta = source.meta
+    # the prompts the head trained on, so that a run continuing it validates on others (draftkit.data.trained_prompts)
+    prompts = read_trained_prompts(source.path, "export") if Path(source.path).exists() else None
     sidecar = {
         "format": "draftkit-export",
         "format_version": FORMAT_VERSION,
@@ -263,6 +266,8 @@ def export_head_source(
         "ttt": meta.get("ttt"),
         # the longest sequence (tokens) the head was trained on; None for heads trained before it was recorded
         "trained_length": meta.get("trained_length"),
+        # distinct first prompts it trained on, hashed in trained_prompts.safetensors; None: not recorded
+        "trained_prompts": None if prompts is None else len(prompts),
         "num_speculative_tokens": k,
         **({} if speculation is None else {"speculation": speculation.record(files.get("speculation"))}),
         "launch": launch,
@@ -275,8 +280,9 @@ def export_head_source(
         verify_export(tmp, source)
 
     json_files = {SIDECAR: sidecar} if config is None else {"config.json": config, SIDECAR: sidecar}
+    extra = {} if prompts is None else {EXPORT_FILE: (write_trained_prompts, prompts)}
     path = write_directory(out_dir, tensors, json_files, files.get("text_files", {}), overwrite, check,
-                           write_weights=files.get("write_weights"))
+                           write_weights=files.get("write_weights"), extra_tensor_files=extra)
     log.info("exported %s for %s into %s", source.path, engine, path)
     return path
 

@@ -25,7 +25,7 @@ CHAIN_SIDECAR_KEYS = [
     "source_checkpoint", "target", "trained_target", "target_architecture", "target_path", "target_name",
     "target_model_type", "target_dtype", "tokenizer_fingerprint", "chat_template", "target_num_layers", "aux_layer_ids", "aux_layer_ids_convention",
     "aux_layer_ids_default", "engine_aux_layer_ids", "vocab", "head_config", "ttt", "trained_length",
-    "num_speculative_tokens", "launch",
+    "trained_prompts", "num_speculative_tokens", "launch",
 ]
 
 
