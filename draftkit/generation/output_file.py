@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import socket
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -147,19 +146,14 @@ def _read_index(path: Path, overwrite: bool) -> dict | None:
                      "; restore it, or pass --overwrite to restart (the shards beside it are decoded again)")
 
 
-def _holder_alive(host: str, pid: str) -> bool:
-    """Whether the generate process ``pid`` on ``host`` that holds a ``Parts`` lock may still run: True for another
-    host's process (it cannot be checked), for a process of another user, and for a live one; False for one that
-    has ended."""
-    if host != socket.gethostname():
-        return True
+def _is_file_of(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` now (not one removed or replaced since)."""
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+        st = path.stat()
+    except FileNotFoundError:
         return False
-    except PermissionError:  # it exists, under another user
-        pass
-    return True
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 class Parts:
@@ -191,85 +185,95 @@ class Parts:
         if self.dir.exists() and not self.dir.is_dir():
             raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
                                   "away, or write another --output")
-        self._lock()  # before anything here is removed or rewritten (again at the end: a restart removes it)
-        self._remove_torn_temporaries()
-        index = _read_index(self.index_path, overwrite)
-        if index is not None and index.get("settings") != settings:
-            if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
-                raise FileExistsError(
-                    f"{self.dir} holds shards made with other settings ({index.get('settings')} vs {settings}; "
-                    f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or "
-                    "rerun with the settings that made them"
-                )
-            shutil.rmtree(self.dir)
-            index = None
-        if existing is not None:
-            if existing[0]["settings"] != settings:
-                raise FileExistsError(
-                    f"--output {out} was made with other settings ({existing[0]['settings']} vs {settings}; "
-                    f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another "
-                    "--output"
-                )
-            covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
-            if covered > shards[-1].stop:
-                raise FileExistsError(
-                    f"--output {out} holds the answers to the first {covered} usable conversations; "
-                    f"--max_records {header.get('max_records')} ({shards[-1].stop}) would drop some. Pass a larger "
-                    "--max_records (or none), write another --output, or pass --overwrite"
-                )
-        if index is None:
-            index = {"settings": settings, "header": header, "shards": {}}
-            if existing is not None:  # extend a finished file: its shards come back as parts
-                for key, lines in existing[1].items():
-                    write_lines_atomic(self.part(int(key)), lines)
-                index["shards"] = existing[0]["shards"]
-                log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
-                         sum(len(lines) for lines in existing[1].values()))
-                write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
-        self.index, self.settings = index, settings
-        self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
-        self._lock()
+        self._lock()  # before anything here is removed or rewritten
+        try:
+            self._remove_torn_temporaries()
+            index = _read_index(self.index_path, overwrite)
+            if index is not None and index.get("settings") != settings:
+                if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
+                    raise FileExistsError(
+                        f"{self.dir} holds shards made with other settings ({index.get('settings')} vs {settings}; "
+                        f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or "
+                        "rerun with the settings that made them"
+                    )
+                shutil.rmtree(self.dir)
+                self._lock()  # the removed folder took the lock file with it: claim the new one
+                index = None
+            if existing is not None:
+                if existing[0]["settings"] != settings:
+                    raise FileExistsError(
+                        f"--output {out} was made with other settings ({existing[0]['settings']} vs {settings}; "
+                        f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another "
+                        "--output"
+                    )
+                covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
+                if covered > shards[-1].stop:
+                    raise FileExistsError(
+                        f"--output {out} holds the answers to the first {covered} usable conversations; "
+                        f"--max_records {header.get('max_records')} ({shards[-1].stop}) would drop some. Pass a larger "
+                        "--max_records (or none), write another --output, or pass --overwrite"
+                    )
+            if index is None:
+                index = {"settings": settings, "header": header, "shards": {}}
+                if existing is not None:  # extend a finished file: its shards come back as parts
+                    for key, lines in existing[1].items():
+                        write_lines_atomic(self.part(int(key)), lines)
+                    index["shards"] = existing[0]["shards"]
+                    log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
+                             sum(len(lines) for lines in existing[1].values()))
+                    write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
+            self.index, self.settings = index, settings
+            self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
+        except BaseException:  # refused or failed here: this process gives up its claim at once
+            self.release()
+            raise
 
     def _lock(self) -> None:
-        """Claim the shard folder for this process (``lock``: host and pid), so that a second generate of the same
-        output stops at once instead of racing this one (both decoded every shard, then one failed on a part the
-        other had removed). The lock file is created exclusively (``O_EXCL``), so of two runs started together
-        exactly one gets it. A lock of a process that has ended (killed, interrupted) is taken over.
+        """Claim the shard folder for this process, so that a second generate of the same output stops at once
+        instead of racing this one (both decoded every shard, then one failed on a part the other had removed).
+
+        The claim is an exclusive ``fcntl.flock`` on ``<parts>/lock`` (which names the holder: host and pid), held
+        until :meth:`release` or the process ends: the kernel releases it when its holder dies (killed, interrupted),
+        so a lock left behind is taken over without guessing from pids, and of any number of runs that start or
+        take over at once exactly one holds it. Called again after the folder was removed (a restart), it claims
+        the new lock file.
 
         Raises:
-            FileExistsError: a live process (or one on another host) holds the lock, naming it and the lock file.
+            FileExistsError: another live process holds the lock, naming it and the lock file.
         """
+        import fcntl
+
         self.dir.mkdir(parents=True, exist_ok=True)
         lock, me = self.dir / "lock", f"{socket.gethostname()} {os.getpid()}"
-        for _ in range(3):  # create; or find a holder; or take over an ended holder's lock and create again
+        held = getattr(self, "_lock_fd", None)
+        if held is not None and _is_file_of(held, lock):
+            return
+        for _ in range(3):  # open and lock; retry when the holder removed the file between the two
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            except FileExistsError:
-                pass
-            else:
-                with os.fdopen(fd, "w") as f:
-                    f.write(me)
-                self._me = me
-                return
-            try:
-                holder = lock.read_text()
-                if not holder:  # created this instant by a run that writes its name next: read it again
-                    time.sleep(0.2)
-                    holder = lock.read_text()
-            except FileNotFoundError:  # its holder just released it
-                continue
-            if holder == me:
-                self._me = me
-                return
-            host, _, pid = holder.partition(" ")
-            if host and pid.isdigit() and _holder_alive(host, pid):  # else damaged: taken over
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+                os.close(fd)
+                host, _, pid = holder.partition(" ")
+                who = f"process {pid} on {host}" if pid else "a process starting now"
                 raise FileExistsError(
-                    f"--output {self.out} is being written by another draftkit generate (process {pid} on {host}, "
-                    f"{lock}); wait for it to finish (this command then finds the file done), or stop it. If no "
-                    "such run exists, delete the lock file")
-            log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid or "?",
-                     host or "?")
-            lock.unlink(missing_ok=True)
+                    f"--output {self.out} is being written by another draftkit generate ({who}, {lock}); wait for "
+                    "it to finish (this command then finds the file done), or stop it") from None
+            if not _is_file_of(fd, lock):
+                os.close(fd)
+                continue
+            previous = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+            if previous and previous != me:
+                host, _, pid = previous.partition(" ")
+                log.info("generate: taking over %s from process %s on %s, which has ended", self.dir, pid or "?",
+                         host or "?")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me.encode(), 0)
+            if held is not None:
+                os.close(held)
+            self._lock_fd = fd
+            return
         raise FileExistsError(f"{lock} keeps changing hands: another draftkit generate is starting on --output "
                               f"{self.out}; stop it, or write another --output")
 
@@ -286,9 +290,12 @@ class Parts:
     def release(self) -> None:
         """Give up this process's claim (:meth:`_lock`): remove its lock, and the folder when nothing else is in it
         (a run that failed before its first shard leaves no trace). Nothing to do after :meth:`join`."""
-        lock = self.dir / "lock"
-        if lock.is_file() and lock.read_text() == self._me:
-            lock.unlink()
+        lock, fd = self.dir / "lock", getattr(self, "_lock_fd", None)
+        if fd is not None:
+            if _is_file_of(fd, lock):  # removed while held: a run that opened it before then finds it gone, retries
+                lock.unlink()
+            os.close(fd)
+            self._lock_fd = None
         if self.dir.is_dir() and not any(self.dir.iterdir()):
             self.dir.rmdir()
 

@@ -99,11 +99,19 @@ def test_a_file_where_the_shards_go_is_named(tmp_path, tiny_target_dir):
                               f"{tmp_path / 'o.jsonl'}: move it away, or write another --output")
 
 
+_HOLD = ("import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "os.write(fd, sys.argv[2].encode())\n"
+         "print('held', flush=True)\n"
+         "time.sleep(600)\n")
+
+
 def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_target_dir):
     """Two generate runs of one output at once both decoded every shard; the first to finish removed the parts and
     the other stopped with "[Errno 2] No such file or directory: '...parts/shard-00000.jsonl'". Now the second is
-    refused naming the first; a lock left by a process that has ended (kill -9) is taken over."""
-    import os
+    refused naming the first, which holds the lock (``flock``); once that process is killed (-9), its lock file is
+    taken over."""
     import socket
     import subprocess
     import sys
@@ -112,24 +120,63 @@ def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_targe
     out = tmp_path / "o.jsonl"
     lock = tmp_path / "o.jsonl.parts" / "lock"
     lock.parent.mkdir()
-    host, alive = socket.gethostname(), os.getppid()  # pytest's parent: a live process other than this one
-    lock.write_text(f"{host} {alive}")
-    kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
-    with pytest.raises(FileExistsError) as err:
-        regenerate(str(src), str(out), str(tiny_target_dir), **kw)
-    assert str(err.value) == (
-        f"--output {out} is being written by another draftkit generate (process {alive} on {host}, {lock}); wait "
-        "for it to finish (this command then finds the file done), or stop it. If no such run exists, delete the "
-        "lock file")
-    assert lock.read_text() == f"{host} {alive}" and not out.exists()
-    (lock.parent / "shard-00000.jsonl").write_text("the other run's\n")
-    with pytest.raises(FileExistsError, match="is being written by another draftkit generate"):
-        regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)  # --overwrite removes nothing
-    assert (lock.parent / "shard-00000.jsonl").read_text() == "the other run's\n"
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    lock.write_text(f"{host} {ended.stdout.strip()}")  # a run killed with -9 left it
-    regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+    host = socket.gethostname()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock), f"{host} 4242"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+        with pytest.raises(FileExistsError) as err:
+            regenerate(str(src), str(out), str(tiny_target_dir), **kw)
+        assert str(err.value) == (
+            f"--output {out} is being written by another draftkit generate (process 4242 on {host}, {lock}); wait "
+            "for it to finish (this command then finds the file done), or stop it")
+        assert lock.read_text() == f"{host} 4242" and not out.exists()
+        (lock.parent / "shard-00000.jsonl").write_text("the other run's\n")
+        with pytest.raises(FileExistsError, match="is being written by another draftkit generate"):
+            regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)  # --overwrite removes nothing
+        assert (lock.parent / "shard-00000.jsonl").read_text() == "the other run's\n"
+    finally:
+        holder.kill()  # as kill -9: the lock file stays, naming it; the kernel released its flock
+        holder.wait()
+    assert lock.read_text() == f"{host} 4242"
+    regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)
     assert read_output(out)[0]["counts"]["records"] == 7 and not lock.parent.exists()
+
+
+def test_runs_taking_over_one_ended_lock_at_once_leave_exactly_one_holder(tmp_path):
+    """The pid-based take-over let two runs that found one ended holder in the same instant both unlink and create
+    the lock, both holding it (one unlinked the lock the other had just created; a slow ``unlink`` widens that
+    window here); with ``flock`` exactly one of eight simultaneous claimants holds it."""
+    import socket
+    import subprocess
+    import sys
+
+    parts = tmp_path / "o.jsonl.parts"
+    parts.mkdir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (parts / "lock").write_text(f"{socket.gethostname()} {ended.stdout.strip()}")  # a holder that has ended
+    claim = ("import sys, time\n"
+             "from pathlib import Path\n"
+             "from draftkit.generation.output_file import Parts\n"
+             "slow = Path.unlink\n"
+             "Path.unlink = lambda self, *a, **k: (time.sleep(0.5), slow(self, *a, **k))[1]  # a slow file system\n"
+             "p = Parts.__new__(Parts)\n"
+             "p.out = Path(sys.argv[1]); p.dir = Path(sys.argv[1] + '.parts')\n"
+             "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+             "try:\n"
+             "    p._lock()\n"
+             "except FileExistsError:\n"
+             "    print('refused', flush=True); sys.exit(0)\n"
+             "print('held', flush=True)\n"
+             "time.sleep(3)\n")
+    import time
+
+    start = str(time.time() + 4.0)  # every claimant imports first, then all claim in the same instant
+    procs = [subprocess.Popen([sys.executable, "-c", claim, str(tmp_path / "o.jsonl"), start], stdout=subprocess.PIPE,
+                              text=True) for _ in range(8)]
+    said = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    assert said == ["held"] + ["refused"] * 7
 
 
 def test_an_interrupted_run_leaves_its_shards_but_not_its_lock(tmp_path, tiny_target_dir):
