@@ -6,7 +6,8 @@ and logs the measured acceptance length (bonus token counted) and per-position a
 ``val/accept_len``, ``val/accept_rate_pos{i}`` (alpha_i, i = 1..k), ``val/acceptance_rate`` and
 ``val/kl_pos{i}`` (KL on the draft vocab, target renormalised over it), ``val/outside_mass_pos{i}`` (target
 mass outside the draft vocab) and ``val/expected_accept_pos{i}`` (sum min(p, q) = 1 - TV(p, q)); see
-``draftkit.decoding.metrics``.
+``draftkit.decoding.metrics``. With ``tree`` set it also decodes that tree (EAGLE-2's dynamic tree, what SGLang and
+TensorRT-LLM serve) on the same prompts and logs ``val/tree_accept_len`` and ``val/tree_accept_rate_pos{i}``.
 
 Shapes: none (scalars only).
 """
@@ -19,7 +20,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from draftkit.data.prompts import load_prompts
-from draftkit.decoding.harness import evaluate_drafter
+from draftkit.decoding.harness import Topology, evaluate_drafter
+from draftkit.decoding.tree import Eagle3TreeDrafter
 from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.drafters import Eagle3Drafter
@@ -60,10 +62,12 @@ class AcceptanceLengthMonitor(Callback):
         temperature: 0 = greedy (the acceptance of a greedy chain).
         prompts: ``mt-bench`` or a JSONL/JSON prompt file (see ``draftkit.data.prompts.load_prompts``).
         seed: sampling seed (temperature > 0).
+        tree: also decode this tree, ``DEPTH,TOPK,N`` as ``draftkit evaluate --tree`` takes it (e.g. ``5,4,16``),
+            optionally with a prompt-lookup hybrid suffix (``+lookup=8``); None: the chain only.
 
     Raises:
         ValueError: if every_n_validations, every_n_train_steps, num_prompts, k or max_new_tokens is smaller
-            than 1, or the temperature is negative.
+            than 1, the temperature is negative, or ``tree`` is no tree shape (naming it).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class AcceptanceLengthMonitor(Callback):
         temperature: float = 0.0,
         prompts: str = "mt-bench",
         seed: int = 0,
+        tree: str | None = None,
     ) -> None:
         for name, value in (("every_n_validations", every_n_validations), ("num_prompts", num_prompts), ("k", k),
                             ("max_new_tokens", max_new_tokens), ("every_n_train_steps", every_n_train_steps)):
@@ -91,6 +96,8 @@ class AcceptanceLengthMonitor(Callback):
         self.temperature = temperature
         self.prompts = prompts
         self.seed = seed
+        self.tree = tree
+        self._sweep = [Topology.parse(f"tree={tree}", "AcceptanceLengthMonitor tree")] if tree else []
         self._prompts = None
         self._offline_target = None
         self._validations = 0
@@ -117,7 +124,7 @@ class AcceptanceLengthMonitor(Callback):
     def build_drafter(self, pl_module: LightningModule):
         """The drafter to measure; override to measure another drafter in the same report shape."""
         check_head_matches_target(pl_module.head, self._target(pl_module))
-        return Eagle3Drafter(pl_module.head)
+        return Eagle3TreeDrafter(pl_module.head) if self.tree else Eagle3Drafter(pl_module.head)
 
     def _target(self, pl_module: LightningModule):
         """The module's ``FrozenTarget``; in offline mode one built here from the full target, loaded once."""
@@ -166,7 +173,7 @@ class AcceptanceLengthMonitor(Callback):
                 self.build_drafter(pl_module), self._target(pl_module), self._tokenizer(pl_module), self._prompts,
                 k=self.k, temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed,
                 chat_template=getattr(pl_module, "chat_template", None), baseline=False, prompt_lookup=False,
-                warmup=False, sync=sync,
+                warmup=False, sync=sync, sweep=self._sweep or None,
             )
         finally:
             head.train(was_training)
@@ -179,6 +186,11 @@ class AcceptanceLengthMonitor(Callback):
             for i, x in enumerate(report[f"{name}_per_position"] or [], 1):
                 if x is not None:
                     metrics[f"val/{name}_pos{i}"] = x
-        log.info("step %d: accept_len %.3f over %d prompts (chain k=%d)", trainer.global_step, report["tau"],
-                 report["num_prompts"], self.k)
+        tree = (report["sweep"] or [None, None])[1]
+        if tree is not None:
+            metrics["val/tree_accept_len"] = tree["tau"]
+            for i, a in enumerate(tree["acceptance_per_position"], 1):
+                metrics[f"val/tree_accept_rate_pos{i}"] = a
+        log.info("step %d: accept_len %.3f over %d prompts (chain k=%d)%s", trainer.global_step, report["tau"],
+                 report["num_prompts"], self.k, f"; tree {self.tree}: {tree['tau']:.3f}" if tree is not None else "")
         return {name: float(value) for name, value in metrics.items()}

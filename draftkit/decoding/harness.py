@@ -299,7 +299,8 @@ def evaluate_drafter(
         prompt_lookup_k: tokens per round of the prompt-lookup baseline (default: the main topology's k).
         sync: for a target sharded across the ranks, every rank decodes the same prompts and applies rank 0's
             tokens and rounds (``decoding.verify.Sync``), so that their collective forwards stay in lockstep; the
-            report's tokens and acceptance are then rank 0's on every rank. Chains only. None = a single process.
+            report's tokens and acceptance are then rank 0's on every rank; chains, trees and hybrids (each rank
+            verifies rank 0's tree), not ``auto``. None = a single process.
 
     Returns:
         The report dict (see the module docstring and :func:`main`).
@@ -308,7 +309,7 @@ def evaluate_drafter(
         NonFiniteLogitsError: (a ValueError) when the target or the drafter produces NaN/inf logits, naming
             the prompt (index and id), the logits' position and the target's and the head's dtypes.
         ValueError: on an empty prompt list, k < 1, a bad sampling option, max_new_tokens < 1, an unknown
-            ``auto``, ``sync`` with a tree, ``auto`` or a tree in ``sweep``, or a prompt that does not fit the
+            ``auto``, ``sync`` with ``auto``, or a prompt that does not fit the
             target's context window (names the prompt): prompt + ``max_new_tokens`` + the depth that can run (k,
             the tree's depth, or with ``auto`` the deepest candidate it may pick), and for a calibration prompt
             prompt + ``calibration_tokens``.
@@ -318,9 +319,9 @@ def evaluate_drafter(
     if auto not in (None, "k", "tree"):
         raise ValueError(f"auto must be None, 'k' or 'tree', got {auto!r}")
     check_sampling(temperature, top_k, top_p)
-    if sync is not None and (tree is not None or auto or any(t.tree is not None for t in sweep or [])):
-        raise ValueError("sync (a target sharded across the ranks) applies rank 0's rounds to chains only: "
-                         "decode a chain (k) without auto, tree or tree sweep entries")
+    if sync is not None and auto:
+        raise ValueError("sync (a target sharded across the ranks) cannot run auto: its choice rests on each rank's "
+                         "own timings; give the chain k, a tree or a sweep")
     prompts = _as_prompts(prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate: the prompt list is empty")
@@ -378,7 +379,7 @@ def evaluate_drafter(
 
     def speculate(top: Topology, ids, run_cfg, g, kl=False):
         if top.tree is not None:
-            return generate_tree(session, drafter, ids, top.tree, run_cfg, g)
+            return generate_tree(session, drafter, ids, top.tree, run_cfg, g, sync=sync)
         return generate_speculative(session, drafter, ids, top.k, run_cfg, g, collect_kl=kl, sync=sync)
 
     if warmup:

@@ -50,7 +50,7 @@ import torch
 from draftkit.sampling import check_finite_logits, probs_from_logits, sample_from_probs
 from draftkit.decoding.drafters import Eagle3Drafter, PromptLookupDrafter
 from draftkit.decoding.metrics import HEAD, LOOKUP
-from draftkit.decoding.verify import GenerationResult, Round, speculative_loop
+from draftkit.decoding.verify import GenerationResult, Round, Sync, speculative_loop
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 
@@ -214,6 +214,22 @@ class DraftTree:
     depths: torch.Tensor
     scores: torch.Tensor
     sources: torch.Tensor | None = None
+
+    def as_lists(self) -> tuple:
+        """The tree as plain lists (picklable with no device): ``(tokens, parents, depths, scores, sources)``."""
+        return (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist(), self.scores.tolist(),
+                None if self.sources is None else self.sources.tolist())
+
+    @classmethod
+    def from_lists(cls, lists: tuple, device) -> "DraftTree":
+        """The tree :meth:`as_lists` gave, on ``device``."""
+        tokens, parents, depths, scores, sources = lists
+
+        def ints(x):
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        return cls(ints(tokens), ints(parents), ints(depths), torch.tensor(scores, dtype=torch.float32, device=device),
+                   None if sources is None else ints(sources))
 
     def node_sources(self) -> torch.Tensor:
         """(N,) int64 :attr:`sources`, the head's mask (1) everywhere when None."""
@@ -478,6 +494,7 @@ def generate_tree(
     tree: TreeConfig,
     cfg: DecodeConfig,
     generator: torch.Generator | None = None,
+    sync: Sync | None = None,
 ) -> GenerationResult:
     """Tree speculative decoding (see the module docstring); the loop is ``speculative_loop``.
 
@@ -489,6 +506,11 @@ def generate_tree(
         tree: the topology (depth, top-k, N).
         cfg: stop and sampling options.
         generator: RNG for sampling (acceptance draws and corrections).
+        sync: a target sharded across the ranks (``decoding.verify.Sync``): every rank verifies rank 0's tree (its
+            own head may have drafted another one, of another size, which would part the collective forwards) and
+            applies rank 0's accepted path and next token; the drafter's state after a round does not depend on
+            the tree it drafted (its cache is cut back to the root), so the ranks stay in step. None = a single
+            process.
 
     Returns:
         :class:`GenerationResult`; ``stats`` counts per round the accepted path length (<= depth, or the lookup
@@ -502,9 +524,11 @@ def generate_tree(
     def tree_round(seq: torch.Tensor, L: int) -> Round:
         t1 = time.perf_counter()
         draft = drafter.propose_tree(seq[:L + 1], tree)
+        dev = seq.device
+        if sync is not None:  # rank 0's tree on every rank: the verify forward is collective
+            draft = DraftTree.from_lists(sync(draft.as_lists()), dev)
         t2 = time.perf_counter()
         n = draft.tokens.shape[0]
-        dev = seq.device
         mask = torch.cat([torch.ones(n + 1, L, dtype=torch.bool, device=dev), tree_mask(draft.parents).to(dev)], 1)
         pos = L + torch.cat([draft.depths.new_zeros(1), draft.depths]).to(dev)  # (N+1,)
         logits, aux = target.forward(torch.cat([seq[L:L + 1], draft.tokens]), position_ids=pos, attn_mask=mask)
@@ -514,6 +538,8 @@ def generate_tree(
         else:
             p = probs_from_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # (N+1, V)
             path, nxt = tree_rejection_accept(draft, p, generator)
+        if sync is not None:  # rank 0's round on every rank, before the caches keep its path
+            path, nxt = sync((path, nxt))
         rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long, device=dev)  # root + path
         target.keep(torch.cat([torch.arange(L, device=dev), L + rows]))
         drafter.commit(aux[rows])
@@ -527,4 +553,4 @@ def generate_tree(
         return Round(accepted, nxt, n, target.weight_bytes + drafter.round_bytes(head_passes), t2 - t1, t3 - t2,
                      sources=(kind, [src[i] for i in path]))
 
-    return speculative_loop(target, drafter, prompt_ids, cfg, tree_round, tree.max_accept, generator)
+    return speculative_loop(target, drafter, prompt_ids, cfg, tree_round, tree.max_accept, generator, sync)

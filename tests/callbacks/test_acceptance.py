@@ -107,6 +107,32 @@ def test_every_n_train_steps(tmp_path, tiny_parts, prompts):
     assert len(_metrics(tmp_path)) == 2
 
 
+def test_a_tree_is_measured_beside_the_chain_as_evaluate_measures_it(tmp_path, tiny_parts, prompts):
+    """``tree``: the monitor also decodes the tree on the same prompts and logs its acceptance length and per-depth
+    acceptance, equal to ``evaluate`` with that tree; the chain's values stay those of the chain."""
+    from draftkit.decoding.tree import TreeConfig
+
+    torch.set_num_threads(1)
+    module = TinyModule(*tiny_parts)
+    monitor = AcceptanceLengthMonitor(every_n_train_steps=2, num_prompts=2, k=3, max_new_tokens=10, prompts=prompts,
+                                      tree="3,2,4")
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_steps=2, limit_val_batches=0, logger=CSVLogger(tmp_path),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[monitor])
+    trainer.fit(module)
+    kw = dict(max_new_tokens=10, baseline=False, prompt_lookup=False, warmup=False)
+    chain = evaluate_head(module.head, module.target, module.tokenizer, load_prompts(prompts, 2), k=3, **kw)
+    tree = evaluate_head(module.head, module.target, module.tokenizer, load_prompts(prompts, 2),
+                         tree=TreeConfig.parse("3,2,4"), **kw)
+    logged = {name: float(v) for name, v in _metrics(tmp_path)[-1].items() if v}
+    assert logged["val/accept_len"] == pytest.approx(chain["tau"])
+    assert logged["val/tree_accept_len"] == pytest.approx(tree["tau"])
+    assert [logged[f"val/tree_accept_rate_pos{i}"] for i in (1, 2, 3)] == pytest.approx(tree["acceptance_per_position"])
+    assert "val/tree_accept_rate_pos4" not in logged
+    with pytest.raises(ValueError, match="AcceptanceLengthMonitor tree"):
+        AcceptanceLengthMonitor(tree="3,two,4")
+
+
 @pytest.mark.parametrize("kwargs", [{"k": 0}, {"every_n_validations": 0}, {"num_prompts": 0}, {"temperature": -1.0},
                                     {"every_n_train_steps": 0}])
 def test_bad_arguments(kwargs):
@@ -199,8 +225,13 @@ def _repeating_head(target, token: int) -> Eagle3LlamaHead:
 
 def _report(monitor: AcceptanceLengthMonitor) -> dict:
     r = monitor.last_report
-    return {"tau": r["tau"], "alpha": r["acceptance_per_position"],
-            "prompts": [(p["new_tokens"], p["rounds"]) for p in r["per_prompt"]]}
+    out = {"tau": r["tau"], "alpha": r["acceptance_per_position"],
+           "prompts": [(p["new_tokens"], p["rounds"]) for p in r["per_prompt"]]}
+    if r["sweep"]:  # the tree (monitor.tree)
+        t = r["sweep"][1]
+        out["tree"] = {"tau": t["tau"], "alpha": t["acceptance_per_position"],
+                       "prompts": [(p["new_tokens"], p["rounds"]) for p in t["per_prompt"]]}
+    return out
 
 
 def _sharded_rank(rank: int, world: int, port: int, target_dir: str, prompts: str, root: str) -> None:
@@ -228,7 +259,8 @@ def _sharded_rank(rank: int, world: int, port: int, target_dir: str, prompts: st
 
     trainer = SimpleNamespace(global_rank=rank, global_step=2, loggers=[],
                               strategy=SimpleNamespace(target_mesh=mesh, broadcast=broadcast))
-    monitor = AcceptanceLengthMonitor(every_n_train_steps=2, num_prompts=2, k=3, max_new_tokens=16, prompts=prompts)
+    monitor = AcceptanceLengthMonitor(every_n_train_steps=2, num_prompts=2, k=3, max_new_tokens=16, prompts=prompts,
+                                      tree=TREE)
     monitor.on_train_batch_end(trainer, module, None, None, 0)
     Path(root, f"rank{rank}.json").write_text(json.dumps(_report(monitor)))
     del module, target, model, monitor
@@ -237,10 +269,14 @@ def _sharded_rank(rank: int, world: int, port: int, target_dir: str, prompts: st
     dist.destroy_process_group()
 
 
+TREE = "3,2,4"  # depth 3, top-k 2, 4 nodes
+
+
 def test_sharded_ranks_apply_rank_zeros_rounds(tmp_path, tiny_target_dir, tiny_parts):
     """2 gloo processes share a sharded tiny target; rank 1's head drafts another token than rank 0's, so on its
     own it accepts other counts per round and runs another number of rounds (each a collective target forward).
-    Both ranks finish, and both measure exactly what one process measures with rank 0's head."""
+    Both ranks finish, and both measure exactly what one process measures with rank 0's head, for the chain and
+    for the tree (each rank verifies rank 0's tree)."""
     import torch.multiprocessing as mp
 
     target, tokenizer = tiny_parts
@@ -248,7 +284,7 @@ def test_sharded_ranks_apply_rank_zeros_rounds(tmp_path, tiny_target_dir, tiny_p
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello there", "abc abc abc"]))
     alone = {}
     for token in (123, 254):
-        monitor = AcceptanceLengthMonitor(num_prompts=2, k=3, max_new_tokens=16, prompts=str(prompts))
+        monitor = AcceptanceLengthMonitor(num_prompts=2, k=3, max_new_tokens=16, prompts=str(prompts), tree=TREE)
         module = SimpleNamespace(head=_repeating_head(target, token), target=target, tokenizer=tokenizer,
                                  chat_template=None)
         monitor._decode(SimpleNamespace(global_step=2), module)
@@ -256,6 +292,7 @@ def test_sharded_ranks_apply_rank_zeros_rounds(tmp_path, tiny_target_dir, tiny_p
     # the two heads part: other rounds per prompt (rank 0's head accepts on the second prompt, rank 1's on the first)
     assert [r for _, r in alone[123]["prompts"]] == [15, 6]
     assert [r for _, r in alone[254]["prompts"]] == [9, 14]
+    assert [r for _, r in alone[123]["tree"]["prompts"]] != [r for _, r in alone[254]["tree"]["prompts"]]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

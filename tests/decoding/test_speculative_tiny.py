@@ -102,11 +102,40 @@ def test_sync_applies_rank_zeros_picks_and_rounds(tiny, tiny_head):
     other = generate_plain(session, torch.tensor(PROMPTS[0]), cfg).tokens
     picks = iter(other)
     assert generate_plain(session, ids, cfg, sync=lambda value: next(picks)).tokens == other
-    for kwargs in ({"tree": TreeConfig.parse("2,2,4")}, {"auto": "k"}):
-        with pytest.raises(ValueError, match=r"^sync \(a target sharded across the ranks\) applies rank 0's rounds "
-                                             r"to chains only"):
-            evaluate_drafter(Eagle3Drafter(tiny_head), target, None, [PROMPTS[1]], eos_token_ids=[],
-                             sync=lambda value: value, **kwargs)
+    with pytest.raises(ValueError, match=r"^sync \(a target sharded across the ranks\) cannot run auto: its choice "
+                                         r"rests on each rank's own timings"):
+        evaluate_drafter(Eagle3Drafter(tiny_head), target, None, [PROMPTS[1]], eos_token_ids=[],
+                         sync=lambda value: value, auto="k")
+
+
+def test_sync_makes_every_rank_verify_rank_zeros_tree(tiny, tiny_head):
+    """Trees under ``sync``: "rank 1" drafts with another head (other trees: another acceptance on its own); given
+    what "rank 0" exchanged (its first token, then per round its tree and its accepted path and next token), it
+    verifies rank 0's trees, so it emits rank 0's tokens with rank 0's accepted counts, node counts and forwards."""
+    from decoding_stubs import make_head
+
+    from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
+
+    target, _ = tiny
+    session = TargetSession(target)
+    ids = torch.tensor(PROMPTS[1])
+    cfg = DecodeConfig(max_new_tokens=24)
+    shape = TreeConfig.parse("3,2,4+lookup=3")  # a hybrid: rank 0's lookup branch adds nodes to its trees
+    plain = generate_plain(session, ids, cfg)
+    sent = []
+    rank0 = generate_tree(session, Eagle3TreeDrafter(tiny_head), ids, shape, cfg,
+                          sync=lambda value: sent.append(value) or value)
+    assert len(sent) == 1 + 2 * rank0.stats.rounds and sent[0] == plain.tokens[0]
+    assert [len(tree[0]) for tree in sent[1::2]] == rank0.stats.drafted
+    other = make_head(target, seed=1)
+    alone = generate_tree(session, Eagle3TreeDrafter(other), ids, shape, cfg)
+    assert alone.stats.accepted != rank0.stats.accepted  # on its own, rank 1 would part from rank 0
+    received = iter(sent)
+    rank1 = generate_tree(session, Eagle3TreeDrafter(other), ids, shape, cfg, sync=lambda value: next(received))
+    assert next(received, None) is None  # it exchanged exactly as often as rank 0
+    assert rank1.tokens == rank0.tokens == plain.tokens
+    assert (rank1.stats.accepted, rank1.stats.drafted) == (rank0.stats.accepted, rank0.stats.drafted)
+    assert rank1.target_forwards == rank0.target_forwards
 
 
 def _layer_kv(cache, i):
