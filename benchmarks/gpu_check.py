@@ -20,6 +20,9 @@ Steps (each one a row of the table; a failing step prints its error and the othe
 5. ``evaluate``: ``python -m draftkit evaluate --device cuda`` of the shipped head on that target, 8 MT-bench
    first turns (``ASSETS/mt_bench_question.jsonl``), 64 new tokens, k = 5, speed in bf16 and ``greedy_equal``
    from the float32 pass.
+6. ``evaluate split``: the same target placed across two devices by a ``device_map`` (half its decoder layers
+   on the GPU, half on the CPU: the path ``evaluate --device_map`` takes for a target larger than one GPU),
+   float32, 4 prompts: ``greedy_equal`` must be 4/4 and the head on the GPU.
 
 Training rows report tokens/s (real tokens, padding excluded, timed from the third step to the last, CUDA
 synchronised) and peak GPU memory (``torch.cuda.max_memory_allocated``). Goal for SmolLM2: >= 100k tokens/s on
@@ -243,6 +246,31 @@ def main(argv: list[str] | None = None) -> int:
                 "greedy_equal_float32": f"{report['lossless']['greedy_equal']}/{report['num_prompts']}"}
 
     step("evaluate", evaluate)
+
+    def evaluate_split():
+        """The target split across two devices (``evaluate --device_map``'s path, on one GPU: the first half of
+        the decoder layers on it, the rest on the CPU), float32: speculative decoding must equal plain decoding
+        token for token there (greedy_equal), as on one device."""
+        from draftkit.data.prompts import load_prompts
+        from draftkit.decoding.harness import evaluate_head
+        from draftkit.export.head_target import load_head_and_target
+
+        ref = target.get("dir") or smollm2_target(assets, args.smollm2, work / "smollm2-random")
+        n = 30
+        where = {"model.embed_tokens": 0 if DEVICE == "cuda" else "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu",
+                 "lm_head": 0 if DEVICE == "cuda" else "cpu"}
+        where.update({f"model.layers.{i}": (0 if DEVICE == "cuda" and i < n // 2 else "cpu") for i in range(n)})
+        head, frozen, tokenizer, meta, _ = load_head_and_target("checkpoints/smollm2-135m-eagle3-head", ref,
+                                                                "float32", DEVICE, device_map=where)
+        report = evaluate_head(head, frozen, tokenizer, load_prompts(str(assets / "mt_bench_question.jsonl"),
+                                                                       1 if args.smoke else 4),
+                               k=5, max_new_tokens=8 if args.smoke else 48, prompt_lookup=False,
+                               chat_template=meta.get("chat_template"), check=False)
+        return {"placement": sorted({str(d) for d in getattr(frozen.model, "hf_device_map", {}).values()}),
+                "head_device": str(next(head.parameters()).device), "tau": round(report["tau"], 3),
+                "greedy_equal": f"{report['greedy_equal']}/{report['num_prompts']}"}
+
+    step("evaluate split", evaluate_split)
     (out / "gpu_check.json").write_text(json.dumps(rows, indent=2) + "\n")
     print("\n| step | figures |\n|---|---|")
     for name, row in rows.items():

@@ -44,6 +44,7 @@ def evaluate(
     device: str = "auto",
     hybrid: bool = True,
     prompt_lookup_k: Optional[int] = None,
+    device_map: Optional[str] = None,
 ) -> dict:
     """Measure acceptance length tau and speedup of a draft head on prompts (chain or EAGLE-2 tree drafting).
 
@@ -100,6 +101,12 @@ def evaluate(
             served by an engine that cannot run both in one server (the report's ``hybrid.engines``: llama.cpp
             can, with ``--spec-type draft-eagle3,ngram-mod``; vLLM, SGLang and TensorRT-LLM not yet).
         prompt_lookup_k: tokens per round of the prompt-lookup baseline (default: the main topology's k or depth).
+        device_map: a target larger than one GPU: accelerate places its layers across the visible GPUs as it
+            loads (Hugging Face's ``device_map``: ``auto``, ``balanced``, ``balanced_low_0`` or ``sequential``),
+            and each target forward runs them in turn (pipeline placement, one GPU busy at a time, so the speed is
+            that of one GPU plus the transfers; an engine with tensor parallelism serves such a target faster);
+            the head runs on the GPU of the target's input embedding. None: the whole target on ``device``.
+            ``--kernels compiled`` is refused with it.
 
     Returns:
         The report dict (see ``draftkit.decoding.harness``).
@@ -136,6 +143,10 @@ def evaluate(
     for opt, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if value is not None and value not in DTYPES:
             raise ValueError(f"--{opt} must be one of {', '.join(DTYPES)}, got {value!r}")
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise ValueError(f"--device_map must be one of {', '.join(DEVICE_MAPS)}, got {device_map!r}")
+    if device_map is not None and kernels == "compiled":
+        raise ValueError("--kernels compiled compiles a target on one device; with --device_map use auto or stock")
     device = resolve_device(device)
     device_type = torch.device(device).type
     precision = precision_record(dtype, device_type)
@@ -143,7 +154,8 @@ def evaluate(
     draft_dtype = resolve_dtype(draft_dtype, device_type, "--draft_dtype") if draft_dtype else dtype
     set_threads(threads)
     prompt_list = load_prompts(prompts, num_prompts)
-    head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype)
+    head, frozen, tokenizer, meta, target_ref = load_head_and_target(checkpoint, target, dtype, device, draft_dtype,
+                                                                     device_map=device_map)
     with use_kernels(kernels, frozen, head) as applied:
         report = evaluate_head(
             head, frozen, tokenizer, prompt_list, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -157,14 +169,15 @@ def evaluate(
         log.info("head %s records no trained length (trained before draftkit stored it): prompt lengths not checked",
                  checkpoint)
     report["setup"].update(dataset=prompts, checkpoint=str(checkpoint), head_fingerprint=meta["head_fingerprint"],
-                           target=target_ref,
+                           target=target_ref, device_map=_placement(frozen, device_map),
                            draft_dtype=draft_dtype, precision=precision, **kernels_record)
     if lossless_check and baseline and temperature == 0:
         if dtype == draft_dtype == "float32":  # the timed run is the check
             report["lossless"] = lossless_block(report, "timed run")
         else:  # both again in float32, the timed copies freed first (compiled: auto's kernels, not a second compile)
             del head, frozen
-            head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device)
+            head, frozen, tokenizer, _, _ = load_head_and_target(checkpoint, target_ref, "float32", device,
+                                                                 device_map=device_map)
             with use_kernels("auto" if kernels == "compiled" else kernels, frozen, head):
                 report["lossless"] = lossless_pass(
                     head, frozen, tokenizer, prompt_list, Topology.in_report(report), max_new_tokens=max_new_tokens,
@@ -180,3 +193,22 @@ def evaluate(
               f" (speed above in {dtype})")
     print(f"report: {output}")
     return report
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+"""``--device_map`` values: accelerate's placement strategies (``transformers`` ``from_pretrained(device_map=)``)."""
+
+
+def _placement(frozen, device_map: str | None) -> dict | None:
+    """The report's ``setup.device_map``: the strategy and how many decoder layers landed on each device; None
+    for a target on one device."""
+    if device_map is None:
+        return None
+    from collections import Counter
+
+    where = getattr(frozen.model, "hf_device_map", None) or {}
+    if not where or set(where) == {""}:  # everything landed on one device
+        device = where.get("", next(frozen.model.parameters()).device)
+        return {"strategy": device_map, "decoder_layers_per_device": {str(device): frozen.num_layers}}
+    layers = Counter(str(dev) for name, dev in where.items() if ".layers." in f".{name}.")
+    return {"strategy": device_map, "decoder_layers_per_device": dict(sorted(layers.items()))}

@@ -48,6 +48,7 @@ def load_head_and_target(
     *,
     random_weights: bool = False,
     draft_vocab_size: int = 8192,
+    device_map: str | dict | None = None,
 ) -> HeadAndTarget:
     """Load a draft head and its target: the head (``export.load.load_head``), the target (``load_target``, or
     built from its config for ``random_weights``) moved to ``device``, the ``FrozenTarget`` on the head's aux
@@ -63,6 +64,9 @@ def load_head_and_target(
         random_weights: build the target from its config with seeded random weights (timing does not depend on
             the weights); the tokenizer is None when the reference has none.
         draft_vocab_size: V_d of the random-init head.
+        device_map: place the target across devices as it loads (``load_target``'s ``device_map``: a target
+            larger than one GPU) instead of moving it to ``device``; the head then runs where the target's input
+            embedding is. Not with ``random_weights``.
 
     Returns:
         :class:`HeadAndTarget` (head, target, tokenizer, meta, target_ref).
@@ -84,8 +88,16 @@ def load_head_and_target(
     target_ref = target or meta.get("target")
     if not target_ref:
         raise ValueError("--target: no target given and no checkpoint to read it from")
-    model, tokenizer = _random_target(target_ref, dtype) if random_weights else load_target(target_ref, dtype)
-    model.to(device)
+    if device_map is not None and random_weights:
+        raise ValueError("device_map places a loaded target; a random-weight target is built on one device")
+    if random_weights:
+        model, tokenizer = _random_target(target_ref, dtype)
+    else:
+        model, tokenizer = load_target(target_ref, dtype, device_map)
+    if device_map is None:
+        model.to(device)
+    else:  # the head and every decoding tensor live where the target's input embedding is
+        device = model.get_input_embeddings().weight.device
     frozen = FrozenTarget(model, meta.get("aux_layer_ids"))
     if head is None:
         torch.manual_seed(0)

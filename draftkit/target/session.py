@@ -213,8 +213,9 @@ class TargetSession:
         """
         with torch.inference_mode():  # inference tensors, as the forward's (a compiled graph guards on it)
             for layer in self.cache.layers:  # transformers 5 ``DynamicLayer``: keys/values (B, A_kv, S, d)
-                layer.keys = layer.keys.index_select(-2, rows)
-                layer.values = layer.values.index_select(-2, rows)
+                at = rows.to(layer.keys.device)  # a layer on another GPU (load_target's device_map)
+                layer.keys = layer.keys.index_select(-2, at)
+                layer.values = layer.values.index_select(-2, at)
         self.length = rows.shape[0]
         self._settle()
 

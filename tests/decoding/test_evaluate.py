@@ -424,6 +424,29 @@ def test_main_device_option(tmp_path, ckpt, prompts_file, capsys, monkeypatch):
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err and not out.exists()
 
 
+def test_main_device_map_places_the_target_as_it_loads(tmp_path, ckpt, prompts_file, capsys):
+    """``--device_map`` (a target larger than one GPU) loads the target through accelerate's placement; here, with
+    no GPU, every layer lands on the CPU and the report equals the one-device run's token for token, and records the
+    placement. A strategy accelerate lacks, or compiled kernels (one device), are refused before anything loads."""
+    common = ["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--max_new_tokens", "6", "--k", "3",
+              "--prompt_lookup", "false", "--dtype", "float32", "--device", "cpu"]
+    one, placed = tmp_path / "one.json", tmp_path / "placed.json"
+    assert main([*common, "--output", str(one)]) == 0
+    assert main([*common, "--output", str(placed), "--device_map", "auto"]) == 0
+    a, b = json.loads(one.read_text()), json.loads(placed.read_text())
+    assert b["setup"]["device_map"] == {"strategy": "auto", "decoder_layers_per_device": {"cpu": 8}}
+    assert a["setup"]["device_map"] is None
+    assert [r["new_tokens"] for r in a["per_prompt"]] == [r["new_tokens"] for r in b["per_prompt"]]
+    assert (a["tau"], a["acceptance_per_position"], a["greedy_equal"]) == (
+        b["tau"], b["acceptance_per_position"], b["greedy_equal"])
+    capsys.readouterr()
+    assert main([*common, "--output", str(tmp_path / "x.json"), "--device_map", "everywhere"]) == 2
+    assert ("--device_map must be one of auto, balanced, balanced_low_0, sequential, got 'everywhere'"
+            in capsys.readouterr().err)
+    assert main([*common, "--output", str(tmp_path / "x.json"), "--device_map", "auto", "--kernels", "compiled"]) == 2
+    assert "--kernels compiled compiles a target on one device" in capsys.readouterr().err
+
+
 def test_load_head_and_target_pairs_them(ckpt, tiny_target_dir):
     from draftkit.export.head_target import load_head_and_target
 
