@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from draftkit.data.prompts import load_prompts
 from draftkit.decoding.harness import Topology, evaluate_drafter
-from draftkit.decoding.tree import Eagle3TreeDrafter
+from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig
 from draftkit.heads.checkpoint import check_head_matches_target
 from draftkit.decoding.metrics import DISTRIBUTION_METRICS
 from draftkit.decoding.drafters import Eagle3Drafter
@@ -97,7 +97,8 @@ class AcceptanceLengthMonitor(Callback):
         self.prompts = prompts
         self.seed = seed
         self.tree = tree
-        self._sweep = [Topology.parse(f"tree={tree}", "AcceptanceLengthMonitor tree")] if tree else []
+        self._sweep = [] if tree is None else [Topology.of(TreeConfig.parse(tree, "AcceptanceLengthMonitor tree",
+                                                                            auto=False))]
         self._prompts = None
         self._offline_target = None
         self._validations = 0
@@ -124,7 +125,7 @@ class AcceptanceLengthMonitor(Callback):
     def build_drafter(self, pl_module: LightningModule):
         """The drafter to measure; override to measure another drafter in the same report shape."""
         check_head_matches_target(pl_module.head, self._target(pl_module))
-        return Eagle3TreeDrafter(pl_module.head) if self.tree else Eagle3Drafter(pl_module.head)
+        return Eagle3TreeDrafter(pl_module.head) if self._sweep else Eagle3Drafter(pl_module.head)
 
     def _target(self, pl_module: LightningModule):
         """The module's ``FrozenTarget``; in offline mode one built here from the full target, loaded once."""

@@ -124,7 +124,8 @@ class DraftkitCLI(LightningCLI):
             from draftkit.heads.checkpoint import load_checkpoint
 
             ckpt = load_checkpoint(path, "--ckpt_path")[0]
-            self._held_out = (ckpt.get(HELD_OUT_KEY),)  # the split the run trained with (restore_head_prompts)
+            held = ckpt.get(HELD_OUT_KEY)  # the split the run trained with (restore_head_prompts)
+            self._held_out = (held["hashes"] if isinstance(held, dict) else None,)
             if verb == "fit":
                 check_resume_options(config, ckpt, path)
             else:

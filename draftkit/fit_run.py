@@ -35,7 +35,7 @@ __all__ = [
 
 RUN_DIR_KEY = "draftkit_log_dir"  # checkpoint key: the logger directory of the run that wrote it
 DATA_KEY = "draftkit_data_source"  # checkpoint key: the data source's content (ChatDataModule.source_fingerprint)
-HELD_OUT_KEY = "draftkit_init_head_prompts"  # checkpoint key: the prompts data.init_head kept out of validation
+HELD_OUT_KEY = "draftkit_init_head_prompts"  # checkpoint key: the prompts model.init_head kept out of validation
 
 
 SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -299,12 +299,12 @@ class RunStart(Callback):
         if source is not None:
             checkpoint[DATA_KEY] = source()
         if hasattr(trainer.datamodule, "trained_prompts"):
-            from draftkit.data.trained_prompts import CHECKPOINT_KEY
+            from draftkit.data.trained_prompts import CHECKPOINT_KEY, record
 
-            checkpoint[CHECKPOINT_KEY] = trainer.datamodule.trained_prompts()
+            checkpoint[CHECKPOINT_KEY] = record(trainer.datamodule.trained_prompts())
             held_out = trainer.datamodule.head_prompts()
-            if held_out is not None:  # a resume keeps this split even if data.init_head changes or goes
-                checkpoint[HELD_OUT_KEY] = held_out
+            if held_out is not None:  # a resume keeps this split even if model.init_head changes or goes
+                checkpoint[HELD_OUT_KEY] = record(held_out)
 
     def _restore(self) -> None:
         if hasattr(self, "_previous"):

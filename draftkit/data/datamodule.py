@@ -37,7 +37,7 @@ from draftkit.data.hidden_cache import AUTO, HiddenStateCache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
-from draftkit.data.trained_prompts import digest, hash_each, prompt_hashes, read_trained_prompts
+from draftkit.data.trained_prompts import hash_each, prompt_hashes, read_trained_prompts
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
 __all__ = ["ChatDataModule", "data_source_fingerprint"]
@@ -134,10 +134,11 @@ class ChatDataModule(pl.LightningDataModule):
             ``data.dedup_prompts``); more stops set-up naming the main reason and the option that controls it,
             since it usually means the data has another format or shape than the reader expects. 1.0 = never
             stop.
-        init_head: the head this run starts from (``.ckpt`` or export directory; the CLI links it to
-            ``model.init_head``): the prompts it trained on, as it records them (``draftkit.data.trained_prompts``),
-            stay out of validation and train; a head that records none is named in a warning (its validation
-            may hold prompts it trained on). None: no head, every prompt may validate.
+        init_head: the head this run starts from (``.ckpt`` or export directory), set through ``model.init_head``
+            (the CLI links it here and replaces a value given under ``data:``): the prompts it trained on, as it
+            records them (``draftkit.data.trained_prompts``), stay out of validation and train; a head that records
+            none is named in a warning (its validation may hold prompts it trained on). None: no head, every
+            prompt may validate.
 
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
@@ -196,7 +197,8 @@ class ChatDataModule(pl.LightningDataModule):
         self.hidden_states = None  # HiddenStateCache in offline mode
         self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (generation.hidden_states)
         self._offline: dict = {}
-        self._held_out: tuple | None = None  # (hashes or None,) once read from data.init_head
+        self._held_out: tuple | None = None  # (hashes or None, where they came from) once read
+        self._held_out_rows = ""  # digest of the rows the head's record kept out of validation ("" = none)
         self._trained: torch.Tensor | None = None
 
     # -- tokenizer --------------------------------------------------------------------------------------
@@ -436,15 +438,20 @@ class ChatDataModule(pl.LightningDataModule):
         candidates = [i for i in kept if n_sup[i] > 0 and i not in trained_by_head]
         train_idx, val_idx = grouped_split(keys, candidates, hp.val_size, hp.seed)
         if len(val_idx) < hp.val_size:
-            head = (f", {len(trained_by_head)} more have a prompt that data.init_head {hp.init_head} trained on"
-                    if trained_by_head else "")
+            if trained_by_head:
+                raise ValueError(
+                    f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has whose prompt "
+                    f"{self._held_out[1]} did not train on ({len(val_idx)}; {len(trained_by_head)} more have a prompt "
+                    "it trained on and only train); lower data.val_size or add conversations the head has not seen")
             raise ValueError(
                 f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has with an assistant "
-                f"token within data.max_length={hp.max_length} ({len(val_idx)}{head}); lower data.val_size, raise "
-                "data.max_length" + (" or add conversations the head has not seen" if trained_by_head else "")
+                f"token within data.max_length={hp.max_length} ({len(val_idx)}); lower data.val_size or raise "
+                "data.max_length"
             )
         if seen is not None:
             self.stats["trained_by_init_head"] = len(trained_by_head)
+            records = ds["record"]
+            self._held_out_rows = short_hash(sorted(str(records[i]) for i in trained_by_head)) if trained_by_head else ""
         val_keys = {keys[i] for i in val_idx}
         train_idx = sorted(train_idx + [i for i in kept if (n_sup[i] == 0 or i in trained_by_head)
                                         and keys[i] not in val_keys])
@@ -456,7 +463,7 @@ class ChatDataModule(pl.LightningDataModule):
 
     @staticmethod
     def _trained_by_head(keys: list[str], rows: list[int], seen: torch.Tensor) -> set[int]:
-        """The rows of ``rows`` whose prompt key's hash is in ``seen`` ((P,) int64 sorted)."""
+        """The rows of ``rows`` whose prompt key's hash is in ``seen`` ((P,) int64 sorted distinct)."""
         if not rows or not len(seen):
             return set()
         hashes = hash_each([keys[i] for i in rows])
@@ -473,13 +480,13 @@ class ChatDataModule(pl.LightningDataModule):
         """
         if self._held_out is None:
             head = self.hparams.get("init_head")
-            hashes = read_trained_prompts(head) if head else None
+            hashes = read_trained_prompts(head, "model.init_head") if head else None
             if head and hashes is None:
                 log.warning(
-                    "data.init_head %s records no training prompts (written before draftkit recorded them): this "
+                    "model.init_head %s records no training prompts (written before draftkit recorded them): this "
                     "run's validation may hold conversations the head trained on, and then reads optimistic from "
                     "step 0 on; measure it on held-out prompts (draftkit evaluate) to judge the run", head)
-            self._held_out = (hashes,)
+            self._held_out = (hashes, f"model.init_head {head}")
         return self._held_out[0]
 
     def restore_head_prompts(self, hashes: torch.Tensor | None) -> None:
@@ -491,7 +498,7 @@ class ChatDataModule(pl.LightningDataModule):
             hashes: (P,) int64 sorted, or None when the run kept none out (no ``data.init_head``, or a checkpoint of
                 a draftkit before this record).
         """
-        self._held_out = (hashes,)
+        self._held_out = (hashes, "the starting head (as the resumed checkpoint records it)")
 
     def trained_prompts(self) -> torch.Tensor:
         """(P,) int64 sorted hashes of the prompts this run's head has trained on: the training rows' (after
@@ -570,8 +577,9 @@ class ChatDataModule(pl.LightningDataModule):
             self.open_hidden_states(hp.hidden_states_cache)
         self._write_skip_list()
         if "trained_by_init_head" in self.stats:
-            log.info("data.init_head %s trained on the prompts of %d of these conversations: they train, none "
-                     "validates", hp.init_head, self.stats["trained_by_init_head"])
+            n = self.stats["trained_by_init_head"]
+            log.info("%s trained on the prompts of %d of these conversations%s", self._held_out[1], n,
+                     ": they train, none validates" if n else "; every conversation may validate")
         prompt_only = self.stats.get("prompt_only", 0)
         log.info(
             "data: %d train / %d val sequences, split by prompt (%d truncated to %d tokens%s, %d dropped with no "
@@ -620,9 +628,11 @@ class ChatDataModule(pl.LightningDataModule):
         the prompt rule, the sample cap and the prompts ``data.init_head`` trained on (kept out of validation)."""
         key, _ = self._cache_key()
         hp = self.hparams
-        held_out = self.head_prompts()  # the head's prompts stay out of validation: another split
+        if self.head_prompts() is not None and self.train_set is None:
+            self.setup()  # the rows the head's record keeps out of validation change the split
+        held_out = self._held_out_rows  # "" when the head trained on none of these prompts: the same split
         return _fingerprint(key, hp.val_size, hp.seed, hp.max_samples, "grouped", "dedup-conversations", hp.dedup_prompts,
-                            hp.min_prompt_chars, *([] if held_out is None else ["init-head", digest(held_out)]))
+                            hp.min_prompt_chars, *(["init-head", held_out] if held_out else []))
 
     # -- loaders ----------------------------------------------------------------------------------------
     def _loader(self, split: str, shuffle: bool) -> DataLoader:

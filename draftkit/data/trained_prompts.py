@@ -9,10 +9,13 @@ falls as the run forgets them. (Measured continuing the shipped SmolLM2 head on 
 1.65, 1.60, 1.66.)
 
 The record: every training checkpoint stores, under :data:`CHECKPOINT_KEY`, the sorted distinct 64-bit hashes
-(:func:`prompt_hashes`) of the normalised first prompts (``draftkit.data.splits.normalize_prompt``) of its
-training rows, joined with those of the head it started from (its lineage); ``draftkit export`` writes them to
-:data:`EXPORT_FILE` beside the weights (engines ignore the file). ``data.init_head`` (linked to ``model.init_head``)
-reads them back (:func:`read_trained_prompts`) and the split keeps those prompts on the training side.
+(:func:`prompt_hashes`, scheme :data:`SCHEME`) of the normalised first prompts
+(``draftkit.data.splits.normalize_prompt``) of its training split (every row it could train on, whether or not a
+short run reached it: the exclusion errs on the safe side), joined with those of the head it started from (its
+lineage); ``draftkit export`` writes them to :data:`EXPORT_FILE`, in a subfolder of its own so that no engine loads
+it as weights (vLLM loads every ``*.safetensors`` at the top of a head's folder). ``model.init_head`` (linked to
+``data.init_head``) reads them back (:func:`read_trained_prompts`) and the split keeps those prompts on the
+training side.
 
 Shapes: (P,) int64, P distinct prompts; 8 bytes a prompt (4 MB for 500 k prompts).
 """
@@ -24,13 +27,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKPOINT_KEY", "EXPORT_FILE", "digest", "hash_each", "prompt_hashes", "read_trained_prompts", "write_trained_prompts"]
+__all__ = ["CHECKPOINT_KEY", "EXPORT_FILE", "SCHEME", "digest", "hash_each", "prompt_hashes", "read_trained_prompts",
+           "record", "write_trained_prompts"]
 
 CHECKPOINT_KEY = "draftkit_trained_prompts"
-"""Checkpoint key: the (P,) int64 sorted prompt hashes of the head's lineage."""
-EXPORT_FILE = "trained_prompts.safetensors"
-"""File of an export directory holding them (tensor ``prompt_hashes``)."""
+"""Checkpoint key: ``{"scheme": SCHEME, "hashes": (P,) int64 sorted}`` (:func:`record`), the head's lineage."""
+EXPORT_FILE = "draftkit/trained_prompts.safetensors"
+"""File of an export directory holding them (tensor ``prompt_hashes``, metadata ``scheme``)."""
+SCHEME = "blake2b-8 of normalize_prompt v1"
+"""How a prompt becomes a hash; a record of another scheme cannot be matched and is refused."""
 _TENSOR = "prompt_hashes"
+_WHAT_TO_DO = ("re-export the head from its training .ckpt (draftkit export), or delete the file to continue without "
+               "the record (validation may then hold prompts the head trained on)")
 
 
 def hash_each(keys) -> torch.Tensor:
@@ -51,14 +59,19 @@ def prompt_hashes(keys) -> torch.Tensor:
     return torch.unique(hash_each(list(keys)))
 
 
+def record(hashes: torch.Tensor) -> dict:
+    """What a checkpoint stores under :data:`CHECKPOINT_KEY`: ``{"scheme": SCHEME, "hashes": hashes}``."""
+    return {"scheme": SCHEME, "hashes": hashes}
+
+
 def digest(hashes: torch.Tensor | None) -> str:
-    """A 16-hex-digit digest of a hash set ("none" for None): what checkpoints and cache keys compare."""
+    """A 16-hex-digit digest of a hash set ("none" for None)."""
     if hashes is None:
         return "none"
     return hashlib.blake2b(hashes.to(torch.int64).contiguous().numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def read_trained_prompts(path: str | Path, option: str = "data.init_head") -> torch.Tensor | None:
+def read_trained_prompts(path: str | Path, option: str = "model.init_head") -> torch.Tensor | None:
     """The prompt hashes a head records: a ``.ckpt`` of ``draftkit fit`` (:data:`CHECKPOINT_KEY`) or an export
     directory (:data:`EXPORT_FILE`).
 
@@ -67,13 +80,15 @@ def read_trained_prompts(path: str | Path, option: str = "data.init_head") -> to
         option: the option that named it, for errors.
 
     Returns:
-        (P,) int64 sorted hashes, or None when the head records none (written by a draftkit before this record).
+        (P,) int64 sorted distinct hashes, or None when the head records none (written by a draftkit before this
+        record).
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
-        ValueError: when the record is not a 1-D int64 tensor, or the checkpoint is unreadable (naming the file).
+        ValueError: when the record is unreadable, not a 1-D int64 tensor, or of another :data:`SCHEME`, or the
+            checkpoint is unreadable (naming the file and what to do).
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from draftkit.heads.checkpoint import load_checkpoint
 
@@ -81,21 +96,36 @@ def read_trained_prompts(path: str | Path, option: str = "data.init_head") -> to
     if not path.exists():
         raise FileNotFoundError(f"{option} {path} does not exist; give a .ckpt from draftkit fit or an export directory")
     if path.is_dir():
-        file = path / EXPORT_FILE
-        hashes = load_file(str(file)).get(_TENSOR) if file.is_file() else None
-        where = file
+        where = path / EXPORT_FILE
+        if not where.is_file():
+            return None
+        try:
+            with safe_open(str(where), "pt") as f:
+                scheme = (f.metadata() or {}).get("scheme")
+                hashes = f.get_tensor(_TENSOR)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+            raise ValueError(f"{option}: {where} is not a readable record of trained prompts ({exc}); "
+                             f"{_WHAT_TO_DO}") from exc
     else:
-        hashes = load_checkpoint(path, option)[0].get(CHECKPOINT_KEY)
+        stored = load_checkpoint(path, option)[0].get(CHECKPOINT_KEY)
+        if stored is None:
+            return None
         where = f"{path} [{CHECKPOINT_KEY}]"
-    if hashes is not None and (not isinstance(hashes, torch.Tensor) or hashes.dtype != torch.int64 or hashes.dim() != 1):
-        raise ValueError(f"{option}: {where} is not a 1-D int64 tensor of prompt hashes; re-export the head with "
-                         "draftkit export")
-    return hashes
+        scheme, hashes = (stored.get("scheme"), stored.get("hashes")) if isinstance(stored, dict) else (None, None)
+    if scheme != SCHEME:
+        raise ValueError(f"{option}: {where} hashes prompts by {scheme!r}, this draftkit by {SCHEME!r}, so they cannot "
+                         f"be matched; {_WHAT_TO_DO}")
+    if not isinstance(hashes, torch.Tensor) or hashes.dtype != torch.int64 or hashes.dim() != 1:
+        raise ValueError(f"{option}: {where} is not a 1-D int64 tensor of prompt hashes; {_WHAT_TO_DO}")
+    return torch.unique(hashes)  # sorted and distinct, whatever wrote it: the split searches it
 
 
 def write_trained_prompts(directory: str | Path, hashes: torch.Tensor) -> None:
-    """Write ``hashes`` ((P,) int64) to ``directory/`` :data:`EXPORT_FILE`."""
+    """Write ``hashes`` ((P,) int64) to ``directory/`` :data:`EXPORT_FILE` (its subfolder created)."""
     from safetensors.torch import save_file
 
-    save_file({_TENSOR: hashes.to(torch.int64).contiguous()}, str(Path(directory) / EXPORT_FILE),
-              metadata={"format": "pt", "what": "draftkit: hashes of the normalised first prompts the head trained on"})
+    file = Path(directory) / EXPORT_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({_TENSOR: hashes.to(torch.int64).contiguous()}, str(file),
+              metadata={"format": "pt", "scheme": SCHEME,
+                        "what": "draftkit: hashes of the normalised first prompts the head trained on"})

@@ -161,10 +161,13 @@ class Parts:
     order), ``lock`` (the process writing them) and ``index.json`` (the settings hash, the header and each finished
     shard's entry: ``first``, ``count``, ``records``, ``failed``, ``ids``, ``new_tokens``, ``seconds``), written
     atomically shard by shard so that a rerun of the same command resumes from them; :meth:`join` writes the output
-    file from them.
+    file from them. ``Parts(out)`` claims the folder (:meth:`_lock`); :meth:`open` then reads it for the run's
+    settings; :meth:`release` gives the claim up (call it in a ``finally``).
 
     Args:
         out: the output file (``.jsonl`` or ``.jsonl.gz``).
+
+    :meth:`open` takes:
         header: the run's header (settings; without ``settings``, ``shards``, ``source_ids``, ``counts``).
         settings: the header's settings hash (``max_records`` left out: a shorter or longer run reuses shards).
         shards: the source positions of each shard (``range`` per shard, in order).
@@ -172,61 +175,67 @@ class Parts:
         overwrite: restart when the parts or the output were made with other settings.
 
     Raises:
-        FileExistsError: the parts hold shards made with other settings, or ``<output>.parts`` is a file, or
-            another live process writes them (:meth:`_lock`); ``existing`` was made with other settings or holds
-            more conversations than ``shards`` cover.
-        ValueError: ``index.json`` is unreadable (without ``overwrite``, which restarts).
+        FileExistsError: ``<output>.parts`` is a file, or another live process writes it (:meth:`_lock`); from
+            :meth:`open`: the parts hold shards made with other settings, or ``existing`` was made with other
+            settings or holds more conversations than ``shards`` cover.
+        ValueError: (:meth:`open`) ``index.json`` is unreadable (without ``overwrite``, which restarts).
     """
 
-    def __init__(self, out: Path, header: dict, settings: str, shards: list[range],
-                 existing: tuple[dict, dict[str, list[str]]] | None, overwrite: bool) -> None:
-        self.out, self.dir, self.shards = out, out.with_name(out.name + ".parts"), shards
+    def __init__(self, out: Path) -> None:
+        self.out, self.dir = out, out.with_name(out.name + ".parts")
         self.index_path = self.dir / "index.json"
         if self.dir.exists() and not self.dir.is_dir():
             raise FileExistsError(f"{self.dir} is a file, where generate keeps the shards of --output {out}: move it "
                                   "away, or write another --output")
-        self._lock()  # before anything here is removed or rewritten
-        try:
-            self._remove_torn_temporaries()
-            index = _read_index(self.index_path, overwrite)
-            if index is not None and index.get("settings") != settings:
-                if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
-                    raise FileExistsError(
-                        f"{self.dir} holds shards made with other settings ({index.get('settings')} vs {settings}; "
-                        f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or "
-                        "rerun with the settings that made them"
-                    )
-                shutil.rmtree(self.dir)
-                self._lock()  # the removed folder took the lock file with it: claim the new one
-                index = None
-            if existing is not None:
-                if existing[0]["settings"] != settings:
-                    raise FileExistsError(
-                        f"--output {out} was made with other settings ({existing[0]['settings']} vs {settings}; "
-                        f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another "
-                        "--output"
-                    )
-                covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
-                if covered > shards[-1].stop:
-                    raise FileExistsError(
-                        f"--output {out} holds the answers to the first {covered} usable conversations; "
-                        f"--max_records {header.get('max_records')} ({shards[-1].stop}) would drop some. Pass a larger "
-                        "--max_records (or none), write another --output, or pass --overwrite"
-                    )
-            if index is None:
-                index = {"settings": settings, "header": header, "shards": {}}
-                if existing is not None:  # extend a finished file: its shards come back as parts
-                    for key, lines in existing[1].items():
-                        write_lines_atomic(self.part(int(key)), lines)
-                    index["shards"] = existing[0]["shards"]
-                    log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
-                             sum(len(lines) for lines in existing[1].values()))
-                    write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
-            self.index, self.settings = index, settings
-            self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
-        except BaseException:  # refused or failed here: this process gives up its claim at once
-            self.release()
-            raise
+        self._lock_fd: int | None = None
+        self._lock()  # before the target loads (a second run stops at once) and before anything here changes
+
+    def open(self, header: dict, settings: str, shards: list[range],
+             existing: tuple[dict, dict[str, list[str]]] | None, overwrite: bool) -> None:
+        """Read (or restart, or seed from a finished ``existing`` output) the shard store of this run's settings;
+        the caller holds the claim and releases it (:meth:`release`) whatever happens.
+
+        Raises:
+            FileExistsError, ValueError: as the class says.
+        """
+        out, self.shards = self.out, shards
+        self._remove_torn_temporaries()
+        index = _read_index(self.index_path, overwrite)
+        if index is not None and index.get("settings") != settings:
+            if index.get("shards") and not overwrite:  # an index without shards holds nothing to lose: restarted
+                raise FileExistsError(
+                    f"{self.dir} holds shards made with other settings ({index.get('settings')} vs {settings}; "
+                    f"{differences(index.get('header') or {}, header)} differ); pass --overwrite to restart, or "
+                    "rerun with the settings that made them"
+                )
+            shutil.rmtree(self.dir)
+            self._lock()  # the removed folder took the lock file with it: claim the new one
+            index = None
+        if existing is not None:
+            if existing[0]["settings"] != settings:
+                raise FileExistsError(
+                    f"--output {out} was made with other settings ({existing[0]['settings']} vs {settings}; "
+                    f"{differences(existing[0], header)} differ); pass --overwrite to replace it, or write another "
+                    "--output"
+                )
+            covered = max(m["first"] + m["count"] for m in existing[0]["shards"].values())
+            if covered > shards[-1].stop:
+                raise FileExistsError(
+                    f"--output {out} holds the answers to the first {covered} usable conversations; "
+                    f"--max_records {header.get('max_records')} ({shards[-1].stop}) would drop some. Pass a larger "
+                    "--max_records (or none), write another --output, or pass --overwrite"
+                )
+        if index is None:
+            index = {"settings": settings, "header": header, "shards": {}}
+            if existing is not None:  # extend a finished file: its shards come back as parts
+                for key, lines in existing[1].items():
+                    write_lines_atomic(self.part(int(key)), lines)
+                index["shards"] = existing[0]["shards"]
+                log.info("generate: extending %s (%d shards, %d records)", out, len(index["shards"]),
+                         sum(len(lines) for lines in existing[1].values()))
+                write_json_atomic(self.index_path, index)  # a fresh run writes its index with its first shard
+        self.index, self.settings = index, settings
+        self._checked: dict[int, bool] = {}  # shard -> its part matches its index entry (read once per run)
 
     def _lock(self) -> None:
         """Claim the shard folder for this process, so that a second generate of the same output stops at once
@@ -243,13 +252,16 @@ class Parts:
         """
         import fcntl
 
-        self.dir.mkdir(parents=True, exist_ok=True)
         lock, me = self.dir / "lock", f"{socket.gethostname()} {os.getpid()}"
         held = getattr(self, "_lock_fd", None)
         if held is not None and _is_file_of(held, lock):
             return
-        for _ in range(3):  # open and lock; retry when the holder removed the file between the two
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        for _ in range(3):  # open and lock; retry when the holder removed the file (or the folder) meanwhile
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            except FileNotFoundError:  # a finishing holder removed the empty folder between the two
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -260,6 +272,12 @@ class Parts:
                 raise FileExistsError(
                     f"--output {self.out} is being written by another draftkit generate ({who}, {lock}); wait for "
                     "it to finish (this command then finds the file done), or stop it") from None
+            except OSError as exc:  # a file system without locks (NFS mounted nolock, Lustre without -o flock)
+                os.close(fd)
+                raise OSError(
+                    f"--output {self.out}: cannot lock {lock} ({exc}): this file system offers no file locks, so two "
+                    "generate runs of one output could not be kept apart; write --output on a local disk (or a "
+                    "mount with locking) and copy the file afterwards") from exc
             if not _is_file_of(fd, lock):
                 os.close(fd)
                 continue
@@ -307,7 +325,8 @@ class Parts:
         """Whether shard ``i`` is finished: in the index with this run's bounds and its part intact (a torn or
         missing part is logged and decoded again)."""
         meta = self.index["shards"].get(str(i))
-        if meta is None or meta["first"] != self.shards[i].start or meta["count"] != len(self.shards[i]):
+        if not isinstance(meta, dict) or meta.get("first") != self.shards[i].start \
+                or meta.get("count") != len(self.shards[i]):  # missing, damaged or of other bounds: decoded again
             return False
         if i not in self._checked:
             problem = part_problem(self.part(i), meta)

@@ -335,90 +335,97 @@ def regenerate(
             (summary.header.get("counts") or {}).get("records", len(conversations)),
             summary.header.get("source"),
         )
-    e = _open_engine(engine, target, dtype, kernels, chat_template, cfg, parallel, llama_server)
-    header = {
-        "format": FORMAT,
-        "target": target,
-        "target_fingerprint": {
-            "config": config_fingerprint(e.model_config),
-            "tokenizer": tokenizer_identity(e.tokenizer, e.template),
-            "dtype": e.dtype,
-        },
-        "chat_template_sha16": short_hash(e.template),
-        # llama-server: slots (engine.parallel) instead of batch_size
-        "decode": {**asdict(cfg), "stop_token_ids": e.stop_ids, **({"batch_size": batch_size} if engine == "torch" else {})},
-        # the torch engine's headers carry no "engine" (its settings hash is the one of files made before engines)
-        **({"engine": e.runner.record()} if engine != "torch" else {}),
-        "source": source,
-        "source_sha256": file_sha256(path) if Path(path).is_file() else None,
-        "source_split": split,
-        "max_records": max_records,
-        "shard_size": shard_size,
-    }
-    # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
-    settings = short_hash({k: v for k, v in header.items() if k != "max_records"})
-    shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
-    parts = Parts(out, header, settings, shards, existing, overwrite)
-    todo_records = sum(len(r) for i, r in enumerate(shards) if not parts.done(i))
-    log.info(
-        "generate: %d conversations from %s (%s) in %d shards, %d left; target %s (%s), %s, max %d new tokens, T=%g",
-        len(conversations), source, summary, len(shards), todo_records, target, e.dtype, cfg.turns,
-        cfg.max_new_tokens, cfg.temperature,
-    )
-    t0, new_tokens, records_done = time.perf_counter(), 0, 0
 
-    last_log = time.perf_counter()
-
-    def progress(tokens: int) -> None:
-        nonlocal new_tokens, last_log
-        new_tokens += tokens
-        now = time.perf_counter()
-        if now - last_log > 30:
-            last_log = now
-            log.info("generate: %d new tokens this run, %.1f tokens/s", new_tokens, new_tokens / max(now - t0, 1e-9))
-        if _after_batch is not None:
-            _after_batch()
-
-    def finish(i: int, items: list[_Work], ts: float) -> None:
-        """Write shard i (its records in source order, then its index entry); log the run's progress."""
-        nonlocal records_done
-        parts.write(i, [
-            json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
-                        "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
-            for w in items if w.failed is None
-        ], {
-            "records": sum(w.failed is None for w in items), "failed": dict(_failures(items)),
-            "ids": [w.source_id for w in items if w.failed is None],
-            "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
-        })
-        records_done += len(shards[i])
-        elapsed = time.perf_counter() - t0
-        eta = elapsed / records_done * (todo_records - records_done)
+    def _run(parts: Parts):
+        """Load the target, open the shard store for the run's settings, decode what is left, join the output."""
+        e = _open_engine(engine, target, dtype, kernels, chat_template, cfg, parallel, llama_server)
+        header = {
+            "format": FORMAT,
+            "target": target,
+            "target_fingerprint": {
+                "config": config_fingerprint(e.model_config),
+                "tokenizer": tokenizer_identity(e.tokenizer, e.template),
+                "dtype": e.dtype,
+            },
+            "chat_template_sha16": short_hash(e.template),
+            # llama-server: slots (engine.parallel) instead of batch_size
+            "decode": {**asdict(cfg), "stop_token_ids": e.stop_ids, **({"batch_size": batch_size} if engine == "torch" else {})},
+            # the torch engine's headers carry no "engine" (its settings hash is the one of files made before engines)
+            **({"engine": e.runner.record()} if engine != "torch" else {}),
+            "source": source,
+            "source_sha256": file_sha256(path) if Path(path).is_file() else None,
+            "source_split": split,
+            "max_records": max_records,
+            "shard_size": shard_size,
+        }
+        # max_records only says where the run stops: shards of a shorter or longer run over the same source are reused
+        settings = short_hash({k: v for k, v in header.items() if k != "max_records"})
+        shards = [range(s, min(s + shard_size, len(conversations))) for s in range(0, len(conversations), shard_size)]
+        parts.open(header, settings, shards, existing, overwrite)
+        todo_records = sum(len(r) for i, r in enumerate(shards) if not parts.done(i))
         log.info(
-            "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
-            i + 1, len(shards), records_done, todo_records, new_tokens, new_tokens / max(elapsed, 1e-9), eta,
+            "generate: %d conversations from %s (%s) in %d shards, %d left; target %s (%s), %s, max %d new tokens, T=%g",
+            len(conversations), source, summary, len(shards), todo_records, target, e.dtype, cfg.turns,
+            cfg.max_new_tokens, cfg.temperature,
         )
+        t0, new_tokens, records_done = time.perf_counter(), 0, 0
 
-    todo = {
-        i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
-        for i, rows in enumerate(shards) if not parts.done(i)
-    }
+        last_log = time.perf_counter()
+
+        def progress(tokens: int) -> None:
+            nonlocal new_tokens, last_log
+            new_tokens += tokens
+            now = time.perf_counter()
+            if now - last_log > 30:
+                last_log = now
+                log.info("generate: %d new tokens this run, %.1f tokens/s", new_tokens, new_tokens / max(now - t0, 1e-9))
+            if _after_batch is not None:
+                _after_batch()
+
+        def finish(i: int, items: list[_Work], ts: float) -> None:
+            """Write shard i (its records in source order, then its index entry); log the run's progress."""
+            nonlocal records_done
+            parts.write(i, [
+                json.dumps({"id": w.source_id, "messages": w.done[: _assistant_turns(w.done)[-1] + 1], "stop": w.stop,
+                            "new_tokens": w.new_tokens}, ensure_ascii=False) + "\n"
+                for w in items if w.failed is None
+            ], {
+                "records": sum(w.failed is None for w in items), "failed": dict(_failures(items)),
+                "ids": [w.source_id for w in items if w.failed is None],
+                "new_tokens": sum(w.new_tokens for w in items), "seconds": round(time.perf_counter() - ts, 2),
+            })
+            records_done += len(shards[i])
+            elapsed = time.perf_counter() - t0
+            eta = elapsed / records_done * (todo_records - records_done)
+            log.info(
+                "generate: shard %d/%d done, %d/%d records this run, %d new tokens, %.1f tokens/s, ETA %.0f s",
+                i + 1, len(shards), records_done, todo_records, new_tokens, new_tokens / max(elapsed, 1e-9), eta,
+            )
+
+        todo = {
+            i: [_Work(r, summary.records[r], conversations[r], [], _assistant_turns(conversations[r])[0], []) for r in rows]
+            for i, rows in enumerate(shards) if not parts.done(i)
+        }
+        try:
+            with e.runner:
+                if engine == "torch":
+                    for i, items in todo.items():
+                        ts = time.perf_counter()
+                        _decode_shard(e.model, e.tokenizer, items, cfg, e.template, e.stop_ids, e.pad_id, batch_size,
+                                      e.context, progress)
+                        finish(i, items, ts)
+                else:
+                    _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
+                                      finish)
+            return parts.join(header, dict(summary.skipped)), e, t0, new_tokens
+        except KeyboardInterrupt:
+            log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
+                        "them", len(parts.index["shards"]), len(shards), parts.dir)
+            raise
+
+    parts = Parts(out)  # claims the output before the target loads: a second run of it stops at once
     try:
-        with e.runner:
-            if engine == "torch":
-                for i, items in todo.items():
-                    ts = time.perf_counter()
-                    _decode_shard(e.model, e.tokenizer, items, cfg, e.template, e.stop_ids, e.pad_id, batch_size,
-                                  e.context, progress)
-                    finish(i, items, ts)
-            else:
-                _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
-                                  finish)
-        header = parts.join(header, dict(summary.skipped))
-    except KeyboardInterrupt:
-        log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
-                    "them", len(parts.index["shards"]), len(shards), parts.dir)
-        raise
+        header, e, t0, new_tokens = _run(parts)
     finally:
         parts.release()  # a run that stops leaves its shards for the next, not its claim on them
     seconds = time.perf_counter() - t0

@@ -13,7 +13,7 @@ from draftkit.commands import main
 from draftkit.data.datamodule import ChatDataModule
 from draftkit.data.splits import normalize_prompt
 from draftkit.data.trained_prompts import (
-    CHECKPOINT_KEY, EXPORT_FILE, hash_each, prompt_hashes, read_trained_prompts, write_trained_prompts,
+    CHECKPOINT_KEY, EXPORT_FILE, SCHEME, hash_each, prompt_hashes, read_trained_prompts, write_trained_prompts,
 )
 from draftkit.fit_run import HELD_OUT_KEY
 
@@ -38,19 +38,35 @@ def test_hashes_are_the_first_8_bytes_of_blake2b_signed_sorted_and_distinct():
 
 
 def test_an_export_directory_round_trips_and_a_bad_record_is_named(tmp_path):
+    from safetensors.torch import save_file
+
     hashes = prompt_hashes(["a", "b", "c"])
     write_trained_prompts(tmp_path, hashes)
+    # in a subfolder: vLLM loads every *.safetensors at the top of a head's folder as weights
+    assert (tmp_path / EXPORT_FILE).parent != tmp_path and not list(tmp_path.glob("*.safetensors"))
     assert torch.equal(read_trained_prompts(tmp_path), hashes)
+    unsorted = tmp_path / "unsorted"
+    (unsorted / EXPORT_FILE).parent.mkdir(parents=True)
+    save_file({"prompt_hashes": hashes.flip(0).repeat(2)}, str(unsorted / EXPORT_FILE), metadata={"scheme": SCHEME})
+    assert torch.equal(read_trained_prompts(unsorted), hashes)  # sorted and distinct, whatever wrote it
     empty = tmp_path / "old-export"
     empty.mkdir()
     assert read_trained_prompts(empty) is None  # an export of a draftkit before the record
-    with pytest.raises(FileNotFoundError, match="data.init_head .*no-such does not exist"):
+    with pytest.raises(FileNotFoundError, match="model.init_head .*no-such does not exist"):
         read_trained_prompts(tmp_path / "no-such")
-    from safetensors.torch import save_file
-
-    save_file({"prompt_hashes": torch.zeros(2, 2, dtype=torch.int64)}, str(empty / EXPORT_FILE))
-    with pytest.raises(ValueError, match=f"{EXPORT_FILE} is not a 1-D int64 tensor"):
-        read_trained_prompts(empty)
+    (empty / EXPORT_FILE).parent.mkdir()
+    cases = [
+        (lambda f: save_file({"prompt_hashes": torch.zeros(2, 2, dtype=torch.int64)}, str(f), metadata={"scheme": SCHEME}),
+         "is not a 1-D int64 tensor of prompt hashes"),
+        (lambda f: save_file({"prompt_hashes": hashes}, str(f), metadata={"scheme": "md5 of the raw prompt"}),
+         "hashes prompts by 'md5 of the raw prompt', this draftkit by"),
+        (lambda f: f.write_bytes(b"\x10" * 100), "is not a readable record of trained prompts"),
+    ]
+    for write, why in cases:
+        write(empty / EXPORT_FILE)
+        with pytest.raises(ValueError, match=why) as err:
+            read_trained_prompts(empty)
+        assert str(empty / EXPORT_FILE) in str(err.value) and "re-export the head from its training .ckpt" in str(err.value)
 
 
 def test_the_split_keeps_the_head_s_prompts_out_of_validation(tmp_path, tiny_target_dir, monkeypatch):
@@ -83,9 +99,19 @@ def test_the_split_keeps_the_head_s_prompts_out_of_validation(tmp_path, tiny_tar
     # 10 unseen prompts cannot hold out 12: the error names the head and what to do
     short = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=12, seed=3,
                            init_head=str(head))
-    with pytest.raises(ValueError, match=r"\(10, 30 more have a prompt that data.init_head .*head trained on\); .*"
-                                         "add conversations the head has not seen"):
+    with pytest.raises(ValueError, match=r"whose prompt model.init_head .*head did not train on \(10; 30 more have a "
+                                         r"prompt it trained on and only train\); lower data.val_size or add "
+                                         "conversations the head has not seen"):
         short.setup()
+
+    # a head that trained on none of these prompts splits as no head does: the same hidden-state cache serves both
+    other = tmp_path / "other-head"
+    other.mkdir()
+    write_trained_prompts(other, prompt_hashes(["a prompt of other data entirely"]))
+    unrelated = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
+                               init_head=str(other))
+    unrelated.setup()
+    assert unrelated.val_set["record"] == plain.val_set["record"] and unrelated.fingerprint() == plain.fingerprint()
 
 
 def test_a_head_without_the_record_is_named_and_splits_as_before(tmp_path, tiny_target_dir, monkeypatch, caplog):
@@ -99,7 +125,7 @@ def test_a_head_without_the_record_is_named_and_splits_as_before(tmp_path, tiny_
                         init_head=str(old))
     with caplog.at_level(logging.WARNING):
         dm.setup()
-    assert f"data.init_head {old} records no training prompts" in caplog.text
+    assert f"model.init_head {old} records no training prompts" in caplog.text
     assert dm.val_set["record"] == plain.val_set["record"] and dm.fingerprint() == plain.fingerprint()
 
 
@@ -118,7 +144,7 @@ def test_fit_records_export_carries_and_a_continued_run_validates_on_unseen_prom
     cli_first = _datamodule(["--trainer.default_root_dir", str(first)])
     first_train = {key_of[r] for r in cli_first.train_set["record"]}
     first_val = {key_of[r] for r in cli_first.val_set["record"]}
-    recorded = torch.load(ckpt, weights_only=False)[CHECKPOINT_KEY]
+    recorded = torch.load(ckpt, weights_only=False)[CHECKPOINT_KEY]["hashes"]
     assert torch.equal(recorded, prompt_hashes(first_train)) and HELD_OUT_KEY not in torch.load(ckpt, weights_only=False)
 
     exp = tmp_path / "exp"
@@ -134,17 +160,17 @@ def test_fit_records_export_carries_and_a_continued_run_validates_on_unseen_prom
     assert len(dm.val_set) == 4 and val <= first_val and not val & first_train
     last = nxt / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=False)
-    assert torch.equal(state[HELD_OUT_KEY], recorded)
+    assert torch.equal(state[HELD_OUT_KEY]["hashes"], recorded)
     train = {key_of[r] for r in dm.train_set["record"]}
-    assert torch.equal(state[CHECKPOINT_KEY], prompt_hashes(first_train | train))
+    assert torch.equal(state[CHECKPOINT_KEY]["hashes"], prompt_hashes(first_train | train))
 
     # the head goes away: the resume keeps the split from the checkpoint (a changed split would change the batches)
     exp.rename(tmp_path / "gone")
     assert main(TINY + cont + ["--trainer.max_steps", "3", "--trainer.val_check_interval", "2",
                                "--ckpt_path", str(last)]) == 0
     resumed = torch.load(last, weights_only=False)
-    assert resumed["global_step"] == 3 and torch.equal(resumed[HELD_OUT_KEY], recorded)
-    assert torch.equal(resumed[CHECKPOINT_KEY], state[CHECKPOINT_KEY])
+    assert resumed["global_step"] == 3 and torch.equal(resumed[HELD_OUT_KEY]["hashes"], recorded)
+    assert torch.equal(resumed[CHECKPOINT_KEY]["hashes"], state[CHECKPOINT_KEY]["hashes"])
 
 
 def _datamodule(extra: list[str]):

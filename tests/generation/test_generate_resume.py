@@ -107,7 +107,7 @@ _HOLD = ("import fcntl, os, sys, time\n"
          "time.sleep(600)\n")
 
 
-def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_target_dir):
+def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_target_dir, monkeypatch):
     """Two generate runs of one output at once both decoded every shard; the first to finish removed the parts and
     the other stopped with "[Errno 2] No such file or directory: '...parts/shard-00000.jsonl'". Now the second is
     refused naming the first, which holds the lock (``flock``); once that process is killed (-9), its lock file is
@@ -123,9 +123,14 @@ def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_targe
     host = socket.gethostname()
     holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(lock), f"{host} 4242"], stdout=subprocess.PIPE,
                               text=True)
+    import draftkit.generation.regenerate as regen
+
+    opened = regen._open_engine
     try:
         assert holder.stdout.readline().strip() == "held"
         kw = dict(cfg=RegenerateConfig(max_new_tokens=3, max_prompt_tokens=200), dtype="float32", shard_size=3)
+        # refused before the target loads (a large target on a shared GPU would load, or run out of memory, first)
+        monkeypatch.setattr(regen, "_open_engine", lambda *a, **k: pytest.fail("the target was loaded"))
         with pytest.raises(FileExistsError) as err:
             regenerate(str(src), str(out), str(tiny_target_dir), **kw)
         assert str(err.value) == (
@@ -140,6 +145,14 @@ def test_a_second_generate_of_the_same_output_stops_at_once(tmp_path, tiny_targe
         holder.kill()  # as kill -9: the lock file stays, naming it; the kernel released its flock
         holder.wait()
     assert lock.read_text() == f"{host} 4242"
+
+    def fails(*a, **k):
+        raise RuntimeError("the engine failed to start")
+
+    monkeypatch.setattr(regen, "_open_engine", fails)  # a run that fails after claiming gives the claim up
+    with pytest.raises(RuntimeError, match="the engine failed to start"):
+        regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)
+    monkeypatch.setattr(regen, "_open_engine", opened)  # so the next run in this same process is not refused
     regenerate(str(src), str(out), str(tiny_target_dir), overwrite=True, **kw)
     assert read_output(out)[0]["counts"]["records"] == 7 and not lock.parent.exists()
 
@@ -161,11 +174,9 @@ def test_runs_taking_over_one_ended_lock_at_once_leave_exactly_one_holder(tmp_pa
              "from draftkit.generation.output_file import Parts\n"
              "slow = Path.unlink\n"
              "Path.unlink = lambda self, *a, **k: (time.sleep(0.5), slow(self, *a, **k))[1]  # a slow file system\n"
-             "p = Parts.__new__(Parts)\n"
-             "p.out = Path(sys.argv[1]); p.dir = Path(sys.argv[1] + '.parts')\n"
              "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
              "try:\n"
-             "    p._lock()\n"
+             "    p = Parts(Path(sys.argv[1]))\n"
              "except FileExistsError:\n"
              "    print('refused', flush=True); sys.exit(0)\n"
              "print('held', flush=True)\n"
