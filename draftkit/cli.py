@@ -81,8 +81,8 @@ def _check_context_window(config) -> None:
 
 
 class DraftkitCLI(LightningCLI):
-    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target`` and
-    ``data.init_head`` to ``model.init_head``, and the
+    """LightningCLI with ``--recipe`` as the config flag, ``data.tokenizer`` linked to ``model.target``, the
+    prompts ``model.init_head`` trained on kept out of validation (``ChatDataModule.hold_out_head``), and the
     precision policy applied to ``trainer.precision`` and ``model.target_dtype`` (see the module docstring).
 
     Attributes:
@@ -108,7 +108,6 @@ class DraftkitCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.target", "data.tokenizer")
-        parser.link_arguments("model.init_head", "data.init_head")  # its training prompts stay out of validation
 
     def _parse_ckpt_path(self) -> None:
         """``fit``/``validate --ckpt_path``: a file that is no draftkit checkpoint is refused naming it; ``fit``
@@ -147,6 +146,14 @@ class DraftkitCLI(LightningCLI):
             "auto": auto_precision(device).as_dict(),
         }
 
+    def instantiate_classes(self) -> None:
+        """LightningCLI's, then the datamodule keeps the prompts ``model.init_head`` trained on out of validation
+        (every verb that reads a recipe: fit, validate, cache-hidden-states, bench)."""
+        super().instantiate_classes()
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if hasattr(self.datamodule, "hold_out_head"):
+            self.datamodule.hold_out_head(config.model.get("init_head"))
+
     def _run_subcommand(self, subcommand: str) -> None:
         """Run the verb; a ``fit`` stopped during training (Ctrl-C, SIGTERM, a second Ctrl-C) says what it wrote
         and how to resume, and exits non-zero (130 after Ctrl-C, 143 after SIGTERM; Lightning exits 0 on SIGTERM)."""
@@ -184,7 +191,7 @@ class DraftkitCLI(LightningCLI):
 
     def _restore_split(self) -> None:
         """With ``--ckpt_path``, validation keeps out the prompts the checkpoint's run kept out (not those
-        ``data.init_head`` records now: it may have changed or gone)."""
+        ``model.init_head`` records now: it may have changed or gone)."""
         held_out = getattr(self, "_held_out", None)
         if held_out is not None and hasattr(self.datamodule, "restore_head_prompts"):
             self.datamodule.restore_head_prompts(held_out[0])

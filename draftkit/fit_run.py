@@ -59,8 +59,8 @@ RESOLVED_ON_RUN = {"model.aux_layer_ids": None, "model.target_dtype": "auto", "d
 """Options whose placeholder a run replaces in place (and the checkpoint stores resolved): the placeholder in
 the resumed run's config means "the checkpoint's value", not a change."""
 
-NOT_COMPARED = ("data.tokenizer", "data.init_head")
-"""Linked to ``model.target`` and ``model.init_head``, which are compared."""
+NOT_COMPARED = ("data.tokenizer",)
+"""Linked to ``model.target``, which is compared."""
 
 
 def _plain(value):

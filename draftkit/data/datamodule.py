@@ -134,12 +134,6 @@ class ChatDataModule(pl.LightningDataModule):
             ``data.dedup_prompts``); more stops set-up naming the main reason and the option that controls it,
             since it usually means the data has another format or shape than the reader expects. 1.0 = never
             stop.
-        init_head: the head this run starts from (``.ckpt`` or export directory), set through ``model.init_head``
-            (the CLI links it here and replaces a value given under ``data:``): the prompts it trained on, as it
-            records them (``draftkit.data.trained_prompts``), stay out of validation and train; a head that records
-            none is named in a warning (its validation may hold prompts it trained on). None: no head, every
-            prompt may validate.
-
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
             trainable token (naming the cause: truncation at ``max_length``, or the template), or ``val_size``
@@ -171,7 +165,6 @@ class ChatDataModule(pl.LightningDataModule):
         max_skip_fraction: float = 0.2,
         dedup_prompts: bool = True,
         min_prompt_chars: int = 8,
-        init_head: str | None = None,
     ) -> None:
         super().__init__()
         if supervise not in SUPERVISE:
@@ -197,6 +190,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.hidden_states = None  # HiddenStateCache in offline mode
         self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (generation.hidden_states)
         self._offline: dict = {}
+        self._init_head: str | None = None  # hold_out_head: the head this run starts from
         self._held_out: tuple | None = None  # (hashes or None, where they came from) once read
         self._held_out_rows = ""  # digest of the rows the head's record kept out of validation ("" = none)
         self._trained: torch.Tensor | None = None
@@ -471,15 +465,27 @@ class ChatDataModule(pl.LightningDataModule):
         hit = seen[pos] == hashes
         return {r for r, h in zip(rows, hit.tolist()) if h}
 
+    def hold_out_head(self, path: str | None) -> None:
+        """Keep out of validation the prompts the head at ``path`` trained on (``model.init_head``: the CLI calls
+        this once the classes exist); they train. Call before :meth:`setup`.
+
+        Args:
+            path: a ``.ckpt`` of ``draftkit fit`` or an export directory, as it records its prompts
+                (``draftkit.data.trained_prompts``; a head that records none is named in a warning, and every
+                prompt may then validate); None: no head.
+        """
+        self._init_head, self._held_out = path, None
+
     def head_prompts(self) -> torch.Tensor | None:
-        """(P,) int64 sorted hashes of the prompts ``data.init_head`` trained on (read once); None without
-        ``data.init_head`` or when the head records none (then a warning names it).
+        """(P,) int64 sorted hashes of the prompts the head of :meth:`hold_out_head` trained on (read once), or
+        those :meth:`restore_head_prompts` gave; None without a head or when the head records none (then a
+        warning names it).
 
         Raises:
             FileNotFoundError, ValueError: as ``draftkit.data.trained_prompts.read_trained_prompts``.
         """
         if self._held_out is None:
-            head = self.hparams.get("init_head")
+            head = self._init_head
             hashes = read_trained_prompts(head, "model.init_head") if head else None
             if head and hashes is None:
                 log.warning(
@@ -491,18 +497,18 @@ class ChatDataModule(pl.LightningDataModule):
 
     def restore_head_prompts(self, hashes: torch.Tensor | None) -> None:
         """Keep out of validation the prompts a checkpoint of this run recorded (``fit --ckpt_path``, ``validate
-        --ckpt_path``: the split the run trained with, even if ``data.init_head`` changed or is gone since),
-        instead of reading ``data.init_head``. Call before :meth:`setup`.
+        --ckpt_path``: the split the run trained with, even if ``model.init_head`` changed or is gone since),
+        instead of reading ``model.init_head``. Call before :meth:`setup`.
 
         Args:
-            hashes: (P,) int64 sorted, or None when the run kept none out (no ``data.init_head``, or a checkpoint of
+            hashes: (P,) int64 sorted, or None when the run kept none out (no ``model.init_head``, or a checkpoint of
                 a draftkit before this record).
         """
         self._held_out = (hashes, "the starting head (as the resumed checkpoint records it)")
 
     def trained_prompts(self) -> torch.Tensor:
         """(P,) int64 sorted hashes of the prompts this run's head has trained on: the training rows' (after
-        :meth:`setup`) joined with those of ``data.init_head``; ``fit`` stores them in every checkpoint
+        :meth:`setup`) joined with those of its starting head; ``fit`` stores them in every checkpoint
         (``draftkit.data.trained_prompts.CHECKPOINT_KEY``)."""
         if self._trained is None:
             self.setup()
@@ -625,7 +631,7 @@ class ChatDataModule(pl.LightningDataModule):
 
     def fingerprint(self) -> str:
         """Key of the tokenized data (tokenization code, tokenizer, data, template, max_length) plus the split,
-        the prompt rule, the sample cap and the prompts ``data.init_head`` trained on (kept out of validation)."""
+        the prompt rule, the sample cap and the prompts ``model.init_head`` trained on (kept out of validation)."""
         key, _ = self._cache_key()
         hp = self.hparams
         if self.head_prompts() is not None and self.train_set is None:

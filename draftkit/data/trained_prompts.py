@@ -13,9 +13,9 @@ The record: every training checkpoint stores, under :data:`CHECKPOINT_KEY`, the 
 (``draftkit.data.splits.normalize_prompt``) of its training split (every row it could train on, whether or not a
 short run reached it: the exclusion errs on the safe side), joined with those of the head it started from (its
 lineage); ``draftkit export`` writes them to :data:`EXPORT_FILE`, in a subfolder of its own so that no engine loads
-it as weights (vLLM loads every ``*.safetensors`` at the top of a head's folder). ``model.init_head`` (linked to
-``data.init_head``) reads them back (:func:`read_trained_prompts`) and the split keeps those prompts on the
-training side.
+it as weights (vLLM loads every ``*.safetensors`` at the top of a head's folder). ``model.init_head`` (the CLI hands it
+to ``ChatDataModule.hold_out_head``) reads them back (:func:`read_trained_prompts`) and the split keeps those
+prompts on the training side.
 
 Shapes: (P,) int64, P distinct prompts; 8 bytes a prompt (4 MB for 500 k prompts).
 """

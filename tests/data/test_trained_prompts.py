@@ -1,5 +1,5 @@
 """The prompts a head trained on travel with it (checkpoint, export), and a run continuing it (``model.init_head``,
-linked to ``data.init_head``) keeps them out of validation, also on resume (``draftkit.data.trained_prompts``)."""
+handed to ``ChatDataModule.hold_out_head``) keeps them out of validation, also on resume (``draftkit.data.trained_prompts``)."""
 
 import hashlib
 import json
@@ -85,8 +85,8 @@ def test_the_split_keeps_the_head_s_prompts_out_of_validation(tmp_path, tiny_tar
     plain.setup()
     assert {key_of[r] for r in plain.val_set["record"]} & set(seen_keys)  # the seed would validate on seen prompts
 
-    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
-                        init_head=str(head))
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3)
+    dm.hold_out_head(str(head))
     dm.setup()
     val = {key_of[r] for r in dm.val_set["record"]}
     train = {key_of[r] for r in dm.train_set["record"]}
@@ -97,8 +97,8 @@ def test_the_split_keeps_the_head_s_prompts_out_of_validation(tmp_path, tiny_tar
     assert dm.fingerprint() != plain.fingerprint()  # a hidden-state cache of the plain split is not this one's
 
     # 10 unseen prompts cannot hold out 12: the error names the head and what to do
-    short = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=12, seed=3,
-                           init_head=str(head))
+    short = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=12, seed=3)
+    short.hold_out_head(str(head))
     with pytest.raises(ValueError, match=r"whose prompt model.init_head .*head did not train on \(10; 30 more have a "
                                          r"prompt it trained on and only train\); lower data.val_size or add "
                                          "conversations the head has not seen"):
@@ -108,8 +108,8 @@ def test_the_split_keeps_the_head_s_prompts_out_of_validation(tmp_path, tiny_tar
     other = tmp_path / "other-head"
     other.mkdir()
     write_trained_prompts(other, prompt_hashes(["a prompt of other data entirely"]))
-    unrelated = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
-                               init_head=str(other))
+    unrelated = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3)
+    unrelated.hold_out_head(str(other))
     unrelated.setup()
     assert unrelated.val_set["record"] == plain.val_set["record"] and unrelated.fingerprint() == plain.fingerprint()
 
@@ -121,8 +121,8 @@ def test_a_head_without_the_record_is_named_and_splits_as_before(tmp_path, tiny_
     old.mkdir()
     plain = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3)
     plain.setup()
-    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3,
-                        init_head=str(old))
+    dm = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=3)
+    dm.hold_out_head(str(old))
     with caplog.at_level(logging.WARNING):
         dm.setup()
     assert f"model.init_head {old} records no training prompts" in caplog.text
@@ -171,6 +171,16 @@ def test_fit_records_export_carries_and_a_continued_run_validates_on_unseen_prom
     resumed = torch.load(last, weights_only=False)
     assert resumed["global_step"] == 3 and torch.equal(resumed[HELD_OUT_KEY]["hashes"], recorded)
     assert torch.equal(resumed[CHECKPOINT_KEY]["hashes"], state[CHECKPOINT_KEY]["hashes"])
+
+
+def test_the_head_is_named_once_by_model_init_head(tmp_path, monkeypatch, capsys):
+    """``model.init_head`` is the one option: a ``data.init_head`` (the datamodule has none) is refused by the parser
+    naming it, as any unknown key."""
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_:
+        main(TINY + ["--data.init_head", str(tmp_path), "--trainer.default_root_dir", str(tmp_path / "r")])
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: --data.init_head {tmp_path}" in capsys.readouterr().err
 
 
 def _datamodule(extra: list[str]):
