@@ -26,8 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.fit_progress import ProgressLog
 from draftkit.fit_run import (
-    HELD_OUT_KEY, RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir, report_stop,
-    save_final_last, trainer_record, warn_replaced_model_options, with_step,
+    HELD_OUT_KEY, RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir,
+    report_stop, save_final_last, trainer_record, warn_replaced_model_options, with_step,
 )
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
 from draftkit.strategy import check_strategy

@@ -27,7 +27,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from draftkit.models.schedule import RESUME_KEY
 
 __all__ = [
-    "DATA_KEY", "HELD_OUT_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME", "RunStart", "check_fresh_start",
+    "DATA_KEY", "HELD_OUT_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME",
+    "RunStart", "check_fresh_start",
     "check_resume_options", "claim_run_dir", "continue_run_dir", "remove_run_dir", "report_stop", "resume_command",
     "save_final_last", "trainer_record", "warn_replaced_model_options", "with_step",
 ]

@@ -134,6 +134,7 @@ class ChatDataModule(pl.LightningDataModule):
             ``data.dedup_prompts``); more stops set-up naming the main reason and the option that controls it,
             since it usually means the data has another format or shape than the reader expects. 1.0 = never
             stop.
+
     Raises:
         ValueError: when the tokenizer has no chat template and none is given, or no conversation has a
             trainable token (naming the cause: truncation at ``max_length``, or the template), or ``val_size``
@@ -445,7 +446,8 @@ class ChatDataModule(pl.LightningDataModule):
         if seen is not None:
             self.stats["trained_by_init_head"] = len(trained_by_head)
             records = ds["record"]
-            self._held_out_rows = short_hash(sorted(str(records[i]) for i in trained_by_head)) if trained_by_head else ""
+            self._held_out_rows = short_hash(sorted(str(records[i]) for i in trained_by_head)) \
+                if trained_by_head else ""
         val_keys = {keys[i] for i in val_idx}
         train_idx = sorted(train_idx + [i for i in kept if (n_sup[i] == 0 or i in trained_by_head)
                                         and keys[i] not in val_keys])
@@ -512,7 +514,7 @@ class ChatDataModule(pl.LightningDataModule):
         (``draftkit.data.trained_prompts.CHECKPOINT_KEY``)."""
         if self._trained is None:
             self.setup()
-            own = prompt_hashes(self._train_keys)
+            own = self._train_prompts
             head = self.head_prompts()
             self._trained = own if head is None else torch.unique(torch.cat([head, own]))
         return self._trained
@@ -570,7 +572,7 @@ class ChatDataModule(pl.LightningDataModule):
         hp = self.hparams
         train_idx, val_idx, self.stats["prompt_rule"] = self._split(ds, self.stats)
         keys = ds["prompt_key"]
-        self._train_keys = [keys[i] for i in train_idx]  # trained_prompts() hashes them when a checkpoint is saved
+        self._train_prompts = prompt_hashes(keys[i] for i in train_idx)  # checkpoints record them (trained_prompts)
         cols = ["input_ids", "loss_mask", "record"]  # record: batches name their rows in errors
         self.train_set = ds.select(train_idx).select_columns(cols)
         self.val_set = ds.select(val_idx).select_columns(cols)

@@ -94,7 +94,8 @@ def read_trained_prompts(path: str | Path, option: str = "model.init_head") -> t
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{option} {path} does not exist; give a .ckpt from draftkit fit or an export directory")
+        raise FileNotFoundError(f"{option} {path} does not exist; give a .ckpt from draftkit fit or an export "
+                                "directory")
     if path.is_dir():
         where = path / EXPORT_FILE
         if not where.is_file():
