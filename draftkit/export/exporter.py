@@ -266,7 +266,7 @@ def export_head_source(
         "ttt": meta.get("ttt"),
         # the longest sequence (tokens) the head was trained on; None for heads trained before it was recorded
         "trained_length": meta.get("trained_length"),
-        # distinct first prompts it trained on, hashed in trained_prompts.safetensors; None: not recorded
+        # distinct first prompts it trained on, hashed in draftkit/trained_prompts.safetensors; None: not recorded
         "trained_prompts": None if prompts is None else len(prompts),
         "num_speculative_tokens": k,
         **({} if speculation is None else {"speculation": speculation.record(files.get("speculation"))}),

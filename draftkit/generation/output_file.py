@@ -310,7 +310,7 @@ class Parts:
         (a run that failed before its first shard leaves no trace). Nothing to do after :meth:`join`."""
         lock, fd = self.dir / "lock", getattr(self, "_lock_fd", None)
         if fd is not None:
-            if _is_file_of(fd, lock):  # removed while held: a run that opened it before then finds it gone, retries
+            if _is_file_of(fd, lock):  # unlinked while still held: a run that opened it meanwhile sees it gone, retries
                 lock.unlink()
             os.close(fd)
             self._lock_fd = None

