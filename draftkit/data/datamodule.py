@@ -37,7 +37,7 @@ from draftkit.data.hidden_cache import AUTO, HiddenStateCache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
 from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
-from draftkit.data.trained_prompts import hash_each, prompt_hashes, read_trained_prompts
+from draftkit.data.trained_prompts import StartingHead, prompt_hashes
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
 __all__ = ["ChatDataModule", "data_source_fingerprint"]
@@ -191,8 +191,7 @@ class ChatDataModule(pl.LightningDataModule):
         self.hidden_states = None  # HiddenStateCache in offline mode
         self.auto_cache_pending = False  # hidden_states_cache: auto, not written yet (generation.hidden_states)
         self._offline: dict = {}
-        self._init_head: str | None = None  # hold_out_head: the head this run starts from
-        self._held_out: tuple | None = None  # (hashes or None, where they came from) once read
+        self._start = StartingHead()  # hold_out_head / restore_head_prompts: the head this run starts from
         self._held_out_rows = ""  # digest of the rows the head's record kept out of validation ("" = none)
         self._trained: torch.Tensor | None = None
 
@@ -428,22 +427,21 @@ class ChatDataModule(pl.LightningDataModule):
         # validation scores assistant tokens: rows without one (kept under supervise: all) train, unless
         # their prompt is on the validation side
         n_sup = ds["num_supervised"]
-        seen = self.head_prompts()
-        trained_by_head = set() if seen is None else self._trained_by_head(keys, kept, seen)
+        trained_by_head = self._start.rows_trained(keys, kept)
         candidates = [i for i in kept if n_sup[i] > 0 and i not in trained_by_head]
         train_idx, val_idx = grouped_split(keys, candidates, hp.val_size, hp.seed)
         if len(val_idx) < hp.val_size:
             if trained_by_head:
                 raise ValueError(
                     f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has whose prompt "
-                    f"{self._held_out[1]} did not train on ({len(val_idx)}; {len(trained_by_head)} more have a prompt "
+                    f"{self._start.source} did not train on ({len(val_idx)}; {len(trained_by_head)} more have a prompt "
                     "it trained on and only train); lower data.val_size or add conversations the head has not seen")
             raise ValueError(
                 f"data.val_size={hp.val_size} wants more validation sequences than {hp.path} has with an assistant "
                 f"token within data.max_length={hp.max_length} ({len(val_idx)}); lower data.val_size or raise "
                 "data.max_length"
             )
-        if seen is not None:
+        if self.head_prompts() is not None:
             self.stats["trained_by_init_head"] = len(trained_by_head)
             records = ds["record"]
             self._held_out_rows = short_hash(sorted(str(records[i]) for i in trained_by_head)) \
@@ -457,16 +455,6 @@ class ChatDataModule(pl.LightningDataModule):
             train_idx = train_idx[: hp.max_samples]
         return train_idx, val_idx, dropped
 
-    @staticmethod
-    def _trained_by_head(keys: list[str], rows: list[int], seen: torch.Tensor) -> set[int]:
-        """The rows of ``rows`` whose prompt key's hash is in ``seen`` ((P,) int64 sorted distinct)."""
-        if not rows or not len(seen):
-            return set()
-        hashes = hash_each([keys[i] for i in rows])
-        pos = torch.searchsorted(seen, hashes).clamp(max=len(seen) - 1)
-        hit = seen[pos] == hashes
-        return {r for r, h in zip(rows, hit.tolist()) if h}
-
     def hold_out_head(self, path: str | None) -> None:
         """Keep out of validation the prompts the head at ``path`` trained on (``model.init_head``: the CLI calls
         this once the classes exist); they train. Call before :meth:`setup`.
@@ -476,7 +464,7 @@ class ChatDataModule(pl.LightningDataModule):
                 (``draftkit.data.trained_prompts``; a head that records none is named in a warning, and every
                 prompt may then validate); None: no head.
         """
-        self._init_head, self._held_out = path, None
+        self._start = StartingHead.from_path(path)
 
     def head_prompts(self) -> torch.Tensor | None:
         """(P,) int64 sorted hashes of the prompts the head of :meth:`hold_out_head` trained on (read once), or
@@ -486,16 +474,7 @@ class ChatDataModule(pl.LightningDataModule):
         Raises:
             FileNotFoundError, ValueError: as ``draftkit.data.trained_prompts.read_trained_prompts``.
         """
-        if self._held_out is None:
-            head = self._init_head
-            hashes = read_trained_prompts(head, "model.init_head") if head else None
-            if head and hashes is None:
-                log.warning(
-                    "model.init_head %s records no training prompts (written before draftkit recorded them): this "
-                    "run's validation may hold conversations the head trained on, and then reads optimistic from "
-                    "step 0 on; measure it on held-out prompts (draftkit evaluate) to judge the run", head)
-            self._held_out = (hashes, f"model.init_head {head}")
-        return self._held_out[0]
+        return self._start.hashes()
 
     def restore_head_prompts(self, hashes: torch.Tensor | None) -> None:
         """Keep out of validation the prompts a checkpoint of this run recorded (``fit --ckpt_path``, ``validate
@@ -506,7 +485,7 @@ class ChatDataModule(pl.LightningDataModule):
             hashes: (P,) int64 sorted, or None when the run kept none out (no ``model.init_head``, or a checkpoint of
                 a draftkit before this record).
         """
-        self._held_out = (hashes, "the starting head (as the resumed checkpoint records it)")
+        self._start = StartingHead.restored(hashes)
 
     def trained_prompts(self) -> torch.Tensor:
         """(P,) int64 sorted hashes of the prompts this run's head has trained on: the training rows' (after
@@ -514,9 +493,7 @@ class ChatDataModule(pl.LightningDataModule):
         (``draftkit.data.trained_prompts.CHECKPOINT_KEY``)."""
         if self._trained is None:
             self.setup()
-            own = self._train_prompts
-            head = self.head_prompts()
-            self._trained = own if head is None else torch.unique(torch.cat([head, own]))
+            self._trained = self._start.lineage(self._train_prompts)
         return self._trained
 
     def _check_skip_fraction(self, stats: dict, dropped: list[dict]) -> None:
@@ -586,7 +563,7 @@ class ChatDataModule(pl.LightningDataModule):
         self._write_skip_list()
         if "trained_by_init_head" in self.stats:
             n = self.stats["trained_by_init_head"]
-            log.info("%s trained on the prompts of %d of these conversations%s", self._held_out[1], n,
+            log.info("%s trained on the prompts of %d of these conversations%s", self._start.source, n,
                      ": they train, none validates" if n else "; every conversation may validate")
         prompt_only = self.stats.get("prompt_only", 0)
         log.info(

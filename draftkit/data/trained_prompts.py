@@ -23,12 +23,15 @@ Shapes: (P,) int64, P distinct prompts; 8 bytes a prompt (4 MB for 500 k prompts
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
 
-__all__ = ["CHECKPOINT_KEY", "EXPORT_FILE", "SCHEME", "digest", "hash_each", "prompt_hashes", "read_trained_prompts",
-           "record", "write_trained_prompts"]
+__all__ = ["CHECKPOINT_KEY", "EXPORT_FILE", "SCHEME", "StartingHead", "digest", "hash_each", "prompt_hashes",
+           "read_trained_prompts", "record", "write_trained_prompts"]
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "draftkit_trained_prompts"
 """Checkpoint key: ``{"scheme": SCHEME, "hashes": (P,) int64 sorted}`` (:func:`record`), the head's lineage."""
@@ -130,3 +133,61 @@ def write_trained_prompts(directory: str | Path, hashes: torch.Tensor) -> None:
     save_file({_TENSOR: hashes.to(torch.int64).contiguous()}, str(file),
               metadata={"format": "pt", "scheme": SCHEME,
                         "what": "draftkit: hashes of the normalised first prompts the head trained on"})
+
+
+class StartingHead:
+    """The prompts the head a run starts from (``model.init_head``) trained on, as the data split uses them: those
+    conversations train and none validates.
+
+    Built from the head's path (:meth:`from_path`, read once when first asked; a head that records none is named in
+    a warning) or from the hashes a resumed checkpoint recorded (:meth:`restored`: the split the run trained with, even
+    if the head moved or changed since). ``StartingHead()`` is no head.
+
+    Raises (on first use of a path):
+        FileNotFoundError, ValueError: as :func:`read_trained_prompts`.
+    """
+
+    def __init__(self, path: str | None = None, hashes: torch.Tensor | None = None, source: str | None = None):
+        self.path = path
+        self.source = source or f"model.init_head {path}"  # what the split's messages call it
+        self._hashes = hashes
+        self._read = path is None
+
+    @classmethod
+    def from_path(cls, path: str | None) -> StartingHead:
+        """The head at ``path`` (a ``.ckpt`` of ``draftkit fit`` or an export directory); None: no head."""
+        return cls(path)
+
+    @classmethod
+    def restored(cls, hashes: torch.Tensor | None) -> StartingHead:
+        """The hashes a checkpoint of the run recorded ((P,) int64 sorted, or None when it kept none out)."""
+        return cls(None, hashes, "the starting head (as the resumed checkpoint records it)")
+
+    def hashes(self) -> torch.Tensor | None:
+        """(P,) int64 sorted distinct hashes of the prompts the head trained on, or None (no head, or a head that
+        records none)."""
+        if not self._read:
+            self._read = True
+            self._hashes = read_trained_prompts(self.path, "model.init_head")
+            if self._hashes is None:
+                log.warning(
+                    "model.init_head %s records no training prompts (written before draftkit recorded them): this "
+                    "run's validation may hold conversations the head trained on, and then reads optimistic from "
+                    "step 0 on; measure it on held-out prompts (draftkit evaluate) to judge the run", self.path)
+        return self._hashes
+
+    def rows_trained(self, keys: list[str], rows: list[int]) -> set[int]:
+        """The rows of ``rows`` whose normalised prompt key (``keys[row]``) the head trained on (empty without a
+        record)."""
+        seen = self.hashes()
+        if seen is None or not rows or not len(seen):
+            return set()
+        hashes = hash_each([keys[i] for i in rows])
+        pos = torch.searchsorted(seen, hashes).clamp(max=len(seen) - 1)
+        hit = seen[pos] == hashes
+        return {r for r, h in zip(rows, hit.tolist()) if h}
+
+    def lineage(self, own: torch.Tensor) -> torch.Tensor:
+        """A run's trained prompts: ``own`` ((P,) int64 sorted, its training rows') joined with the head's."""
+        seen = self.hashes()
+        return own if seen is None else torch.unique(torch.cat([seen, own]))
