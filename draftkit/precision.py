@@ -45,6 +45,7 @@ __all__ = [
     "resolve_dtype",
     "resolve_trainer_precision",
     "set_threads",
+    "synchronize",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,13 @@ def resolve_device(device: str, option: str = "--device") -> str:
         raise ValueError(f"{option} {device}: no CUDA device is available here (torch {torch.__version__}); "
                          "use --device cpu or auto")
     return device
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` (CUDA kernels run asynchronously; a timer read without this measures
+    their launch, not their run). A no-op on the CPU and for None."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def set_threads(threads: int | None, option: str = "--threads") -> None:

@@ -27,11 +27,6 @@ from draftkit.commands.options import comma_list
 __all__ = ["decode", "dtype_overrides", "measure_train", "train"]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 LIGHTNING_PRECISION = {"bfloat16": "bf16-mixed", "float32": "32-true", "float16": "16-mixed"}
 """Head precision (Lightning) that goes with a compute dtype."""
 
@@ -73,6 +68,7 @@ def measure_train(
         ``target_forward_s``, ``target_tokens_per_s`` and ``ratio`` (train step / target forward).
     """
     from draftkit.cli import DraftkitCLI
+    from draftkit.precision import synchronize
 
     args = [x for r in recipes for x in ("--recipe", r)] + list(overrides or [])
     # online means online, also for a recipe that trains offline (the long recipe's `auto`)
@@ -95,7 +91,7 @@ def measure_train(
         t0 = time.perf_counter()
         # tensors to the device; ``source`` (the rows' names, a list of str) stays as it is
         batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in next(it).items()})
-        _sync(device)
+        synchronize(device)
         load.append(time.perf_counter() - t0)
     offline = "aux_hidden_states" in batches[0]
     fwd, step = [], []
@@ -104,7 +100,7 @@ def measure_train(
         if not offline:
             with autocast:
                 model.target(batch["input_ids"], attention_mask=batch["attention_mask"])
-            _sync(device)
+            synchronize(device)
         t1 = time.perf_counter()
         with autocast:
             loss, _ = model.ttt_loss(batch)
@@ -112,7 +108,7 @@ def measure_train(
         torch.nn.utils.clip_grad_norm_(model.head.parameters(), 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         if i >= warmup:
             fwd.append(t1 - t0)

@@ -625,10 +625,12 @@ class ChatDataModule(pl.LightningDataModule):
         dist = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
         dataset = self._offline.get(split, self.train_set if split == "train" else self.val_set)
         collate_fn = collate_offline if split in self._offline else collate
+        # offline batches carry the aux hidden states (B x T x 3H_t): pinned, their copy to a GPU runs asynchronously
+        on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return ResumableLoader(
             dataset, seed=hp.seed, shuffle=shuffle, num_replicas=dist.get("num_replicas", 1), rank=dist.get("rank", 0),
             lengths=self.train_lengths if split == "train" else None, bucket_window=hp.bucket_window if shuffle else 0,
-            batch_size=hp.batch_size, num_workers=hp.num_workers,
+            batch_size=hp.batch_size, num_workers=hp.num_workers, pin_memory=on_cuda and split in self._offline,
             collate_fn=functools.partial(collate_fn, pad_token_id=self.pad_token_id,
                                          supervise=hp.supervise if split == "train" else "assistant"),
         )

@@ -54,6 +54,7 @@ from typing import NamedTuple
 
 from draftkit.decoding.metrics import acceptance_length
 from draftkit.decoding.verify import generate_plain
+from draftkit.precision import synchronize
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import LOOKUP_MODES, Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
@@ -384,8 +385,11 @@ def monotone(table: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(table), values))
 
 
-def fastest(fns: dict, repeats: int) -> dict:
+def fastest(fns: dict, repeats: int, device: torch.device | str | None = None) -> dict:
     """{key: the fastest of ``repeats`` timed calls of ``fns[key]()``, in seconds}, the calls interleaved.
+
+    On a CUDA ``device`` each call is timed between two synchronisations (``precision.synchronize``): its kernels
+    run asynchronously, so the clock alone would time their launch.
 
     Round r calls every function once, in order, before round r + 1, so a slow spell of the machine lands on
     all entries of a round alike instead of on whole entries. The minimum, not the median: interference (other
@@ -397,8 +401,10 @@ def fastest(fns: dict, repeats: int) -> dict:
     best = {key: float("inf") for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
+            synchronize(device)
             t0 = time.perf_counter()
             fn()
+            synchronize(device)
             best[key] = min(best[key], time.perf_counter() - t0)
     return best
 
@@ -447,7 +453,8 @@ def measure_costs(
         run()  # warm-up
         return run
 
-    verify = fastest({r: verify_run(r) for r in sorted({1, *rows})}, repeats)
+    dev = prompt_ids.device
+    verify = fastest({r: verify_run(r) for r in sorted({1, *rows})}, repeats, dev)
     seq = torch.cat([prompt_ids, prompt_ids[-1:]])
     drafter.reset(prompt_ids[:-2], aux[:-2])
     drafter.feed_pending(seq[:-2])  # n - 2 step-0 rows cached
@@ -458,7 +465,7 @@ def measure_costs(
         return drafter.feed_pending(seq)
 
     first()
-    t_first = fastest({"first": first}, repeats)["first"]
+    t_first = fastest({"first": first}, repeats, dev)["first"]
     _, h = first()
 
     def step_run(w: int):
@@ -473,7 +480,7 @@ def measure_costs(
         run()  # warm-up
         return run
 
-    step = fastest({w: step_run(w) for w in sorted({1, *widths})}, repeats)
+    step = fastest({w: step_run(w) for w in sorted({1, *widths})}, repeats, dev)
     target.reset()
     return CostTable(verify, t_first, monotone(step), measured={"verify": verify, "step": step})
 

@@ -145,11 +145,11 @@ class Eagle3Drafter:
         z, h = self.feed_pending(tokens)
         ids, logits, probs = [], [], []
         for j in range(k):
-            check_finite_logits(z, f"draft logits at draft position {j + 1}")
             logits.append(z)
             if cfg.greedy:
-                d = z.argmax()
+                d = z.argmax()  # checked after the loop: a check here would wait for the device at every token
             else:
+                check_finite_logits(z, f"draft logits at draft position {j + 1}")
                 q = probs_from_logits(z, cfg.temperature, cfg.top_k, cfg.top_p)  # (V_d,)
                 d = sample_from_probs(q, generator)
                 probs.append(q)
@@ -158,12 +158,16 @@ class Eagle3Drafter:
             if j + 1 < k:
                 z, h = self._step(t.view(1), h, L + j)
         self.cache.crop(L)
+        stacked = torch.stack(logits)  # (k, V_d)
+        if cfg.greedy and not bool(torch.isfinite(stacked).all()):  # one host sync a round, not one a token
+            for j, z in enumerate(logits):
+                check_finite_logits(z, f"draft logits at draft position {j + 1}")
         draft_ids = torch.stack(ids)  # (k,)
         q_full = None
         if probs:
             q_full = torch.zeros(k, self.vocab_size, device=self.device)
             q_full[:, self.draft_target_ids] = torch.stack(probs)  # (k, V_d) -> (k, V)
-        return Draft(draft_ids, q_full, torch.stack(logits), self.head.t2d)
+        return Draft(draft_ids, q_full, stacked, self.head.t2d)
 
 
 class PromptLookupDrafter:

@@ -51,6 +51,7 @@ from draftkit.sampling import check_finite_logits, probs_from_logits, sample_fro
 from draftkit.decoding.drafters import Eagle3Drafter, PromptLookupDrafter
 from draftkit.decoding.metrics import HEAD, LOOKUP
 from draftkit.decoding.verify import GenerationResult, Round, Sync, speculative_loop
+from draftkit.precision import synchronize
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 
@@ -326,7 +327,8 @@ def select_nodes(
     Returns:
         :class:`DraftTree` of the n kept nodes, in rank order, parents re-indexed.
     """
-    keys = sorted(range(tokens.shape[0]), key=lambda i: (-float(scores[i]), int(depths[i]), i))[:n]
+    score, depth = scores.tolist(), depths.tolist()  # one copy each, not two host reads per candidate
+    keys = sorted(range(tokens.shape[0]), key=lambda i: (-score[i], depth[i], i))[:n]
     new = {old: j for j, old in enumerate(keys)}
     par = parents.tolist()
     # a parent scores >= its child and is shallower, so it ranks first: the kept set is a tree
@@ -527,6 +529,7 @@ def generate_tree(
         dev = seq.device
         if sync is not None:  # rank 0's tree on every rank: the verify forward is collective
             draft = DraftTree.from_lists(sync(draft.as_lists()), dev)
+        synchronize(dev)  # the draft's kernels finish inside the draft time (CUDA runs them asynchronously)
         t2 = time.perf_counter()
         n = draft.tokens.shape[0]
         mask = torch.cat([torch.ones(n + 1, L, dtype=torch.bool, device=dev), tree_mask(draft.parents).to(dev)], 1)

@@ -34,6 +34,7 @@ import torch
 
 from draftkit.decoding.drafters import Drafter
 from draftkit.decoding.metrics import AcceptanceStats, distribution_metrics
+from draftkit.precision import synchronize
 from draftkit.sampling import DecodeConfig, check_finite_logits, probs_from_logits, sample, sample_from_probs
 from draftkit.target.session import TargetSession
 
@@ -380,6 +381,7 @@ def generate_speculative(
     def chain_round(seq: torch.Tensor, L: int) -> Round:
         t1 = time.perf_counter()
         draft = drafter.propose(seq[:L + 1], k, cfg, generator)
+        synchronize(seq.device)  # the draft's kernels finish inside the draft time (CUDA runs them asynchronously)
         t2 = time.perf_counter()
         kd = draft.ids.shape[0]
         logits, aux = target.forward(torch.cat([seq[L:L + 1], draft.ids]))  # (kd+1, V), (kd+1, A*H_t)

@@ -104,7 +104,7 @@ def load_head_and_target(
         head = Eagle3LlamaHead(Eagle3Config.from_target_config(frozen.config, frozen.aux_layer_ids, draft_vocab_size))
     else:
         check_head_matches_target(head, frozen, f"head {checkpoint}", f"target {target_ref}")
-    head.load_embedding(frozen.input_embeddings().float())
+    head.load_embedding(frozen.input_embeddings())  # copy_ converts: no float32 copy of the table on its device
     head = head.to(device=device, dtype=getattr(torch, draft_dtype or dtype)).eval()
     return HeadAndTarget(head, frozen, tokenizer, meta, target_ref)
 

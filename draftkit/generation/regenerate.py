@@ -174,9 +174,11 @@ def _decode_shard(model, tokenizer, items: list[_Work], cfg: RegenerateConfig, c
         if not todo:
             return
         todo.sort(key=lambda x: -len(x[1]))  # similar lengths share a batch: little padding
+        device = next(model.parameters()).device  # a generator draws on the device of the probabilities it samples
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
-            gens = [torch.Generator().manual_seed(cfg.seed + w.position) if cfg.temperature > 0 else None for w, _ in batch]
+            gens = [torch.Generator(device).manual_seed(cfg.seed + w.position) if cfg.temperature > 0 else None
+                    for w, _ in batch]
             try:
                 results = generate_batch(model, [ids for _, ids in batch], cfg, stop_ids, pad_id, gens)
             except Exception as err:  # noqa: BLE001 - one bad batch must not stop the run: retry row by row

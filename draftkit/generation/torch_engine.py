@@ -82,10 +82,13 @@ def generate_batch(
             input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
             **{cache_kw: cache}, logits_to_keep=last,
         ).logits[:, -1].float()  # (B', V)
-        nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i]) for r, i in enumerate(live)])
+        if cfg.temperature == 0:  # every row at once: one host read a step, not two a row
+            nxt = sample(logits, 0.0)  # (B',)
+        else:  # each row draws from its own generator (its samples do not depend on its batch)
+            nxt = torch.stack([sample(logits[r], cfg.temperature, cfg.top_k, cfg.top_p, gens[i])
+                               for r, i in enumerate(live)])
         keep = []
-        for r, i in enumerate(live):
-            tok = int(nxt[r])
+        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
             out[i].append(tok)
             if tok in stops:
                 reason[i] = "eos"

@@ -122,7 +122,7 @@ def start_head(target, vocab: VocabMap, hp, init=None) -> Eagle3LlamaHead:
     )
     head = Eagle3LlamaHead(cfg)
     head.set_vocab(vocab.d2t, vocab.t2d)
-    head.load_embedding(target.input_embeddings().float())
+    head.load_embedding(target.input_embeddings())  # copy_ converts: no float32 copy of the table on its device
     if hp.init_from_target:
         norm = target.final_norm_weight()
         head.init_from_target(target.lm_head_weight().float(), None if norm is None else norm.float())

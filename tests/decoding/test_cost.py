@@ -219,3 +219,22 @@ def _isotonic_reference(values: list[float]) -> list[float]:
 def test_monotone_equals_the_min_max_formula(values):
     table = {2 * i + 1: float(v) for i, v in enumerate(values)}  # keys need not be consecutive
     assert list(monotone(table).values()) == pytest.approx(_isotonic_reference([float(v) for v in values]))
+
+
+def test_fastest_times_cuda_work_between_two_synchronisations(monkeypatch):
+    """On a CUDA device each timed call sits between two device synchronisations (kernels run asynchronously:
+    the clock alone would time their launch); ``precision.synchronize`` waits on CUDA only."""
+    import draftkit.decoding.cost as cost
+    import draftkit.precision as precision
+
+    calls = []
+    monkeypatch.setattr(cost, "synchronize", lambda device: calls.append(("sync", str(device))))
+    fastest({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, "cuda:1")
+    s = ("sync", "cuda:1")
+    assert calls == [s, "a", s, s, "b", s] * 2
+
+    waited = []
+    monkeypatch.setattr(precision.torch.cuda, "synchronize", lambda device=None: waited.append(str(device)))
+    for device in (None, "cpu", torch.device("cpu"), "cuda:1", torch.device("cuda", 0)):
+        precision.synchronize(device)
+    assert waited == ["cuda:1", "cuda:0"]
