@@ -260,13 +260,13 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
         ValueError: if a parent does not precede its child.
     """
     n = parents.shape[0]
-    mask = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    mask = torch.eye(n + 1, dtype=torch.bool)  # built on the host (N small row ORs), copied once
     mask[:, 0] = True
     for i, p in enumerate(parents.tolist()):
         if p >= i:
             raise ValueError(f"tree node {i} has parent {p}: parents must precede their children")
         mask[i + 1] |= mask[p + 1]
-    return mask
+    return mask.to(parents.device)
 
 
 def add_branch(tree: DraftTree, ids: torch.Tensor) -> DraftTree:
@@ -454,7 +454,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         for d in range(1, tree.depth):
             s = self.cache.length
             f = len(frontier)
-            mask = torch.zeros(f, s + f, dtype=torch.bool, device=self.device)
+            mask = torch.zeros(f, s + f, dtype=torch.bool)  # built on the host, copied once (not one launch an entry)
             mask[:, :L] = True
             for j, node in enumerate(frontier):
                 mask[j, s + j] = True
@@ -465,7 +465,8 @@ class Eagle3TreeDrafter(Eagle3Drafter):
                 rows[node] = s + j
             ids_t = self.draft_target_ids[all_toks[frontier]]  # (F,)
             pos = torch.full((1, f), L + d - 1, device=self.device)
-            logits, hf = self.head(ids_t[None], feature, pos, self.cache, attn_mask=mask)  # (1,F,V_d), (1,F,H)
+            logits, hf = self.head(ids_t[None], feature, pos, self.cache,
+                                   attn_mask=mask.to(self.device))  # (1, F, V_d), (1, F, H)
             check_finite_logits(logits[0], f"draft logits at tree depth {d + 1}")
             lp, ci = logits[0].float().log_softmax(-1).topk(k, dim=-1)  # (F, K)
             cum = torch.cat(scores)[frontier][:, None] + lp  # (F, K)
