@@ -153,16 +153,16 @@ class Eagle3Drafter:
                 q = probs_from_logits(z, cfg.temperature, cfg.top_k, cfg.top_p)  # (V_d,)
                 d = sample_from_probs(q, generator)
                 probs.append(q)
-            t = self.draft_target_ids[d]
+            t = self.draft_target_ids[d.view(1)]  # (1,): a tensor index (a 0-d one would be read to the host)
             ids.append(t)
             if j + 1 < k:
-                z, h = self._step(t.view(1), h, L + j)
+                z, h = self._step(t, h, L + j)
         self.cache.crop(L)
         stacked = torch.stack(logits)  # (k, V_d)
         if cfg.greedy and not bool(torch.isfinite(stacked).all()):  # one host sync a round, not one a token
             for j, z in enumerate(logits):
                 check_finite_logits(z, f"draft logits at draft position {j + 1}")
-        draft_ids = torch.stack(ids)  # (k,)
+        draft_ids = torch.cat(ids)  # (k,)
         q_full = None
         if probs:
             q_full = torch.zeros(k, self.vocab_size, device=self.device)

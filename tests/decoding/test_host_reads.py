@@ -1,0 +1,87 @@
+"""Host reads in the decoding loops: each op that copies a device value to the host (``.item()``, ``int(t)``,
+``bool(t)``, boolean indexing) is a synchronisation on a GPU, so the loops read the host once a round, not once a
+draft token, tree candidate or batch row. Counted on the CPU with a dispatch mode (the same ops as
+``benchmarks/host_syncs.py``)."""
+
+import collections
+import os
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from draftkit.decoding.drafters import Eagle3Drafter
+from draftkit.decoding.tree import select_nodes
+from draftkit.generation.torch_engine import generate_batch
+from draftkit.sampling import DecodeConfig
+from draftkit.target.session import TargetSession
+
+READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts draftkit's :data:`READS` ops while active (those made inside ``transformers``, e.g. its mask
+    helpers' padding checks, are the library's and left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in READS and not any(
+                f"{os.sep}transformers{os.sep}" in frame.filename for frame in traceback.extract_stack()):
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _draft_reads(target, head, k: int) -> tuple[int, torch.Tensor]:
+    session = TargetSession(target)
+    prompt = torch.tensor([256, 1, 2, 3, 4, 5])
+    _, aux = session.forward(prompt, logits_to_keep=1)
+    drafter = Eagle3Drafter(head)
+    drafter.reset(prompt, aux)
+    with _HostReads() as reads:
+        draft = drafter.propose(torch.cat([prompt, prompt[-1:]]), k, DecodeConfig(max_new_tokens=8), None)
+    return sum(reads.counts.values()), draft.ids
+
+
+def test_a_greedy_chain_round_reads_the_host_once_whatever_k(tiny, tiny_head):
+    """One read (the finiteness check of the k stacked logits) for k = 1, 2 and 5: it used to be one a token."""
+    target, _ = tiny
+    counts = {k: _draft_reads(target, tiny_head, k)[0] for k in (1, 2, 5)}
+    assert counts == {1: 1, 2: 1, 5: 1}
+    assert _draft_reads(target, tiny_head, 5)[1].shape == (5,)
+
+
+def test_tree_selection_reads_no_scalar_per_candidate():
+    """EAGLE-2's re-ranking of 68 candidates (5 x 4 tree) copies scores and depths once: no per-candidate read
+    (it made 136), and the kept set is the plain sort's."""
+    g = torch.Generator().manual_seed(0)
+    m = 68
+    parents = torch.tensor([-1] * 4 + [i // 16 for i in range(m - 4)])  # 4 roots, 16 children each
+    depths = torch.tensor([1] * 4 + [2] * (m - 4))
+    scores = -torch.rand(m, generator=g) - depths  # a child scores below its parent
+    tokens = torch.arange(100, 100 + m)
+    with _HostReads() as reads:
+        tree = select_nodes(tokens, parents, depths, scores, 16)
+    assert sum(reads.counts.values()) == 0
+    order = sorted(range(m), key=lambda i: (-float(scores[i]), int(depths[i]), i))[:16]
+    assert tree.tokens.tolist() == [100 + i for i in order]
+
+
+def test_greedy_generate_reads_per_step_not_per_row(tiny):
+    """The torch engine's greedy batch: one read a step (the finiteness check of the batch's logits) for 1 row and
+    for 4 (it made 2 a row), and each row's tokens equal its own one-row decode."""
+    target, _ = tiny
+    prompts = [[256, 1, 2, 3], [256, 9, 8], [256, 4, 5, 6, 7], [256, 11]]
+    cfg = DecodeConfig(max_new_tokens=3)
+    with _HostReads() as one:
+        alone = [generate_batch(target.model, [p], cfg, [], 0) for p in prompts]
+    with _HostReads() as four:
+        batched = generate_batch(target.model, prompts, cfg, [], 0)
+    assert batched == [a[0] for a in alone]
+    assert [b[1] for b in batched] == ["length"] * 4
+    per_step_one = one.counts["_local_scalar_dense"] / (len(prompts) * 3)
+    per_step_four = four.counts["_local_scalar_dense"] / 3
+    assert per_step_four == per_step_one == 1
+
