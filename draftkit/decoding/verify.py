@@ -66,10 +66,13 @@ def greedy_verify(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
         NonFiniteLogitsError: on NaN/inf target logits (naming the row and vocab id).
     """
     check_finite_logits(target_logits, "target verify logits")
-    best = target_logits.argmax(-1)  # (k+1,)
     k = draft_ids.shape[0]
-    a = int((draft_ids == best[:k]).int().cumprod(0).sum()) if k else 0
-    return a, int(best[a])
+    ids = torch.cat([draft_ids.to(torch.long), target_logits.argmax(-1)]).tolist()  # one copy to the host
+    drafts, best = ids[:k], ids[k:]  # k drafts, k+1 target argmaxes
+    a = 0
+    while a < k and drafts[a] == best[a]:
+        a += 1
+    return a, best[a]
 
 
 def rejection_verify(

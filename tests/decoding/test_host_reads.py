@@ -85,3 +85,18 @@ def test_greedy_generate_reads_per_step_not_per_row(tiny):
     per_step_four = four.counts["_local_scalar_dense"] / 3
     assert per_step_four == per_step_one == 1
 
+
+
+def test_greedy_verify_copies_once_and_matches_the_prefix_rule():
+    """Greedy verification reads the host once for its check and copies drafts and argmaxes together; it accepts
+    the longest prefix equal to the target's argmax and returns the argmax after it (bonus when all match)."""
+    from draftkit.decoding.verify import greedy_verify
+
+    logits = torch.zeros(6, 10)
+    logits[torch.arange(6), torch.tensor([3, 1, 4, 1, 5, 9])] = 1.0  # target argmax per row
+    with _HostReads() as reads:
+        got = greedy_verify(torch.tensor([3, 1, 7, 1, 5]), logits)
+    assert got == (2, 4) and sum(reads.counts.values()) == 1
+    assert greedy_verify(torch.tensor([3, 1, 4, 1, 5]), logits) == (5, 9)
+    assert greedy_verify(torch.tensor([2, 1, 4, 1, 5]), logits) == (0, 3)
+    assert greedy_verify(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 3)
