@@ -548,10 +548,16 @@ def _write_shard(path: Path, rows, forward, batch_size: int, pad_token_id: int, 
         js = by_length[start:start + batch_size]
         batch = collate([rows[j] for j in js], pad_token_id)
         a, h = forward(batch["input_ids"], batch["attention_mask"])  # (B, T, n_aux*H_t), (B, T, H_t)
+        a, h = a.to(torch.bfloat16), h.to(torch.bfloat16)
+        # checked where the target ran, once a batch (the padding, right of each row, is not stored)
+        pad = torch.arange(a.shape[1], device=a.device)[None] >= torch.tensor([lengths[j] for j in js],
+                                                                              device=a.device)[:, None]  # (B, T)
+        finite = bool((torch.isfinite(a).all(-1) & torch.isfinite(h).all(-1) | pad).all())
+        a, h = a.cpu(), h.cpu()  # one copy each a batch
         for i, j in enumerate(js):
-            aux[j] = a[i, : lengths[j]].to(torch.bfloat16).cpu()  # (T_j, n_aux*H_t)
-            last[j] = h[i, : lengths[j]].to(torch.bfloat16).cpu()  # (T_j, H_t)
-            if not (bool(torch.isfinite(aux[j]).all()) and bool(torch.isfinite(last[j]).all())):
+            aux[j] = a[i, : lengths[j]]  # (T_j, n_aux*H_t)
+            last[j] = h[i, : lengths[j]]  # (T_j, H_t)
+            if not finite and not (bool(torch.isfinite(aux[j]).all()) and bool(torch.isfinite(last[j]).all())):
                 name = rows[j].get("record") if hasattr(rows[j], "get") else None
                 raise ValueError(
                     f"the target's hidden states of {split} row {shard['rows'][0] + j}"

@@ -380,3 +380,35 @@ def test_plan_shards_never_writes_an_empty_shard_and_equals_a_plain_reference():
         assert plan_shards(lengths, "train", budget) == want
 
     check()
+
+
+def test_non_finite_states_in_padding_are_not_stored_and_in_a_row_stop_the_shard(tmp_path):
+    """Finiteness is checked once a batch on the target's device, over each row's real tokens only: NaN in the
+    padding (a fully masked attention row can give it) writes the cache as without it; NaN in a row's real token
+    stops naming that row and the counts, and writes nothing."""
+    rows = _rows()
+
+    def nan_in_padding(ids, attn):
+        aux, last = _fake_forward(ids, attn)
+        return aux.masked_fill(attn[..., None] == 0, float("nan")), last.masked_fill(attn[..., None] == 0, float("inf"))
+
+    _write(tmp_path / "a", rows)
+    write_hidden_states(
+        tmp_path / "b", {"train": rows, "val": rows[:2]}, FP, nan_in_padding, H, 2, batch_size=3, shard_tokens=20)
+    for split in ("train", "val"):
+        a, b = HiddenStateCache(tmp_path / "a").dataset(split), HiddenStateCache(tmp_path / "b").dataset(split)
+        for i in range(len(a)):
+            assert torch.equal(a[i]["aux_hidden_states"], b[i]["aux_hidden_states"])
+            assert torch.equal(a[i]["last_hidden_state"], b[i]["last_hidden_state"])
+
+    bad = rows[4]["input_ids"][0]
+
+    def nan_at_token(ids, attn):
+        aux, last = _fake_forward(ids, attn)
+        hit = (ids == bad) & (attn == 1)
+        return aux.masked_fill(hit[..., None], float("nan")), last
+
+    with pytest.raises(ValueError, match=r"hidden states of train row \d+ .*non-finite .*after the bf16 cast: [1-9]\d* "
+                       r"aux, 0 last\); nothing of train-\d+\.safetensors was written"):
+        write_hidden_states(tmp_path / "c", {"train": rows, "val": rows[:2]}, FP, nan_at_token, H, 2, batch_size=3,
+                            shard_tokens=20)
