@@ -260,7 +260,7 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
         ValueError: if a parent does not precede its child.
     """
     n = parents.shape[0]
-    mask = torch.eye(n + 1, dtype=torch.bool)  # built on the host (N small row ORs), copied once
+    mask = torch.eye(n + 1, dtype=torch.bool, device="cpu")  # built on the host (N small row ORs), copied once
     mask[:, 0] = True
     for i, p in enumerate(parents.tolist()):
         if p >= i:
@@ -454,7 +454,7 @@ class Eagle3TreeDrafter(Eagle3Drafter):
         for d in range(1, tree.depth):
             s = self.cache.length
             f = len(frontier)
-            mask = torch.zeros(f, s + f, dtype=torch.bool)  # built on the host, copied once (not one launch an entry)
+            mask = torch.zeros(f, s + f, dtype=torch.bool, device="cpu")  # on the host: one copy, not a launch an entry
             mask[:, :L] = True
             for j, node in enumerate(frontier):
                 mask[j, s + j] = True
