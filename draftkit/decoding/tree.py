@@ -547,6 +547,7 @@ def generate_tree(
         rows = torch.tensor([0] + [i + 1 for i in path], dtype=torch.long, device=dev)  # root + path
         target.keep(torch.cat([torch.arange(L, device=dev), L + rows]))
         drafter.commit(aux[rows])
+        synchronize(dev)
         t3 = time.perf_counter()
         accepted = draft.tokens[path].tolist() if path else []
         src = draft.node_sources().tolist()
