@@ -125,7 +125,7 @@ def start_head(target, vocab: VocabMap, hp, init=None) -> Eagle3LlamaHead:
     head.load_embedding(target.input_embeddings())  # copy_ converts: no float32 copy of the table on its device
     if hp.init_from_target:
         norm = target.final_norm_weight()
-        head.init_from_target(target.lm_head_weight().float(), None if norm is None else norm.float())
+        head.init_from_target(target.lm_head_weight(), norm)  # copy_ converts: no float32 (V, H) copy on its device
     if init is not None:
         from draftkit.models.init_head import check_same_head_shape, load_into
 
