@@ -6,9 +6,10 @@ Run by ``benchmarks/gpu_check.sh`` (which installs the wheels and runs the ``gpu
 
 Steps (each one a row of the table; a failing step prints its error and the others still run):
 
-1. ``attention``: the TTT attention (``kernels.ttt_attention.ttt_attention``) against the dense reference on CUDA
-   at T = 2,048 and 4,096, 3 steps, SmolLM2's head shape (9 heads over 3, d 64), bf16: max |diff| of the
-   output, peak memory and forward+backward ms of each.
+1. ``attention``: the TTT attention (``kernels.ttt_attention.ttt_attention``) and the FlexAttention candidate
+   (``ttt_attention_flex``, compiled) against the dense reference on CUDA at T = 2,048 and 4,096, 3 steps, SmolLM2's
+   head shape (9 heads over 3, d 64), bf16: max |diff| of the output and of dq, peak memory and forward+backward ms
+   of each (the second call: the first compiles flex).
 2. ``fit tiny``: ``recipes/tiny-debug.yaml`` on one GPU under DDP for ``--steps`` optimizer steps.
 3. ``fit smollm2``: the default recipe's SmolLM2-135M (real weights when ``--smollm2`` names a Hugging Face
    directory; else random weights built from the carried config and tokenizer in ``ASSETS/smollm2``: the
@@ -93,8 +94,8 @@ class _StepTimer:
 
 
 def attention_row(lengths=(2048, 4096)) -> dict:
-    """Step 1: the O(T) TTT attention against the dense reference on CUDA (bf16)."""
-    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager
+    """Step 1: the O(T) TTT attention (and, on CUDA, the FlexAttention candidate) against the dense reference (bf16)."""
+    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager, ttt_attention_flex
 
     out = {}
     b, heads, kv, d, steps = 1, 9, 3, 64, 3
@@ -105,17 +106,26 @@ def attention_row(lengths=(2048, 4096)) -> dict:
                        for _ in range(2)) for _ in range(steps)]
         mask = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
         results = {}
-        for name, attend in (("dense", ttt_attention_eager), ("ttt_attention", ttt_attention)):
-            base = _reset_peak()
-            t0 = time.perf_counter()
-            o = attend(q, cache, mask, d**-0.5)
-            o.float().sum().backward()
-            _sync()
-            results[name] = (o.detach().float(), (time.perf_counter() - t0) * 1000, (_peak_bytes() - base) / 2**20)
-            for x in [q] + [y for kv_ in cache for y in kv_]:
-                x.grad = None
-        diff = float((results["dense"][0] - results["ttt_attention"][0]).abs().max())
-        out[f"T={t}"] = {"max_abs_diff": diff, **{f"{n}_ms": round(r[1], 2) for n, r in results.items()},
+        kernels = [("dense", ttt_attention_eager), ("ttt_attention", ttt_attention)]
+        if DEVICE == "cuda":  # FlexAttention has no backward on the CPU
+            kernels.append(("flex", ttt_attention_flex))
+        for name, attend in kernels:
+            for rep in range(2):  # the second call is timed (the first compiles flex)
+                base = _reset_peak()
+                t0 = time.perf_counter()
+                o = attend(q, cache, mask, d**-0.5)
+                o.float().sum().backward()
+                _sync()
+                ms = (time.perf_counter() - t0) * 1000
+                results[name] = (o.detach().float(), ms, (_peak_bytes() - base) / 2**20, q.grad.float().clone())
+                for x in [q] + [y for kv_ in cache for y in kv_]:
+                    x.grad = None
+        row = {}
+        for name in results:
+            if name != "dense":
+                row[f"{name}_max_abs_diff"] = float((results["dense"][0] - results[name][0]).abs().max())
+                row[f"{name}_dq_max_abs_diff"] = float((results["dense"][3] - results[name][3]).abs().max())
+        out[f"T={t}"] = {**row, **{f"{n}_ms": round(r[1], 2) for n, r in results.items()},
                          **{f"{n}_peak_MiB": round(r[2], 1) for n, r in results.items()}}
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CAUSAL_KERNELS", "ttt_attention", "ttt_attention_eager"]
+__all__ = ["CAUSAL_KERNELS", "ttt_attention", "ttt_attention_eager", "ttt_attention_flex"]
 
 
 def ttt_attention_eager(q, ttt_cache, key_padding_mask, scale):
@@ -241,3 +241,42 @@ def ttt_attention(q, ttt_cache, key_padding_mask, scale, causal_kernel=None):
         kernel = causal_kernel or ("flash_cpu" if q.device.type == "cpu" else "chunked")
         o = _LseMerge.apply(q, k0r, v0r, kd, vd, scale, kernel)
     return _take_rows(o, inverse)
+
+
+_compiled_flex = None
+
+
+def ttt_attention_flex(q, ttt_cache, key_padding_mask, scale):
+    """TTT attention as one FlexAttention call (``torch.nn.attention.flex_attention``), the form SpecForge trains
+    with on GPUs: the keys of every step side by side, (B, A_kv, (k+1) T, d), under a block mask that lets row i see
+    the step-0 keys j <= i that are not padding and its own key i of each later step; blocks the mask leaves empty
+    are skipped, and FlexAttention differentiates itself. A candidate for CUDA, not yet the default: it runs
+    compiled on CUDA (``torch.compile(flex_attention)``); on the CPU torch runs it eagerly and forward only (tests
+    check its values against :func:`ttt_attention_eager`), and ``benchmarks/gpu_check.py`` compares its values,
+    gradients, time and memory with :func:`ttt_attention` on a GPU.
+
+    Args: as :func:`ttt_attention_eager`.
+
+    Returns:
+        (B, A, T, d); pad rows hold finite values no real row reads (each row sees at least its own later-step keys,
+        or at step 0 whatever real keys precede it, else zeros).
+    """
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, heads, t, _ = q.shape
+    keys = torch.cat([kj for kj, _ in ttt_cache], dim=2)  # (B, A_kv, (k+1) T, d)
+    values = torch.cat([vj for _, vj in ttt_cache], dim=2)
+    real = key_padding_mask
+
+    def visible(bi, h, row, col):
+        pos = col % t  # the position of the key within its step
+        return torch.where(col < t, (col <= row) & real[bi, pos], pos == row)
+
+    block_mask = create_block_mask(visible, b, None, t, keys.shape[2], device=q.device)
+    attend = flex_attention
+    if q.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        attend = _compiled_flex
+    return attend(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=heads != keys.shape[1])

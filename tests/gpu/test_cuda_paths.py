@@ -1,6 +1,7 @@
 """The CUDA paths (gpu tier; skipped without CUDA): each equals its CPU run.
 
-- the TTT attention (value and gradient against the dense reference, on CUDA, bf16 and float32);
+- the TTT attention and its FlexAttention candidate (value and gradient against the dense reference, on CUDA,
+  bf16 and float32);
 - the training step (loss and gradients of the tiny recipe's first batch, CUDA vs CPU, float32);
 - the decode loops and ``evaluate --device cuda`` (greedy tokens identical to the CPU's in float32).
 ``benchmarks/gpu_check.sh`` runs them on a GPU machine.
@@ -22,7 +23,7 @@ PROMPT = [256, 10, 72, 101, 108, 108, 111, 257, 10]
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("t", [7, 300])
 def test_ttt_attention_on_cuda_equals_the_dense_reference(dtype, tol, t):
-    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager
+    from draftkit.kernels.ttt_attention import ttt_attention, ttt_attention_eager, ttt_attention_flex
 
     g = torch.Generator().manual_seed(0)
     b, heads, kv, d = 2, 4, 2, 64
@@ -35,11 +36,12 @@ def test_ttt_attention_on_cuda_equals_the_dense_reference(dtype, tol, t):
         leaves = [q] + [x for kv_ in cache for x in kv_]
         real = mask.cuda()[:, None, :, None]
         outs = []
-        for attend in (ttt_attention_eager, ttt_attention):
+        for attend in (ttt_attention_eager, ttt_attention, ttt_attention_flex):  # flex: the CUDA candidate
             o = attend(q, cache, mask.cuda(), d**-0.5)
             outs.append([o * real] + list(torch.autograd.grad((o.float() * real).sum(), leaves)))
-        for ref, got in zip(*outs):
-            torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+        for candidate in outs[1:]:
+            for ref, got in zip(outs[0], candidate):
+                torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def test_training_step_on_cuda_equals_cpu(tiny_module_and_batch):

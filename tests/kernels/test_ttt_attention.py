@@ -120,3 +120,25 @@ def test_no_dense_scores_at_any_step(kernel):
         sizes[name] = mode.largest
     assert sizes["eager"] >= b * heads * t * t
     assert sizes[kernel] <= b * heads * t * ttt_kernels.CAUSAL_CHUNK
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_flex_candidate_equals_dense_reference_forward(padding):
+    """The FlexAttention form (the CUDA candidate; forward only on the CPU): the real rows equal the dense
+    reference at every step up to k = 3, T = 40 (blocks of 128 cover it partly), 4 heads over 2 kv heads."""
+    import warnings
+
+    from draftkit.kernels.ttt_attention import ttt_attention_flex
+
+    b, heads, kv_heads, t, d = 2, 4, 2, 40, 16
+    mask = _mask(b, t, padding)
+    real = mask[:, None, :, None]
+    for steps in (1, 2, 4):
+        q, cache = _inputs(b, heads, kv_heads, t, d, steps, torch.float32, seed=steps)
+        q, cache = q.detach(), [tuple(x.detach() for x in kv) for kv in cache]  # its CPU path has no backward
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile": expected on the CPU
+            ref = ttt_attention_eager(q, cache, mask, d**-0.5)
+            got = ttt_attention_flex(q, cache, mask, d**-0.5)
+        assert got.shape == ref.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got * real, ref * real, rtol=1e-5, atol=1e-5)
