@@ -14,23 +14,7 @@ import argparse
 import collections
 from pathlib import Path
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts :data:`SYNC_OPS` by name while active (``counts``: op name -> calls)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
+from draftkit.testing import HostReadCounter
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -47,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     class Count(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            self.mode = SyncCounter()
+            self.mode = HostReadCounter()
             self.mode.__enter__()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

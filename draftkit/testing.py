@@ -13,8 +13,8 @@ from pathlib import Path
 
 from draftkit.jsonio import atomic_path
 
-__all__ = ["TINY_FAMILIES", "TINY_LLAMA", "DeviceFactoryCheck", "build_tiny_target", "tiny_family_config",
-           "tiny_llama_config"]
+__all__ = ["HOST_READ_OPS", "TINY_FAMILIES", "TINY_LLAMA", "DeviceFactoryCheck", "HostReadCounter",
+           "build_tiny_target", "tiny_family_config", "tiny_llama_config"]
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -178,6 +178,61 @@ class DeviceFactoryCheck:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self.violations.sort()
+
+
+HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
+"""Aten ops that copy a device value to the host or size a tensor by its data (``.item()``, ``int(t)``, ``float(t)``,
+``bool(t)``, a 0-d tensor index, boolean indexing, ``.nonzero()``, ``unique``): on CUDA each one is a sync."""
+
+
+class HostReadCounter:
+    """Counts the :data:`HOST_READ_OPS` run while active, on any device (a ``TorchDispatchMode``), so CPU tests and
+    benchmarks see the syncs a GPU would pay.
+
+    Args:
+        skip: package names (e.g. ``("transformers",)``) whose own reads are left out: a read is not counted when
+            any frame of its call stack lies in a folder so named.
+
+    Attributes:
+        counts: ``collections.Counter``, op name -> calls.
+
+    Use::
+
+        with HostReadCounter() as reads:
+            run_a_round()
+        assert sum(reads.counts.values()) == 1
+    """
+
+    def __init__(self, skip: tuple[str, ...] = ()) -> None:
+        import collections
+
+        self.counts: collections.Counter = collections.Counter()
+        self.skip = skip
+        self._mode = None
+
+    def __enter__(self) -> HostReadCounter:
+        import os
+        import traceback
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        folders = tuple(f"{os.sep}{name}{os.sep}" for name in self.skip)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in HOST_READ_OPS and not (folders and any(
+                        f in frame.filename for frame in traceback.extract_stack() for f in folders)):
+                    counter.counts[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
 
 
 def end_process_group() -> None:

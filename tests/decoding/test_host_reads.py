@@ -1,37 +1,22 @@
 """Host reads in the decoding loops: each op that copies a device value to the host (``.item()``, ``int(t)``,
 ``bool(t)``, boolean indexing) is a synchronisation on a GPU, so the loops read the host once a round, not once a
-draft token, tree candidate or batch row. Counted on the CPU with a dispatch mode (the same ops as
-``benchmarks/host_syncs.py``)."""
-
-import collections
-import os
-import traceback
+draft token, tree candidate or batch row. Counted on the CPU with a dispatch mode
+(``draftkit.testing.HostReadCounter``, as ``benchmarks/host_syncs.py`` counts a training step's)."""
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftkit.decoding.drafters import Eagle3Drafter
 from draftkit.decoding.tree import select_nodes
 from draftkit.generation.torch_engine import generate_batch
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
+from draftkit.testing import HostReadCounter
 
-READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
 
-
-class _HostReads(TorchDispatchMode):
-    """Counts draftkit's :data:`READS` ops while active (those made inside ``transformers``, e.g. its mask
-    helpers' padding checks, are the library's and left out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in READS and not any(
-                f"{os.sep}transformers{os.sep}" in frame.filename for frame in traceback.extract_stack()):
-            self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+def _draftkit_reads():
+    """draftkit's own host reads (those inside ``transformers``, e.g. its mask helpers' padding checks, are the
+    library's and left out)."""
+    return HostReadCounter(skip=("transformers",))
 
 
 def _draft_reads(target, head, k: int) -> tuple[int, torch.Tensor]:
@@ -40,7 +25,7 @@ def _draft_reads(target, head, k: int) -> tuple[int, torch.Tensor]:
     _, aux = session.forward(prompt, logits_to_keep=1)
     drafter = Eagle3Drafter(head)
     drafter.reset(prompt, aux)
-    with _HostReads() as reads:
+    with _draftkit_reads() as reads:
         draft = drafter.propose(torch.cat([prompt, prompt[-1:]]), k, DecodeConfig(max_new_tokens=8), None)
     return sum(reads.counts.values()), draft.ids
 
@@ -62,7 +47,7 @@ def test_tree_selection_reads_no_scalar_per_candidate():
     depths = torch.tensor([1] * 4 + [2] * (m - 4))
     scores = -torch.rand(m, generator=g) - depths  # a child scores below its parent
     tokens = torch.arange(100, 100 + m)
-    with _HostReads() as reads:
+    with _draftkit_reads() as reads:
         tree = select_nodes(tokens, parents, depths, scores, 16)
     assert sum(reads.counts.values()) == 0
     order = sorted(range(m), key=lambda i: (-float(scores[i]), int(depths[i]), i))[:16]
@@ -75,9 +60,9 @@ def test_greedy_generate_reads_per_step_not_per_row(tiny):
     target, _ = tiny
     prompts = [[256, 1, 2, 3], [256, 9, 8], [256, 4, 5, 6, 7], [256, 11]]
     cfg = DecodeConfig(max_new_tokens=3)
-    with _HostReads() as one:
+    with _draftkit_reads() as one:
         alone = [generate_batch(target.model, [p], cfg, [], 0) for p in prompts]
-    with _HostReads() as four:
+    with _draftkit_reads() as four:
         batched = generate_batch(target.model, prompts, cfg, [], 0)
     assert batched == [a[0] for a in alone]
     assert [b[1] for b in batched] == ["length"] * 4
@@ -94,7 +79,7 @@ def test_greedy_verify_copies_once_and_matches_the_prefix_rule():
 
     logits = torch.zeros(6, 10)
     logits[torch.arange(6), torch.tensor([3, 1, 4, 1, 5, 9])] = 1.0  # target argmax per row
-    with _HostReads() as reads:
+    with _draftkit_reads() as reads:
         got = greedy_verify(torch.tensor([3, 1, 7, 1, 5]), logits)
     assert got == (2, 4) and sum(reads.counts.values()) == 1
     assert greedy_verify(torch.tensor([3, 1, 4, 1, 5]), logits) == (5, 9)
