@@ -145,6 +145,25 @@ def _next_prompt(w: _Work, tokenizer, cfg: RegenerateConfig, chat_template, cont
     return ids
 
 
+def whole_characters(tokenizer, ids: list[int]) -> list[int]:
+    """``ids`` less the trailing tokens of a character that an answer cut at ``max_new_tokens`` left incomplete.
+
+    A byte-level BPE spells a character of 2-4 UTF-8 bytes over up to 4 tokens; cut after 1-3 of them, the
+    answer decodes to U+FFFD, which re-encodes to other tokens than the target's, so the record would train the
+    head on tokens the target never produced. Drops at most 3 tokens, the fewest whose removal leaves a text that
+    does not end in U+FFFD (a whole U+FFFD the target wrote at the cut goes too; the answer ends there anyway);
+    returns ``ids`` itself when every such cut still ends in U+FFFD.
+
+    Args:
+        tokenizer: the target's tokenizer (``decode``).
+        ids: the answer's token ids, cut at the length limit (no stop id).
+    """
+    for cut in range(min(3, len(ids) - 1) + 1):
+        if not tokenizer.decode(ids[:len(ids) - cut], skip_special_tokens=False).endswith("\ufffd"):
+            return ids[:len(ids) - cut]
+    return ids
+
+
 def _take_answer(w: _Work, tokens: list[int] | None, stop: str, tokenizer, cfg: RegenerateConfig) -> None:
     """Append the decoded answer (``tokens``, its stop id kept when ``stop`` is ``eos``) to ``w`` and move it to
     its next assistant turn; ``tokens`` None fails ``w`` with the reason ``stop``, an empty answer ends it (fails
@@ -153,6 +172,8 @@ def _take_answer(w: _Work, tokens: list[int] | None, stop: str, tokenizer, cfg: 
         w.failed = stop
         return
     text_ids = tokens[:-1] if stop == "eos" else tokens
+    if stop == "length":
+        text_ids = whole_characters(tokenizer, text_ids)
     answer = tokenizer.decode(text_ids, skip_special_tokens=False)
     w.new_tokens += len(tokens)
     if not answer.strip():

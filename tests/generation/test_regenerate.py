@@ -407,3 +407,27 @@ def test_the_source_is_never_the_output(tmp_path, tiny_target_dir):
                                          r"to another file \(--overwrite would replace the source with them\)$"):
         regenerate(str(src), str(tmp_path / "." / "src.jsonl"), str(tiny_target_dir), overwrite=True, max_records=2)
     assert src.read_bytes() == before
+
+
+@pytest.mark.parametrize("kept", [1, 2, 3])
+def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tiny_tokenizer, kept):
+    """The length limit cutting a 4-byte character after 1-3 of its byte tokens: the record keeps the text before
+    it, whose re-encoding is exactly the target's kept tokens (not U+FFFD's three other bytes); an answer ending on
+    a whole character, or stopped by its stop id, keeps every token."""
+    from draftkit.generation.regenerate import _take_answer, _Work, whole_characters
+
+    head = tiny_tokenizer.encode("ok é", add_special_tokens=False)
+    emoji = tiny_tokenizer.encode("\U0001F600", add_special_tokens=False)
+    assert len(emoji) == 4  # byte-level: one token per UTF-8 byte
+    cut = head + emoji[:kept]
+    assert tiny_tokenizer.decode(cut).endswith("\ufffd")
+    assert whole_characters(tiny_tokenizer, cut) == head
+    assert whole_characters(tiny_tokenizer, head + emoji) == head + emoji
+    source = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    w = _Work(position=0, source_id="r0", source=source, done=source[:1], next_turn=1, stop=[])
+    _take_answer(w, cut, "length", tiny_tokenizer, RegenerateConfig(max_new_tokens=len(cut)))
+    assert w.done[-1] == {"role": "assistant", "content": "ok é"} and w.new_tokens == len(cut)
+    assert tiny_tokenizer.encode(w.done[-1]["content"], add_special_tokens=False) == head
+    w2 = _Work(position=1, source_id="r1", source=source, done=source[:1], next_turn=1, stop=[])
+    _take_answer(w2, cut + [EOS], "eos", tiny_tokenizer, RegenerateConfig(max_new_tokens=64))
+    assert w2.done[-1]["content"].endswith("\ufffd")  # the target's own stop: its text is kept as it wrote it
