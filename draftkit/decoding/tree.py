@@ -364,29 +364,44 @@ def tree_rejection_accept(
 ) -> tuple[list[int], int]:
     """Multi-draft rejection sampling over a tree of deterministic drafts (see the module docstring).
 
+    The walk tries a row's children in node order, accepting child c with probability p(c) / (mass of p not yet
+    rejected at the row). Every node's uniform is drawn up front (one per node, in node order) and every node's
+    test is made on the device at once, so a round reads the host a fixed number of times (the tree's structure,
+    the tests, the next token) whatever path it takes; on a GPU each read is a synchronisation. The unused
+    uniforms change no probability: each child still meets its own independent uniform.
+
     Args:
         tree: the verified tree (sibling tokens are distinct).
         target_probs: (N+1, V) float32 warped target distribution at each flattened row.
-        generator: RNG.
+        generator: RNG on ``target_probs``' device.
 
     Returns:
         (accepted node indices along the path, next token), the emitted tokens distributed as the target's.
     """
     kids, tokens = tree.children(), tree.tokens.tolist()
+    n, dev = len(tokens), target_probs.device
+    accept: list[bool] = []
+    if n:
+        row_of, earlier = [0] * n, torch.zeros(n, n, device="cpu")  # (N, N) built on the host, copied once:
+        # earlier[c, j] = 1 for j an earlier sibling of c
+        for row, cs in enumerate(kids):
+            for i, c in enumerate(cs):
+                row_of[c] = row
+                earlier[c, cs[:i]] = 1
+        rows = torch.tensor(row_of, device=dev)
+        mass = target_probs[rows, tree.tokens]  # (N,) p(c) at c's parent row
+        left = target_probs.sum(-1)[rows] - earlier.to(dev) @ mass  # (N,) mass left once earlier siblings fail
+        u = torch.rand(n, generator=generator, device=dev)
+        accept = ((u * left < mass) & (mass > 0)).tolist()  # one copy; p(c) = 0 is never accepted
     path, row = [], 0
-    while True:
-        p = target_probs[row].clone()  # (V,)
-        for c in kids[row]:
-            u = torch.rand((), generator=generator, device=p.device)
-            if u * p.sum() < p[tokens[c]]:
-                path.append(c)
-                row = c + 1
-                break
-            p[tokens[c]] = 0
-        else:
-            if not p.sum() > 0:  # all mass on rejected children: probability 0, kept for round-off
-                p = target_probs[row]
-            return path, int(sample_from_probs(p, generator))
+    while (c := next((c for c in kids[row] if accept[c]), None)) is not None:
+        path.append(c)
+        row = c + 1
+    p = target_probs[row].clone()  # (V,)
+    if kids[row]:
+        p[torch.tensor([tokens[c] for c in kids[row]], device=dev)] = 0
+    p = torch.where(p.sum() > 0, p, target_probs[row])  # all mass on rejected children: kept for round-off
+    return path, int(sample_from_probs(p, generator))
 
 
 class Eagle3TreeDrafter(Eagle3Drafter):

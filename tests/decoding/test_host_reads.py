@@ -6,7 +6,7 @@ draft token, tree candidate or batch row. Counted on the CPU with a dispatch mod
 import torch
 
 from draftkit.decoding.drafters import Eagle3Drafter
-from draftkit.decoding.tree import select_nodes
+from draftkit.decoding.tree import DraftTree, select_nodes, tree_rejection_accept
 from draftkit.generation.torch_engine import generate_batch
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -85,3 +85,28 @@ def test_greedy_verify_copies_once_and_matches_the_prefix_rule():
     assert greedy_verify(torch.tensor([3, 1, 4, 1, 5]), logits) == (5, 9)
     assert greedy_verify(torch.tensor([2, 1, 4, 1, 5]), logits) == (0, 3)
     assert greedy_verify(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 3)
+
+
+def test_sampled_tree_acceptance_reads_one_scalar_whatever_the_path():
+    """Multi-draft rejection sampling over a 5 x 4 tree of 16 nodes: one scalar read (the next token; the
+    structure and every node's test come over as one list copy each) on each of 200 draws, paths of 0 to 5 nodes
+    among them; the child-by-child walk read a scalar per child it tried, plus a mass check and the next token."""
+    parents = torch.tensor([-1, -1, -1, -1, 0, 0, 0, 1, 4, 4, 7, 8, 8, 10, 11, 13])
+    depths = torch.tensor([1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5])
+    tree = DraftTree(torch.arange(16) * 3, parents, depths, torch.zeros(16))
+    probs = torch.full((17, 48), 0.2 / 47)
+    probs[torch.arange(17)[1:], (torch.arange(16) * 3)] = 0.0
+    for row in range(17):  # most of each row's mass on its first child: long paths
+        kids = (parents + 1 == row).nonzero().flatten().tolist()
+        if kids:
+            probs[row, kids[0] * 3] = 0.8
+    probs /= probs.sum(-1, keepdim=True)
+    g = torch.Generator().manual_seed(0)
+    lengths, reads = set(), set()
+    for _ in range(200):
+        with _draftkit_reads() as counter:
+            path, _ = tree_rejection_accept(tree, probs, g)
+        reads.add(sum(counter.counts.values()))
+        lengths.add(len(path))
+    assert reads == {1}
+    assert {0, 5} <= lengths

@@ -225,6 +225,39 @@ def test_tree_rejection_sampling_reproduces_target_stub():
     assert chi2_pvalue(counts.flatten()[possible], n * expected.flatten()[possible]) > 1e-3
 
 
+def _sequential_rejection(tree, probs, u, g):
+    """The plain rule, child by child: child c meets uniform u[c]; p(c) zeroed when it fails."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    path, row = [], 0
+    while True:
+        p = probs[row].clone()
+        for c in [c for c in range(len(tokens)) if parents[c] + 1 == row]:
+            if u[c] * p.sum() < p[tokens[c]]:
+                path.append(c)
+                row = c + 1
+                break
+            p[tokens[c]] = 0
+        else:
+            return path, int(torch.multinomial(p if p.sum() > 0 else probs[row], 1, generator=g))
+
+
+def test_tree_rejection_equals_the_child_by_child_rule_with_the_same_uniforms():
+    """Every node tested at once on the device gives, over 300 seeds, exactly the path and next token of the
+    child-by-child rule fed the same per-node uniforms and the same generator after them; paths of every length
+    0-2 occur."""
+    V = 6
+    tree = DraftTree(torch.tensor([2, 5, 0, 1, 3]), PARENTS, DEPTHS, torch.zeros(5))
+    lengths = set()
+    for seed in range(300):
+        probs = torch.softmax(torch.randn(6, V, generator=torch.Generator().manual_seed(1000 + seed)) * 2, -1)
+        g, ref_g = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        u = torch.rand(5, generator=ref_g)
+        got = tree_rejection_accept(tree, probs, g)
+        assert got == _sequential_rejection(tree, probs, u, ref_g)
+        lengths.add(len(got[0]))
+    assert lengths == {0, 1, 2}
+
+
 class OracleTreeDrafter(StatelessDrafter):
     """Stub tree drafter on the real target: root children [2nd best, an off-support token, best],
     and the best child gets children [2nd best, best] of its own (all from the target's raw logits)."""
