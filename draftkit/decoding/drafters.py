@@ -146,11 +146,13 @@ class Eagle3Drafter:
         ids, logits, probs = [], [], []
         for j in range(k):
             logits.append(z)
+            # checked after the loop: a check here would wait for the device at every token
             if cfg.greedy:
-                d = z.argmax()  # checked after the loop: a check here would wait for the device at every token
-            else:
-                check_finite_logits(z, f"draft logits at draft position {j + 1}")
-                q = probs_from_logits(z, cfg.temperature, cfg.top_k, cfg.top_p)  # (V_d,)
+                d = z.argmax()
+            else:  # a non-finite row samples from flat logits until the check refuses the round (a NaN in
+                # multinomial would stop a CUDA device)
+                safe = torch.where(torch.isfinite(z).all(), z, torch.zeros_like(z))
+                q = probs_from_logits(safe, cfg.temperature, cfg.top_k, cfg.top_p, check=False)  # (V_d,)
                 d = sample_from_probs(q, generator)
                 probs.append(q)
             t = self.draft_target_ids[d.view(1)]  # (1,): a tensor index (a 0-d one would be read to the host)
@@ -159,7 +161,7 @@ class Eagle3Drafter:
                 z, h = self._step(t, h, L + j)
         self.cache.crop(L)
         stacked = torch.stack(logits)  # (k, V_d)
-        if cfg.greedy and not bool(torch.isfinite(stacked).all()):  # one host sync a round, not one a token
+        if not bool(torch.isfinite(stacked).all()):  # one host sync a round, not one a token
             for j, z in enumerate(logits):
                 check_finite_logits(z, f"draft logits at draft position {j + 1}")
         draft_ids = torch.cat(ids)  # (k,)

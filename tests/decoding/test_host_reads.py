@@ -19,14 +19,15 @@ def _draftkit_reads():
     return HostReadCounter(skip=("transformers",))
 
 
-def _draft_reads(target, head, k: int) -> tuple[int, torch.Tensor]:
+def _draft_reads(target, head, k: int, temperature: float = 0.0) -> tuple[int, torch.Tensor]:
     session = TargetSession(target)
     prompt = torch.tensor([256, 1, 2, 3, 4, 5])
     _, aux = session.forward(prompt, logits_to_keep=1)
     drafter = Eagle3Drafter(head)
     drafter.reset(prompt, aux)
     with _draftkit_reads() as reads:
-        draft = drafter.propose(torch.cat([prompt, prompt[-1:]]), k, DecodeConfig(max_new_tokens=8), None)
+        draft = drafter.propose(torch.cat([prompt, prompt[-1:]]), k, DecodeConfig(8, temperature),
+                                torch.Generator().manual_seed(0))
     return sum(reads.counts.values()), draft.ids
 
 
@@ -36,6 +37,12 @@ def test_a_greedy_chain_round_reads_the_host_once_whatever_k(tiny, tiny_head):
     counts = {k: _draft_reads(target, tiny_head, k)[0] for k in (1, 2, 5)}
     assert counts == {1: 1, 2: 1, 5: 1}
     assert _draft_reads(target, tiny_head, 5)[1].shape == (5,)
+
+
+def test_a_sampled_chain_round_reads_the_host_once_whatever_k(tiny, tiny_head):
+    """Sampled drafting (T = 1) too: one read a round for k = 1, 2 and 5 (it checked each position: k reads)."""
+    target, _ = tiny
+    assert {k: _draft_reads(target, tiny_head, k, 1.0)[0] for k in (1, 2, 5)} == {1: 1, 2: 1, 5: 1}
 
 
 def test_tree_selection_reads_no_scalar_per_candidate():

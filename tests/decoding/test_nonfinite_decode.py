@@ -97,9 +97,11 @@ def test_evaluate_names_the_prompt_of_nan_draft_logits_in_bfloat16(tiny, tiny_he
         handle.remove()
 
 
-def test_greedy_chain_names_the_draft_position_of_its_first_nan(tiny, tiny_head):
-    """The greedy chain checks its k draft logits once a round (one host sync, not one a token) and still names the
-    first non-finite position: the head's 2nd lm_head call of the first round (draft position 2) is NaN."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_chain_names_the_draft_position_of_its_first_nan(tiny, tiny_head, temperature):
+    """The chain, greedy or sampled, checks its k draft logits once a round (one host sync, not one a token) and
+    still names the first non-finite position: the head's 2nd lm_head call of the first round (draft position 2)
+    is NaN."""
     target, _ = tiny
     calls = []
 
@@ -112,7 +114,7 @@ def test_greedy_chain_names_the_draft_position_of_its_first_nan(tiny, tiny_head)
         with pytest.raises(NonFiniteLogitsError, match=r"^prompt 0 \(id '0'\): non-finite draft logits at draft "
                            r"position 2: 256 of 256 values \(float32\)"):
             evaluate_head(tiny_head, target, None, PROMPTS, k=3, max_new_tokens=5, eos_token_ids=[257],
-                          prompt_lookup=False, warmup=False, baseline=False)
+                          prompt_lookup=False, warmup=False, baseline=False, temperature=temperature)
     finally:
         handle.remove()
     assert len(calls) == 3  # the round drafted all k = 3 tokens before its one check
