@@ -57,13 +57,15 @@ def evaluate(
             ``hybrid``, whether prompt lookup joins it). ``k`` and ``tree`` are one topology each: give one (more
             topologies in one run: ``sweep``).
         tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
-            auto: the cost model picks among chains and trees (or plain decoding when nothing pays). A suffix
+            auto: the cost model picks among chains and trees (or plain decoding when nothing pays; at
+            ``temperature`` > 0 among chains only, calibrated by sampled decoding: a tree's fixed drafts are
+            accepted with the target's probability of each, not min(1, p/q) as a chain's sampled ones). A suffix
             ``+lookup=L`` joins a prompt-lookup continuation of up to L tokens to the head's draft as one more
             branch, verified in the same forward; ``+switch=L`` drafts the lookup continuation instead of the
             head's in the rounds that have one (``decoding.tree``). Chains take the suffix in ``--sweep``
             (``k=2+lookup=8``) or as ``--tree 2,1,2+lookup=8``.
         calibration_prompts: auto: the first prompts used to calibrate.
-        calibration_tokens: auto: greedy tokens per calibration prompt.
+        calibration_tokens: auto: tokens decoded per calibration prompt (greedy, or sampled at ``temperature``).
         temperature: sampling temperature; 0 = greedy.
         top_k: top-k sampling; 0 = off.
         top_p: nucleus sampling; 1 = off.

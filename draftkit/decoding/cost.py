@@ -27,7 +27,13 @@ calibration: tokens/s = sum_r (a_r + 1) / sum_r seconds_r, which for a plain hea
   the prompt end (L -> L + a_c(L) + 1) gives tau(c) without a target verify per topology. Prompt lookup's
   continuation at a root depends only on the sequence, so a hybrid's round is read off the same roots: the
   longer of the head's and the lookup's matches (``lookup``), or the lookup's alone where it has a continuation
-  (``switch``). At T > 0 the greedy tau is used as the estimate.
+  (``switch``).
+- At T > 0 only the head's chains are rated, by :func:`calibrate_sampled_chains`: one sampled speculative run of
+  the longest chain per calibration prompt. A tree verifies fixed drafts (the draft's top tokens, accepted with the
+  target's probability of each: ``tree.tree_rejection_accept``) and prompt lookup's are fixed too, while a chain
+  samples its drafts from the head and accepts with min(1, p/q); where the target is flat a fixed draft is accepted
+  far less often than greedy calibration would say, so a tree or hybrid picked on greedy tau can run slower than
+  plain decoding.
 
 The chosen topology is the one with the highest predicted tokens/s; plain decoding is chosen when no
 topology is predicted faster than it.
@@ -53,7 +59,7 @@ import torch
 from typing import NamedTuple
 
 from draftkit.decoding.metrics import acceptance_length
-from draftkit.decoding.verify import generate_plain
+from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.precision import synchronize
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -64,6 +70,7 @@ __all__ = [
     "Played",
     "Prediction",
     "calibrate_rounds",
+    "calibrate_sampled_chains",
     "calibrate_tau",
     "candidate_topologies",
     "choose",
@@ -325,6 +332,50 @@ def calibrate_rounds(
     if not any(played.values()):
         raise ValueError("calibration needs at least one greedy continuation of 2 or more tokens")
     return played
+
+
+@torch.no_grad()
+def calibrate_sampled_chains(
+    drafter: Eagle3TreeDrafter,
+    target: TargetSession,
+    prompts: list[torch.Tensor],
+    cfg: DecodeConfig,
+    generators: Callable[[int], torch.Generator],
+    max_k: int,
+    naming: Naming | None = None,
+) -> dict[TreeConfig, list[Played]]:
+    """The rounds the chains k = 1..``max_k`` would play at ``cfg``'s temperature (> 0), from one sampled
+    speculative run of the chain ``max_k`` per prompt.
+
+    In speculative sampling (Leviathan et al., arXiv 2211.17192) draft j of a chain is drawn from the head given
+    the drafts before it and tested against the target given the same prefix, so the first k drafts of a chain of
+    ``max_k`` are drawn and accepted as those of a chain of k are: a chain of k accepts min(a, k) where the long
+    chain accepted a (rounds whose long draft was cut short near ``cfg.max_new_tokens`` are kept as drafted).
+
+    Args:
+        drafter: the head's drafter.
+        target: the target session.
+        prompts: (n_i,) int64 templated calibration prompts.
+        cfg: the run's sampling options, ``max_new_tokens`` the calibration's length in tokens.
+        generators: ``generators(i)`` is prompt i's RNG (the evaluation's own seeding).
+        max_k: the longest chain rated (>= 1).
+        naming: wraps the work on prompt i (:data:`Naming`).
+
+    Returns:
+        {``TreeConfig.chain(k)``: [:class:`Played` per round]} for k = 1..max_k.
+
+    Raises:
+        ValueError: if ``cfg`` is greedy (use :func:`calibrate_rounds`) or no round was played.
+    """
+    if cfg.greedy:
+        raise ValueError("calibrate_sampled_chains is for temperature > 0; greedy calibration is calibrate_rounds")
+    accepted: list[int] = []
+    for i, ids in enumerate(prompts):
+        with _named(naming, i):
+            accepted += generate_speculative(target, drafter, ids, max_k, cfg, generators(i)).stats.accepted
+    if not accepted:
+        raise ValueError("calibration played no speculative round: raise --calibration_tokens")
+    return {TreeConfig.chain(k): [Played(min(a, k), k, True) for a in accepted] for k in range(1, max_k + 1)}
 
 
 def _hybrid_round(t: TreeConfig, a: int, chain: list[int], truth: list[int], kids: list[list[int]],

@@ -105,7 +105,9 @@ class Topology:
         tree = self.tree
         if tree is None:
             return f"chain k={self.k}"
-        base = (f"chain k={tree.depth}" if tree.is_chain else
+        # a hybrid chain runs as a tree of one path; a plain chain shape spelled tree=D,1,D keeps the tree's name
+        # (at T > 0 it verifies by the tree's rule, not the chain's: see decoding.tree)
+        base = (f"chain k={tree.depth}" if tree.is_chain and tree.lookup else
                 f"tree depth={tree.depth} topk={tree.topk} N={tree.num_nodes}")
         return base + (f" + {tree.lookup_mode}={tree.lookup}" if tree.lookup else "")
 
@@ -365,8 +367,8 @@ def evaluate_drafter(
     auto_report = None
     if auto:
         auto_report = _choose_topology(
-            drafter, session, encoded, auto == "tree", calibration_prompts, calibration_tokens, cfg.eos_token_ids,
-            lambda i: _naming_prompt(i, prompts[i], target, drafter, f" (--{auto} auto calibration)"), hybrid)
+            drafter, session, encoded, auto == "tree", calibration_prompts, calibration_tokens, cfg,
+            lambda i: _naming_prompt(i, prompts[i], target, drafter, f" (--{auto} auto calibration)"), hybrid, gen)
         tree = auto_report.pop("_tree")
         k = tree.depth
     if tree is not None and tree.is_chain and not tree.lookup and auto:
@@ -501,19 +503,33 @@ def choice_name(tree: TreeConfig) -> str:
     return (f"chain k={tree.depth}" if tree.is_chain else f"{tree.depth},{tree.topk},{tree.num_nodes}") + tree.suffix
 
 
-def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, eos, naming=None,
-                     hybrid: bool = True) -> dict:
+def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, cfg: DecodeConfig,
+                     naming=None, hybrid: bool = True, gen=None) -> dict:
     """Measure costs, calibrate tau and pick with ``decoding.cost`` (among the head's shapes and, with ``hybrid``,
-    their prompt-lookup hybrids of :data:`HYBRID_LOOKUPS` tokens); the report's ``auto`` block (``naming``: see
-    ``cost.Naming``)."""
+    their prompt-lookup hybrids of :data:`HYBRID_LOOKUPS` tokens; at T > 0 among the head's chains, calibrated by
+    sampled decoding with ``gen(i)``: ``cost.calibrate_sampled_chains``); the report's ``auto`` block
+    (``naming``: see ``cost.Naming``)."""
     if prompts < 1 or tokens < 2:
         raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
-    topologies = cost.candidate_topologies(tree, lookups=HYBRID_LOOKUPS if hybrid else ())
+    sampled = not cfg.greedy
+    if sampled and (tree or hybrid):
+        log.warning("auto at temperature %g rates the head's chains only: trees and prompt-lookup hybrids verify "
+                    "fixed drafts, accepted with the target's probability of each token rather than min(1, p/q), "
+                    "so greedy calibration overrates them there (decoding.cost)", cfg.temperature)
+    topologies = cost.candidate_topologies(tree and not sampled, lookups=HYBRID_LOOKUPS if hybrid and not sampled
+                                           else ())
     head_rows = {t.num_nodes + 1 for t in topologies}
     rows = sorted(head_rows | {n + t.lookup for n in head_rows for t in topologies if t.lookup})
     costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
-    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, eos, naming)
-    played = cost.calibrate_rounds(drafter, session, sequences, topologies, naming)
+    if sampled:
+        short = DecodeConfig(tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids)
+        played = cost.calibrate_sampled_chains(drafter, session, encoded[:prompts], short, gen,
+                                               max(t.depth for t in topologies), naming)
+        calibrated = len(encoded[:prompts])
+    else:
+        sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, cfg.eos_token_ids, naming)
+        played = cost.calibrate_rounds(drafter, session, sequences, topologies, naming)
+        calibrated = len(sequences)
     taus = {t: acceptance_length([p.accepted for p in rounds]) for t, rounds in played.items()}
     seconds = {t: cost.round_seconds(t, rounds, costs) for t, rounds in played.items()}
     predictions = cost.predict(taus, costs, seconds)
@@ -525,7 +541,7 @@ def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens
         "_tree": TreeConfig.chain(1) if best is None else best.tree,
         "choice": "plain" if best is None else choice_name(best.tree),
         "predicted_speedup": 1.0 if best is None else best.speedup,
-        "calibration": {"prompts": len(sequences), "tokens": tokens},
+        "calibration": {"prompts": calibrated, "tokens": tokens, "temperature": cfg.temperature},
         "verify_padding": dict(session.pad_rows),  # {rows: rows run}
         "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
                      "draft_step": {w: 1000 * s for w, s in costs.step.items()},

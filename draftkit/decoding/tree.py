@@ -25,7 +25,11 @@ A round (EAGLE-2, arXiv 2406.16858, ``eagle/model/cnets.py::topK_genrate``; SGLa
    accepted nodes' positions are L+1..L+a as in a chain); the draft cache drops its tree rows, and the
    accepted positions' aux states become its next step-0 rows (as in a chain).
 
-A chain of k drafts is the tree (depth k, top-k 1, N k): same drafts, same verify rows, same result.
+At T = 0 a chain of k drafts is the tree (depth k, top-k 1, N k): same drafts, same verify rows, same result. At
+T > 0 they differ (both lossless): the chain samples its drafts from the head and accepts one with probability
+min(1, p/q) (speculative sampling, ``verify.rejection_verify``; vLLM's rejection sampler), while the tree's drafts
+are the head's top tokens, fixed before the target is read, each accepted with probability p(c) (the target-only
+rule above), which accepts less where the target is flat; ``--k/--tree auto`` therefore rate chains only at T > 0.
 
 Hybrid rounds (``TreeConfig.lookup``): the prompt-lookup continuation of the sequence (``PromptLookupDrafter``,
 up to L tokens) joins the head's draft. ``lookup`` mode: it is one more root path of the tree (:func:`add_branch`;

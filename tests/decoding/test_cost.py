@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from draftkit.decoding.cost import (
+    calibrate_sampled_chains,
     CostTable,
     calibrate_rounds,
     candidate_topologies,
@@ -18,6 +19,7 @@ from draftkit.decoding.metrics import HEAD
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
 from draftkit.decoding.tree import Eagle3TreeDrafter, TreeConfig, generate_tree
+from draftkit.decoding.verify import generate_speculative
 
 MS = 1e-3
 # a CPU-like target: +1 ms per verified row up to 4, then +1 ms per 2 rows
@@ -82,6 +84,29 @@ def test_calibration_replays_greedy_tree_decoding(tiny, tiny_head):
         assert [p.head for p in rounds[t]] == [bool(s & HEAD) for s in real.stats.round_sources], t
         assert sum(p.accepted + 1 for p in rounds[t]) == 29  # every token after the first, once
         assert all(p.head and p.nodes == t.num_nodes for p in rounds[t]) == (t in heads), t
+
+
+def test_sampled_calibration_reads_every_chain_off_the_longest(tiny, tiny_head):
+    """At T > 0 chain k's rounds are the chain max_k's, each accepting min(a, k): exactly the sampled run of the
+    chain 4 with each prompt's generator, truncated (rounds of 0, 1 and 4 accepted drafts among them); greedy is refused."""
+    target, _ = tiny
+    session = TargetSession(target)
+    prompts = [torch.tensor([256, 33, 44, 55, 66]), torch.tensor([256, 7, 8, 9])]
+    cfg = DecodeConfig(40, 1.0)
+
+    def gen(i):
+        return torch.Generator().manual_seed(10 + i)
+
+    rounds = calibrate_sampled_chains(Eagle3TreeDrafter(tiny_head), session, prompts, cfg, gen, 4)
+    real = [a for i, p in enumerate(prompts)
+            for a in generate_speculative(session, Eagle3TreeDrafter(tiny_head), p, 4, cfg, gen(i)).stats.accepted]
+    assert list(rounds) == [TreeConfig.chain(k) for k in (1, 2, 3, 4)]
+    for t, played in rounds.items():
+        assert [p.accepted for p in played] == [min(a, t.depth) for a in real]
+        assert all(p.nodes == t.depth and p.head for p in played)
+    assert {0, 1, 4} <= set(real)  # rejected at once, part-accepted, all accepted
+    with pytest.raises(ValueError, match="temperature > 0"):
+        calibrate_sampled_chains(Eagle3TreeDrafter(tiny_head), session, prompts, DecodeConfig(8), gen, 4)
 
 
 def test_measure_costs_shapes(tiny, tiny_head):

@@ -272,6 +272,33 @@ def test_main_tree_auto(tmp_path, ckpt, prompts_file):
     assert list(tb.glob("events.out.tfevents.*"))
 
 
+def test_main_tree_auto_at_a_temperature_rates_sampled_chains(tmp_path, ckpt, prompts_file, caplog):
+    """--tree auto at T > 0: trees and hybrids verify fixed drafts (accepted with p, not min(1, p/q)), so the
+    calibration rates the head's chains only, by sampled decoding at the run's temperature (recorded), says so,
+    and picks a chain or plain decoding."""
+    out = tmp_path / "auto.json"
+    with caplog.at_level("WARNING"):
+        assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out),
+                     "--max_new_tokens", "8", "--tree", "auto", "--calibration_prompts", "2",
+                     "--calibration_tokens", "16", "--temperature", "0.8", "--prompt_lookup", "false"]) == 0
+    auto = json.loads(out.read_text())["auto"]
+    assert [p["tree"] for p in auto["predictions"]] and all(p["chain"] and p["hybrid"] is None
+                                                           for p in auto["predictions"])
+    assert sorted(p["tree"] for p in auto["predictions"]) == sorted(str(TreeConfig.chain(k)) for k in range(1, 9))
+    assert auto["calibration"] == {"prompts": 2, "tokens": 16, "temperature": 0.8}
+    assert auto["choice"] == "plain" or auto["choice"].startswith("chain k=")
+    assert "rates the head's chains only" in caplog.text
+
+
+def test_a_chain_spelled_as_a_tree_is_named_as_a_tree(tmp_path, ckpt, prompts_file):
+    """--sweep "k=3 tree=3,1,3": two runs (the chain's and the tree's verification), two names in the report."""
+    out = tmp_path / "sweep.json"
+    assert main(["--checkpoint", str(ckpt), "--prompts", str(prompts_file), "--output", str(out), "--num_prompts", "1",
+                 "--max_new_tokens", "4", "--prompt_lookup", "false", "--k", "3", "--sweep", "k=3 tree=3,1,3"]) == 0
+    names = [r["topology"] for r in json.loads(out.read_text())["sweep"]]
+    assert names == ["chain k=3", "tree depth=3 topk=1 N=3"]
+
+
 @pytest.mark.parametrize("policy", ["float32", "bfloat16"])
 def test_main_default_dtype_is_the_policy(tmp_path, ckpt, prompts_file, fake_precision, policy):
     choice = fake_precision(policy, 0.5 if policy == "bfloat16" else None)
