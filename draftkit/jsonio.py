@@ -15,11 +15,18 @@ from pathlib import Path
 
 __all__ = [
     "InsufficientSpaceError", "ResumableRecord", "atomic_leftovers", "atomic_path", "bytes_needed", "check_free_space", "check_writable",
-    "short_hash", "write_json_atomic",
+    "json_error", "short_hash", "write_json_atomic",
 ]
 
 SPACE_MARGIN = (1 << 20, 0.05)
 """Free space kept beyond a write: 1 MiB plus 5 % of its bytes (filesystem blocks, metadata, a temp copy)."""
+
+
+def json_error(exc: json.JSONDecodeError, line: bool = False) -> str:
+    """What a JSON parse error says, with where: ``Unterminated string starting at column 43`` (``json``'s messages
+    that end in "at" take the place directly), ``Expecting ',' delimiter at line 2 column 5`` with ``line``."""
+    where = f"line {exc.lineno} column {exc.colno}" if line else f"column {exc.colno}"
+    return f"{exc.msg} {where}" if exc.msg.endswith(" at") else f"{exc.msg} at {where}"
 
 
 class InsufficientSpaceError(ValueError):

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftkit.jsonio import short_hash
+from draftkit.jsonio import json_error, short_hash
 
 __all__ = [
     "ReadSummary",
@@ -326,9 +326,8 @@ def _iter_json_array(path: Path, summary: ReadSummary):
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             if text.rstrip().endswith("]"):
-                line = text.count("\n", 0, exc.pos) + 1
                 raise ValueError(
-                    f"{path}: record {index} is corrupt JSON at line {line} ({exc.msg}); fix or remove that record"
+                    f"{path}: record {index} is corrupt JSON ({json_error(exc, line=True)}); fix or remove that record"
                 ) from exc
             summary.cut_offset = len(text[:pos].encode("utf-8", "surrogateescape"))
             warnings.warn(
@@ -357,7 +356,7 @@ def _iter_jsonl(path: Path, summary: ReadSummary):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            summary.skip(f"line {lineno}", "corrupt JSON line", f"{exc.msg} at column {exc.colno}")
+            summary.skip(f"line {lineno}", "corrupt JSON line", json_error(exc))
             continue
         if isinstance(record, list) and record and all(
                 isinstance(r, dict) and r.keys() & {"conversations", "messages", "conversation"} for r in record):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from draftkit.data.chat import ROLE_ALIASES, content_text, decode_file, unencodable_at
+from draftkit.jsonio import json_error
 from draftkit.target.tokens import encode_chat
 
 __all__ = ["MT_BENCH", "TEMPLATES", "TEXT_KEYS", "Prompt", "encode_prompt", "load_prompts", "resolve_template",
@@ -151,7 +152,7 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{option}: {path} is not valid JSON ({exc})") from exc
+            raise ValueError(f"{option}: {path} is not valid JSON ({json_error(exc, line=True)})") from exc
         records = list(enumerate(data if isinstance(data, list) else [data], 1))
     else:
         records = []
@@ -159,7 +160,7 @@ def load_prompts(source: str, num_prompts: int | None = None, option: str = "--p
             try:
                 records.append((n, json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{option}: {path}:{n} is not valid JSON ({exc.msg})") from exc
+                raise ValueError(f"{option}: {path}:{n} is not valid JSON ({json_error(exc)})") from exc
     if records and isinstance(records[0][1], dict) and set(records[0][1]) == {"header"}:
         records = records[1:]  # a chat JSONL's header (``draftkit generate``'s output), as the training reader skips it
     prompts = []

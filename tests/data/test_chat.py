@@ -56,8 +56,20 @@ def test_malformed_records_are_skipped_and_counted(tmp_path):
 def test_corrupt_json_in_the_middle_is_an_error(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[{"conversations": []}, {"conversations": [}, {"conversations": []}]')
-    with pytest.raises(ValueError, match=r"bad.json: record 1 is corrupt JSON at line 1"):
+    with pytest.raises(ValueError, match=r"bad.json: record 1 is corrupt JSON "
+                       r"\(Expecting value at line 1 column 44\); fix or remove that record"):
         read_conversations(str(path))
+
+
+def test_a_corrupt_jsonl_line_is_skipped_naming_its_place_once(tmp_path):
+    """The skip names the line and the column where the JSON broke, the place said once (json's "... starting at"
+    message takes it directly)."""
+    path = tmp_path / "bad.jsonl"
+    good = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'
+    path.write_text(good + "\n" + '{"messages": [{"role": "user", "content": "cut\n' + good + "\n")
+    convs, summary = read_conversations(str(path))
+    assert len(convs) == 2
+    assert summary.skips == [("line 2", "corrupt JSON line", "Unterminated string starting at column 43")]
 
 
 def test_jsonl_chat_reader(tiny_chat_jsonl):

@@ -69,8 +69,9 @@ def test_text_files_answers_and_bom(tmp_path):
     assert prompts[0] == Prompt("a", [{"role": "user", "content": "q?"}], answer="#### 42")
     assert prompts[1].answer is None and prompts[1].id == "2"
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON"):
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "cut\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not valid JSON "
+                       r"\(Unterminated string starting at column 12\)"):
         load_prompts(str(bad))
 
 
