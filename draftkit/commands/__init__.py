@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, KeyboardInterrupt) as exc:  # bad files or options, head/target mismatch; Ctrl-C
         if os.environ.get("DRAFTKIT_DEBUG", "") not in ("", "0"):
             raise
-        if isinstance(exc, KeyboardInterrupt):
-            return 130  # 128 + SIGINT, the shell's code for a Ctrl-C
+        if isinstance(exc, KeyboardInterrupt):  # 128 + SIGINT, the shell's code for a Ctrl-C; 143 after a SIGTERM
+            return getattr(exc, "exit_code", 130)  # that a verb handled as one (generation.regenerate.Terminated)
         print(f"draftkit {verb}: error: {_message(exc)}", file=sys.stderr)
         return 2
     return 0

@@ -74,7 +74,8 @@ class Prompt:
 def _messages(record: Any) -> list[dict] | None:
     """Messages of one record: a ``messages`` list that ends with a user turn is a request and is kept whole,
     its history (earlier user and assistant turns) included; one that ends with an assistant turn is a whole
-    conversation and is cut before its first assistant turn after a user turn. None if it has no prompt.
+    conversation and is cut before its first assistant turn after a user turn. None if it has no prompt (an
+    empty or blank last user turn included).
 
     Raises:
         ValueError: on a turn whose content is not text (``content_text``: e.g. an image part; names the turn,
@@ -86,7 +87,7 @@ def _messages(record: Any) -> list[dict] | None:
         return None
     turns = record.get("turns")
     if isinstance(turns, list) and turns and isinstance(turns[0], str):
-        return [{"role": "user", "content": turns[0]}]  # MT-bench: the first turn
+        return [{"role": "user", "content": turns[0]}] if turns[0].strip() else None  # MT-bench: the first turn
     for key in TEXT_KEYS:
         if isinstance(record.get(key), str) and record[key].strip():
             return [{"role": "user", "content": record[key]}]
@@ -109,7 +110,8 @@ def _messages(record: Any) -> list[dict] | None:
     if messages and messages[-1]["role"] != "user":  # a whole conversation: its first user turn(s) are the prompt
         first_answer = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
         messages = messages[:first_answer]
-    return messages if messages and messages[-1]["role"] == "user" else None
+    # an empty last user turn asks nothing (the training reader refuses empty turns too)
+    return messages if messages and messages[-1]["role"] == "user" and messages[-1]["content"].strip() else None
 
 
 def load_prompts(source: str, num_prompts: int | None = None, option: str = "--prompts") -> list[Prompt]:

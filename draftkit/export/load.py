@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from draftkit.export.common import NORM_FLAGS, SIDECAR, head_config_dict, validate_tensors
-from draftkit.heads.checkpoint import HeadSource, check_tokenizer, head_from_checkpoint, head_source
+from draftkit.heads.checkpoint import (
+    HeadSource, check_architecture, check_tokenizer, head_from_checkpoint, head_source,
+)
 from draftkit.heads.eagle3_llama import Eagle3Config, Eagle3LlamaHead
 
 __all__ = ["load_exported_head", "load_head", "read_export", "reference_forward"]
@@ -230,6 +232,8 @@ def load_head(checkpoint: str | Path, target: str | None = None):
         head, meta = load_exported_head(path)
         from draftkit.artifacts import resolve_model_dir
 
+        if target is not None:  # as a training checkpoint's --target is checked (heads.checkpoint)
+            check_architecture(path, meta["export"], target)
         check_tokenizer(meta["export"], resolve_model_dir(target or meta["target"], "target"), f"export {path}")
         return head, meta
     return head_from_checkpoint(path, target)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from collections import Counter
@@ -441,16 +442,21 @@ def regenerate(
                     _decode_on_server(e.runner, todo, e.tokenizer, cfg, e.template, e.stop_ids, e.context, progress,
                                       finish)
             return parts.join(header, dict(summary.skipped)), e, t0, new_tokens
-        except KeyboardInterrupt:
-            log.warning("generate: stopped (Ctrl-C) with %d of %d shards written to %s; the same command resumes from "
-                        "them", len(parts.index["shards"]), len(shards), parts.dir)
+        except KeyboardInterrupt as stop:
+            log.warning("generate: stopped (%s) with %d of %d shards written to %s; the same command resumes from "
+                        "them", "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C", len(parts.index["shards"]),
+                        len(shards), parts.dir)
             raise
 
     parts = Parts(out)  # claims the output before the target loads: a second run of it stops at once
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers can be set only there
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         header, e, t0, new_tokens = _run(parts)
     finally:
         parts.release()  # a run that stops leaves its shards for the next, not its claim on them
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - t0
     counts = header["counts"]
     log.info(
@@ -459,6 +465,17 @@ def regenerate(
         new_tokens, seconds, new_tokens / max(seconds, 1e-9),
     )
     return {**header, "seconds": seconds, "tokens_per_s": new_tokens / max(seconds, 1e-9), "kernels": e.kernels_record}
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM stopped ``generate``: handled as a Ctrl-C (the finished shards kept, the output's claim released,
+    the server stopped, one warning that the same command resumes), exit code ``exit_code`` (128 + SIGTERM)."""
+
+    exit_code = 143
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def _check_options(engine: str, cfg: RegenerateConfig, batch_size: int, shard_size: int, parallel: int,

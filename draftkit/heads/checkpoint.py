@@ -35,7 +35,7 @@ from draftkit.target.frozen import text_config
 
 __all__ = [
     "ARCHITECTURE_FIELDS", "HEAD_PREFIX", "HeadSource", "check_finite", "check_head_matches_target",
-    "check_resumed_aux_ids", "check_tokenizer", "checkpoint_metadata", "checkpoint_tensors", "expected_tensor_specs",
+    "check_architecture", "check_resumed_aux_ids", "check_tokenizer", "checkpoint_metadata", "checkpoint_tensors", "expected_tensor_specs",
     "head_fingerprint", "head_from_checkpoint", "load_checkpoint", "read_checkpoint", "read_training_state", "target_architecture",
 ]
 
@@ -173,10 +173,16 @@ def check_resumed_aux_ids(meta: dict, aux_layer_ids: list[int]) -> None:
 
 
 # -- reading ------------------------------------------------------------------------------------------------
-def _check_architecture(path: Path, meta: dict, target_ref: str, tcfg) -> None:
+def check_architecture(path: Path, meta: dict, target_ref: str, tcfg=None) -> None:
     """Refuse a ``--target`` of another architecture than the head's training target (:data:`ARCHITECTURE_FIELDS`
     as stored, or read from the training target's config for checkpoints written before they were stored; not
     compared when neither is available).
+
+    Args:
+        path: the checkpoint or export directory (named in the error).
+        meta: its ``draftkit`` metadata or export sidecar (``target_architecture``, ``trained_target``, ``target``).
+        target_ref: the ``--target`` given.
+        tcfg: that target's text config, when already loaded (else it is read here).
 
     Raises:
         ValueError: naming the training target and ``--target`` with each differing field's two values.
@@ -189,7 +195,7 @@ def _check_architecture(path: Path, meta: dict, target_ref: str, tcfg) -> None:
             log.info("%s: the training target %r is not available here; its architecture is not compared with "
                      "--target %r", path, trained_ref, target_ref)
             return
-    given = target_architecture(tcfg)
+    given = target_architecture(tcfg if tcfg is not None else _load_target_config(target_ref)[1])
     diff = [f"{f} {trained[f]!r} vs {given[f]!r}" for f in ARCHITECTURE_FIELDS
             if trained.get(f) is not None and given[f] is not None and trained[f] != given[f]]
     if diff:
@@ -490,7 +496,7 @@ def head_source(path: Path, state: dict[str, torch.Tensor], meta: dict, target: 
             f"vocab_size {t_vocab}; export against the target the head was trained on (--target)"
         )
     if target is not None:
-        _check_architecture(path, meta, target_ref, tcfg)
+        check_architecture(path, meta, target_ref, tcfg)
     check_tokenizer(meta, target_path, f"checkpoint {path}")
     num_layers = int(tcfg.num_hidden_layers)
     aux = validate_aux_layer_ids(cfg.aux_layer_ids, num_layers, option=f"{path}: aux_layer_ids")

@@ -51,6 +51,12 @@ def test_prompt_file_errors(tmp_path):
     bad.write_text('{"prompt": "fine"}\n{"foo": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl record 2"):
         load_prompts(str(bad))
+    for blank in ('{"messages": [{"role": "user", "content": ""}]}', '{"turns": ["  "]}',
+                  '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, '
+                  '{"role": "user", "content": " \\n"}]}'):
+        bad.write_text('{"prompt": "fine"}\n' + blank + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl record 2 has no prompt text"):
+            load_prompts(str(bad))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="holds no prompt"):

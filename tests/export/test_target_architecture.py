@@ -39,3 +39,24 @@ def test_another_architecture_is_refused_and_the_sidecar_keeps_the_training_targ
     # an export is checked the same way when re-read against another target
     assert main(["export", str(tmp_path / "x"), str(tmp_path / "y"), "--to", "sglang", "--target", str(other)]) == 2
     assert "has another architecture (model_type 'llama' vs 'qwen3_moe'" in capsys.readouterr().err
+    # evaluating an export against it is refused the same way (it ran, writing a report), and nothing is written
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "x"), "--target", str(other), "--prompts", str(prompts),
+                 "--output", str(tmp_path / "r.json"), "--k", "2", "--max_new_tokens", "4"]) == 2
+    assert (f"{tmp_path / 'x'} was trained on target {trained!r}, but --target {str(other)!r} has another "
+            "architecture (model_type 'llama' vs 'qwen3_moe'") in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_run_started_from_an_export_for_another_architecture_is_refused_naming_it(tiny_checkpoint, tmp_path):
+    """``model.init_head`` of an export with a target of another family: the architecture refusal (it was a
+    head-shape refusal naming rms_norm_eps and a model option that does not exist)."""
+    import pytest
+
+    from draftkit.models.init_head import read_init_head
+
+    path, _ = tiny_checkpoint
+    other = build_tiny_target(tmp_path / "tiny-qwen3-moe", family="qwen3_moe")
+    assert main(["export", str(path), str(tmp_path / "x"), "--to", "vllm"]) == 0
+    with pytest.raises(ValueError, match=r"^model.init_head: .* has another architecture \(model_type 'llama' vs "
+                       r"'qwen3_moe'"):
+        read_init_head(str(tmp_path / "x"), str(other), [2, 4, 5], 64)

@@ -10,7 +10,7 @@ import torch
 
 from draftkit.data.chat import read_conversations
 from draftkit.generation.output_file import read_output
-from draftkit.generation.regenerate import FORMAT, RegenerateConfig, generate_batch, regenerate
+from draftkit.generation.regenerate import FORMAT, RegenerateConfig, generate_batch, regenerate, whole_characters
 from draftkit.decoding.verify import generate_plain
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
@@ -87,7 +87,8 @@ def test_regenerate_first_turns_counts_bad_records_and_reads_back(tmp_path, tiny
         user = [{"role": "user", "content": f"question {i}" + " more" * i}]
         assert messages[:1] == user and len(messages) == 2
         tokens = _plain(target, _prompt(tokenizer, user), 6, [EOS])
-        answer = tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
+        # cut at the length limit: up to the last whole character (a random model writes stray UTF-8 bytes)
+        answer = tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else whole_characters(tokenizer, tokens))
         assert messages[1] == {"role": "assistant", "content": answer}
     assert not (tmp_path / "regen.jsonl.parts").exists()
     before, calls = out.read_bytes(), []
@@ -362,6 +363,40 @@ def test_ctrl_c_in_the_verb_exits_130_with_the_kept_shards_message_only(tmp_path
     err = capsys.readouterr().err  # the target's loading bar only
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error" not in err
     assert list(json.loads((parts / "index.json").read_text())["shards"]) == ["0"] and not out.exists()
+
+
+def test_sigterm_in_the_verb_exits_143_with_the_kept_shards_message(tmp_path, tiny_target_dir, monkeypatch, caplog):
+    """A SIGTERM (a job scheduler's stop) is handled as a Ctrl-C: shard 0 kept, the claim on the output released,
+    one warning naming SIGTERM, exit 143; afterwards SIGTERM's handler is the one before the run."""
+    import functools
+    import os
+    import signal
+
+    import draftkit.generation.regenerate as library
+    from draftkit.commands import main
+
+    calls = []
+
+    def terminate():
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(library, "regenerate", functools.partial(library.regenerate, _after_batch=terminate))
+    src, out = _write_source(tmp_path / "src.jsonl"), tmp_path / "o.jsonl"
+    before = signal.getsignal(signal.SIGTERM)
+    with caplog.at_level(logging.WARNING):
+        code = main(["generate", "--source", str(src), "--target", str(tiny_target_dir), "--output", str(out),
+                     "--dtype", "float32", "--max_new_tokens", "2", "--max_prompt_tokens", "200", "--batch_size", "3",
+                     "--shard_size", "3"])
+    assert code == 143 and signal.getsignal(signal.SIGTERM) is before
+    parts = tmp_path / "o.jsonl.parts"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"generate: stopped (SIGTERM) with 1 of 3 shards written to {parts}; the same command resumes from them"]
+    assert list(json.loads((parts / "index.json").read_text())["shards"]) == ["0"] and not out.exists()
+    from draftkit.generation.output_file import Parts
+
+    Parts(out).release()  # the claim was released: a held flock would refuse this one (FileExistsError)
 
 
 def test_a_run_that_answers_no_conversation_writes_nothing_and_says_why(tmp_path, tiny_target_dir):
