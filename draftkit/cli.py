@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from draftkit.fit_progress import ProgressLog
 from draftkit.fit_run import (
-    HELD_OUT_KEY, RunStart, check_fresh_start, check_resume_options, claim_run_dir, continue_run_dir, remove_run_dir,
+    HELD_OUT_KEY, RunStart, check_fresh_start, check_max_steps, check_resume_options, claim_run_dir, continue_run_dir,
+    remove_run_dir,
     report_stop, save_final_last, trainer_record, warn_replaced_model_options, with_step,
 )
 from draftkit.precision import auto_precision, default_device, resolve_dtype, resolve_trainer_precision
@@ -198,6 +199,7 @@ class DraftkitCLI(LightningCLI):
 
     def before_fit(self) -> None:
         check_fresh_start(self.trainer, self.config[self.subcommand].get("ckpt_path"), self._argv)
+        check_max_steps(self.trainer.max_steps, self.config[self.subcommand].get("ckpt_path"))
         init_head = self.config[self.subcommand].model.get("init_head")
         if init_head and not self.config[self.subcommand].get("ckpt_path"):  # before the data and the target load
             from draftkit.models.init_head import check_head_options

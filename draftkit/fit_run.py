@@ -28,7 +28,7 @@ from draftkit.models.schedule import RESUME_KEY
 
 __all__ = [
     "DATA_KEY", "HELD_OUT_KEY", "NOT_COMPARED", "NOT_USED_BY_VALIDATE", "RESOLVED_ON_RUN", "RUN_DIR_KEY", "SAFE_ON_RESUME",
-    "RunStart", "check_fresh_start",
+    "RunStart", "check_fresh_start", "check_max_steps",
     "check_resume_options", "claim_run_dir", "continue_run_dir", "remove_run_dir", "report_stop", "resume_command",
     "save_final_last", "trainer_record", "warn_replaced_model_options", "with_step",
 ]
@@ -424,6 +424,25 @@ def check_fresh_start(trainer, ckpt_path, args: list[str]) -> None:
                 f"overwrite that state. Resume it (the options are checked against it): "
                 f"{resume_command(args, cb.ckpt_path)} ; or move that file away to start a new run"
             )
+
+
+def check_max_steps(max_steps, ckpt_path: str | None) -> None:
+    """Refuse a ``trainer.max_steps`` that trains nothing: 0, or (resuming) at or below the checkpoint's step.
+
+    Args:
+        max_steps: ``trainer.max_steps`` (-1 = no step limit: ``max_time`` or ``max_epochs`` ends the run).
+        ckpt_path: the checkpoint a resumed fit continues from, or None.
+
+    Raises:
+        ValueError: naming the option, the checkpoint's step and the value that trains on.
+    """
+    if max_steps == 0:
+        raise ValueError("trainer.max_steps 0 trains no step: give the optimizer steps to train (>= 1), or -1 to "
+                         "let trainer.max_time or trainer.max_epochs end the run")
+    step = _stored_step(ckpt_path) if ckpt_path and max_steps is not None and max_steps > 0 else None
+    if step is not None and step >= max_steps:
+        raise ValueError(f"--ckpt_path {ckpt_path} is at step {step} and trainer.max_steps {max_steps} ends there: "
+                         f"nothing would train; give trainer.max_steps above {step} to train on")
 
 
 def _stored_step(path: str) -> int | None:

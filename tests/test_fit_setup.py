@@ -83,10 +83,12 @@ def test_a_target_overflowing_in_float16_is_named_and_leaves_no_run_directory(tm
 
 
 def test_a_fit_of_zero_steps_names_no_last_checkpoint(tmp_path, monkeypatch, caplog):
-    """trainer.max_steps 0 ended "last checkpoint: .../last.ckpt", a file no one wrote."""
+    """A fit that trains no step (here trainer.max_epochs 0; trainer.max_steps 0 is refused up front) ended
+    "last checkpoint: .../last.ckpt", a file no one wrote."""
     import logging
 
     monkeypatch.chdir(REPO)
     with caplog.at_level(logging.INFO):
-        assert main(TINY + ["--trainer.max_steps", "0", "--trainer.default_root_dir", str(tmp_path)]) == 0
+        assert main(TINY + ["--trainer.max_steps", "-1", "--trainer.max_epochs", "0", "--trainer.max_time", "null",
+                            "--trainer.default_root_dir", str(tmp_path)]) == 0
     assert "  last checkpoint: (none)\n" in caplog.text and not list(tmp_path.rglob("*.ckpt"))

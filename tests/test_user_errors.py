@@ -200,3 +200,33 @@ def test_a_data_file_that_generate_is_still_writing_is_named_so(tmp_path, monkey
     assert str(err.value) == ("data.path: regen.jsonl.gz does not exist yet: regen.jsonl.gz.parts holds the shards of "
                               "an unfinished `draftkit generate` run; rerun that generate command to finish and join "
                               "them")
+
+
+@pytest.mark.parametrize("steps, message", [
+    ("0", "trainer.max_steps 0 trains no step: give the optimizer steps to train (>= 1), or -1"),
+    ("-5", "max_steps"),  # Lightning's own refusal (a MisconfigurationException), as one line
+])
+def test_a_max_steps_that_trains_nothing_is_one_line_and_writes_nothing(steps, message, tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--recipe", str(ROOT / "recipes" / "tiny-debug.yaml"), "--trainer.max_steps", steps]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("draftkit fit: error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_resume_whose_max_steps_ends_at_the_checkpoint_is_refused(tmp_path):
+    import torch
+
+    from draftkit.fit_run import check_max_steps
+
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 12}, ckpt)
+    for steps in (4, 12):
+        with pytest.raises(ValueError, match=rf"--ckpt_path {ckpt} is at step 12 and trainer.max_steps {steps} ends "
+                           r"there: nothing would train; give trainer.max_steps above 12 to train on"):
+            check_max_steps(steps, str(ckpt))
+    for steps in (13, -1, None):
+        check_max_steps(steps, str(ckpt))
+    check_max_steps(4, None)

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success; 2 on bad input: a ``ValueError`` or ``OSError`` from any verb (``fit``/``validate``
-        included) prints one line ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
+        included), or Lightning's ``MisconfigurationException`` (a trainer option it refuses), prints one line ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
         to raise it with its traceback instead. 130 after Ctrl-C (a ``KeyboardInterrupt``), without a traceback:
         the verb has said what it kept (``generate``: its shards and that the same command resumes), as a stopped
         ``fit`` exits 130 after its report (``fit_run.report_stop``). Other exceptions (bugs) propagate with their
@@ -228,14 +228,20 @@ def main(argv: list[str] | None = None) -> int:
             fn, options = fn[options.subverb], options[options.subverb]
         options = {k: v for k, v in vars(options).items() if k in inspect.signature(fn).parameters}
         fn(**options)
-    except (ValueError, OSError, KeyboardInterrupt) as exc:  # bad files or options, head/target mismatch; Ctrl-C
-        if os.environ.get("DRAFTKIT_DEBUG", "") not in ("", "0"):
+    except (Exception, KeyboardInterrupt) as exc:
+        if os.environ.get("DRAFTKIT_DEBUG", "") not in ("", "0") or not _user_error(exc):
             raise
         if isinstance(exc, KeyboardInterrupt):  # 128 + SIGINT, the shell's code for a Ctrl-C; 143 after a SIGTERM
             return getattr(exc, "exit_code", 130)  # that a verb handled as one (generation.regenerate.Terminated)
         print(f"draftkit {verb}: error: {_message(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _user_error(exc: BaseException) -> bool:
+    """Bad files or options, a head/target mismatch (``ValueError``, ``OSError``), a trainer option Lightning refuses
+    (its ``MisconfigurationException``), or Ctrl-C: reported without a traceback; anything else is a bug."""
+    return isinstance(exc, (ValueError, OSError, KeyboardInterrupt)) or type(exc).__name__ == "MisconfigurationException"
 
 
 _UNION = "Does not validate against any of the Union subtypes"

@@ -367,14 +367,33 @@ def _iter_jsonl(path: Path, summary: ReadSummary):
         yield record_name(record, f"line {lineno}"), record
 
 
+def _check_data_directory(path: Path) -> None:
+    """Refuse a directory ``datasets`` would misread: one holding chat ``.json``/``.jsonl`` files (it casts them to
+    one schema, failing on two formats, or reads only some of them) or nothing at all. A directory of parquet, CSV
+    or arrow files (a local copy of a hub dataset) is left to ``datasets``.
+
+    Raises:
+        ValueError: naming the directory, its chat files and what to give instead.
+    """
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    chat = [f for f in files if f.lower().endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz"))]
+    if chat or not any(path.iterdir()):
+        held = f"holds the chat files {chat[:4]}{' ...' if len(chat) > 4 else ''}" if chat else "is empty"
+        raise ValueError(
+            f"data.path {path} is a directory that {held}; give one file (join several JSONL files with cat, "
+            "gzip ones too: their members concatenate), or a dataset saved with datasets' save_to_disk")
+
+
 def _iter_datasets(ref: str, split: str):
     import datasets
 
     path = Path(ref)
-    if path.is_dir() and (path / "dataset_info.json").exists():
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(path))
         ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     else:
+        if path.is_dir():
+            _check_data_directory(path)
         ds = datasets.load_dataset(ref, split=split)
     for index, record in enumerate(ds):
         yield record_name(record, f"row {index}"), record
@@ -388,7 +407,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
             read up to the cut with one warning), a local ``.jsonl`` or ``.jsonl.gz`` (one record per line; a first
             line ``{"header": {...}}`` is kept in ``summary.header``, not read as a record, and a later such line, as
             in ``draftkit generate`` outputs joined with ``cat``, is no record either), or a ``datasets`` source
-            (hub id, a directory saved with ``save_to_disk``, or a local data file ``datasets`` can load). Local
+            (hub id, a directory saved with ``save_to_disk``, a directory of parquet/CSV/arrow files, or a local data
+            file ``datasets`` can load; a directory of chat JSON/JSONL files is refused: give one file). Local
             files are UTF-8 (with or without a byte-order mark) or UTF-16/UTF-32 with a byte-order mark, with LF or
             CRLF line ends; a ``.gz`` file cut off mid-stream is read up to the cut with one warning.
         split: the ``datasets`` split.
@@ -401,7 +421,8 @@ def read_conversations(ref: str, split: str = "train", max_records: int | None =
 
     Raises:
         FileNotFoundError: if a local path does not exist.
-        ValueError: on a JSON file that is corrupt before its end (names the record and line), a ``.json`` file
+        ValueError: on a JSON file that is corrupt before its end (names the record and line), a directory of chat
+            files or an empty one (:func:`_check_data_directory`), a ``.json`` file
             that is not a JSON array, a ``.jsonl`` line that holds an array of records, or a ``.gz`` file that is
             not gzip data (each naming the file and what to do).
     """

@@ -72,6 +72,30 @@ def test_a_corrupt_jsonl_line_is_skipped_naming_its_place_once(tmp_path):
     assert summary.skips == [("line 2", "corrupt JSON line", "Unterminated string starting at column 43")]
 
 
+def test_a_directory_of_chat_files_or_nothing_is_refused_and_a_saved_dataset_dict_reads(tmp_path, tiny_chat_jsonl):
+    """A folder of chat JSONL files went to ``datasets``, which failed on two formats or read only a saved dataset
+    below it; an empty folder gave datasets' own message. A ``save_to_disk`` DatasetDict (``dataset_dict.json``)
+    reads as its split."""
+    import shutil
+
+    import datasets
+
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=rf"data.path {folder} is a directory that is empty; give one file"):
+        read_conversations(str(folder))
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        shutil.copy(tiny_chat_jsonl, folder / name)
+    with pytest.raises(ValueError, match=rf"data.path {folder} is a directory that holds the chat files "
+                       r"\['a.jsonl', 'b.jsonl.gz'\]; give one file \(join several JSONL files with cat"):
+        read_conversations(str(folder))
+    rows = [json.loads(line) for line in tiny_chat_jsonl.read_text().splitlines()]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(saved))
+    convs, summary = read_conversations(str(saved))
+    assert convs == read_conversations(str(tiny_chat_jsonl))[0] and summary.kept == len(rows)
+
+
 def test_jsonl_chat_reader(tiny_chat_jsonl):
     convs, summary = read_conversations(str(tiny_chat_jsonl))
     assert summary.kept == 8 and convs[3][1] == {"role": "assistant", "content": "answer 3 ok"}

@@ -156,3 +156,26 @@ def test_records_lost_to_truncation_name_data_max_length_with_the_lengths_they_n
     ok = ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=needs[2], val_size=1)
     ok.setup("fit")
     assert len(ok.train_set) + len(ok.val_set) == 5
+
+
+def test_tool_call_data_is_told_to_drop_the_tool_turns(tmp_path, tiny_target_dir, monkeypatch):
+    """OpenAI tool-calling records (a ``tool`` turn; an assistant turn with ``content: null`` and ``tool_calls``)
+    stop set-up with what to do about them, not the advice to convert data that already is chat records."""
+    import json
+
+    from draftkit.data.datamodule import ChatDataModule
+
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]}
+    shapes = {"tool": [{"role": "user", "content": "weather in Paris today?"}, {**call, "content": "Checking."},
+                       {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}],
+              "null": [{"role": "user", "content": "weather in Paris today?"}, call]}
+    for name, expected in (("tool", r"skipped 12 unknown role \(r0: turn 2 role 'tool', .*\); give every turn the "
+                            r"role user, assistant or system \(tool and function-call turns are not trained: drop"),
+                           ("null", r"skipped 12 non-string content \(r0: turn 1 content is null, .*\); give every "
+                            r"turn its text \(an assistant turn that only calls a tool has none: drop those turns")):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"r{i}", "messages": shapes[name]}) + "\n" for i in range(12)))
+        with pytest.raises(ValueError, match=expected):
+            ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=2).setup()

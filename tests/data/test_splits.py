@@ -160,6 +160,38 @@ def test_sampled_answers_all_train_and_prompt_rule_drops_count_toward_the_skip_t
         ChatDataModule(str(path), tokenizer=str(tiny_target_dir), max_length=128, val_size=4).setup()
 
 
+def test_a_split_that_one_prompt_fills_warns_and_one_that_leaves_nothing_to_train_is_refused(tmp_path, tiny_target_dir,
+                                                                                              monkeypatch, caplog):
+    """40 answers to one first prompt: the group cannot be split, so validation took all 40 and 0 trained (exit 0
+    before); 30 distinct prompts plus 20 answers to one: validation may take 20 for val_size 8, with a warning."""
+    import logging
+
+    monkeypatch.setenv("DRAFTKIT_CACHE", str(tmp_path / "cache"))
+    from draftkit.data.datamodule import ChatDataModule
+
+    same = _chat_file(tmp_path / "same.jsonl", ["Same prompt please answer"] * 40, [f"answer {i}" for i in range(40)])
+    with pytest.raises(ValueError, match=r"same.jsonl: the split by first prompt leaves no sequence to train on "
+                       r"\(validation took 40 sequences for data.val_size=4: .* 40 share the prompt "
+                       r"'same prompt please answer'\); add conversations with other first prompts, or set "
+                       r"data.val_size 0"):
+        ChatDataModule(str(same), tokenizer=str(tiny_target_dir), max_length=128, val_size=4).setup()
+    dm = ChatDataModule(str(same), tokenizer=str(tiny_target_dir), max_length=128, val_size=0)
+    dm.setup()
+    assert len(dm.train_set) == 40
+    prompts = [f"Distinct question number {i} about heads" for i in range(30)] + ["One shared question here"] * 20
+    half = _chat_file(tmp_path / "half.jsonl", prompts, [f"answer {i}" for i in range(50)])
+    for seed in range(8):  # a seed whose shuffle takes the shared prompt's group into validation
+        dm = ChatDataModule(str(half), tokenizer=str(tiny_target_dir), max_length=128, val_size=8, seed=seed)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            dm.setup()
+        if len(dm.val_set) > 16:
+            break
+    assert len(dm.val_set) > 16 and len(dm.train_set) + len(dm.val_set) == 50
+    assert (f"validation took {len(dm.val_set)} sequences for data.val_size=8" in caplog.text
+            and "20 share the prompt 'one shared question here'" in caplog.text)
+
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
