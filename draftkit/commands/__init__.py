@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success; 2 on bad input: a ``ValueError`` or ``OSError`` from any verb (``fit``/``validate``
-        included), or Lightning's ``MisconfigurationException`` (a trainer option it refuses), prints one line ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
+        included), or Lightning's ``MisconfigurationException`` (a trainer option it refuses), prints one line
+        ``draftkit VERB: error: ...`` to stderr, no traceback; set ``DRAFTKIT_DEBUG=1``
         to raise it with its traceback instead. 130 after Ctrl-C (a ``KeyboardInterrupt``), without a traceback:
         the verb has said what it kept (``generate``: its shards and that the same command resumes), as a stopped
         ``fit`` exits 130 after its report (``fit_run.report_stop``). Other exceptions (bugs) propagate with their
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 def _user_error(exc: BaseException) -> bool:
     """Bad files or options, a head/target mismatch (``ValueError``, ``OSError``), a trainer option Lightning refuses
     (its ``MisconfigurationException``), or Ctrl-C: reported without a traceback; anything else is a bug."""
-    return isinstance(exc, (ValueError, OSError, KeyboardInterrupt)) or type(exc).__name__ == "MisconfigurationException"
+    return (isinstance(exc, (ValueError, OSError, KeyboardInterrupt))
+            or type(exc).__name__ == "MisconfigurationException")
 
 
 _UNION = "Does not validate against any of the Union subtypes"
