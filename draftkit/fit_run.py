@@ -240,7 +240,14 @@ def continue_run_dir(config) -> None:
     import torch
 
     log_dir = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get(RUN_DIR_KEY)
-    if not log_dir or Path(log_dir).parent.resolve() != (Path(args.save_dir) / (args.name or "")).resolve():
+    if not log_dir:
+        return
+    here = Path(args.save_dir) / (args.name or "")
+    if Path(log_dir).parent.resolve() != here.resolve():
+        logging.getLogger(__name__).warning(
+            "resuming %s: its run directory %s is not under %s (trainer.default_root_dir or the logger changed), "
+            "so this run logs into a new version directory there: the learning curve and the checkpoints continue "
+            "in it; give the old trainer.default_root_dir to continue %s", path, log_dir, here, log_dir)
         return
     args.version = Path(log_dir).name
     if logger is None or logger is True:

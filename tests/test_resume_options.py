@@ -196,3 +196,19 @@ def test_validate_does_not_read_the_init_head_of_the_run(two_steps, tmp_path, mo
     finally:
         moved.rename(ckpt)
     assert not [r for r in caplog.records if r.name == "draftkit.fit_run"]  # the recipe's options are the run's
+
+
+def test_a_resume_under_another_root_dir_says_where_it_logs(two_steps, tmp_path, monkeypatch, caplog):
+    """The run directory is continued only under the root that wrote it; under another trainer.default_root_dir the
+    resumed run opens a new version directory there, and says so, naming the old one."""
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    step = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    other = tmp_path / "elsewhere"
+    with caplog.at_level(logging.WARNING):
+        DraftkitCLI(args=_args(other, "--trainer.max_steps", str(step + 1), "--data.num_workers", "0", "--ckpt_path",
+                               str(ckpt)))
+    old = root / "lightning_logs" / "version_0"
+    assert (f"resuming {ckpt}: its run directory {old} is not under {other / 'lightning_logs'} "
+            "(trainer.default_root_dir or the logger changed)") in caplog.text
+    assert (other / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").exists()

@@ -230,3 +230,19 @@ def test_a_resume_whose_max_steps_ends_at_the_checkpoint_is_refused(tmp_path):
     for steps in (13, -1, None):
         check_max_steps(steps, str(ckpt))
     check_max_steps(4, None)
+
+
+def test_select_layers_reads_the_recipe_spelling_of_its_options_and_other_verbs_name_an_override(capsys,
+                                                                                                   monkeypatch):
+    """``select-layers --data.path F`` (fit's spelling) failed with jsonargparse's Union error; it is ``--data F``.
+    A recipe override a verb does not take is one line naming it."""
+    from draftkit.commands import _normalize
+
+    assert _normalize(["select-layers", "--recipe", "r.yaml", "--data.path", "x.jsonl", "--model.target=t",
+                       "--data.max_length", "64", "--output", "o.json"]) == [
+        "select-layers", "--recipe+", "r.yaml", "--data", "x.jsonl", "--target=t", "--max_length", "64",
+        "--output", "o.json"]
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    assert main(["evaluate", "--checkpoint", "c", "--model.target", "t"]) == 2
+    assert capsys.readouterr().err == ("draftkit evaluate: error: evaluate takes no recipe override --model.target: "
+                                       "see `python -m draftkit evaluate --help` for its options\n")

@@ -57,6 +57,9 @@ RECIPE_SECTIONS = ("--model.", "--data.", "--trainer.", "--optimizer", "--lr_sch
 ALIASES = {
     "export": {"-k": "--num_speculative_tokens"},
     "cache-hidden-states": {"-o": "--output"},
+    "select-layers": {"--model.target": "--target", "--model.target_dtype": "--target_dtype", "--data.path": "--data",
+                      "--data.chat_template": "--chat_template", "--data.max_length": "--max_length",
+                      "--data.max_conversations": "--max_conversations"},
 }
 """Short aliases of a verb's flags -> the flags (``draftkit bench decode`` is the verb ``bench decode``)."""
 
@@ -138,6 +141,9 @@ def _normalize(args: list[str]) -> list[str]:
             if not eq and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
                 overrides.append(rest[i + 1])
                 i += 1
+        elif name.startswith(RECIPE_SECTIONS) and params:
+            raise ValueError(f"{verb} takes no recipe override {name}: see `python -m draftkit {verb} --help` for "
+                             "its options" + (" (--recipe reads a recipe's values)" if "recipe" in params else ""))
         elif "recipe" in params and name in RECIPE_FLAGS and not eq:
             out.append("--recipe+")
         elif name in bools and not eq and (i + 1 == len(rest) or rest[i + 1] not in ("true", "false")):
