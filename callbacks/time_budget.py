@@ -257,6 +257,6 @@ class TimeBudget(Callback):
         elif self.horizon is not None:
             step = "horizon from the checkpoint"
         else:
-            step = "stopped before s/step was measured (set-up took the budget)"
+            step = "ended before s/step was measured (trainer.max_steps reached first, or set-up took the budget)"
         return f"{self.elapsed():.0f} s of the {self.budget_s:.0f} s budget since process start; {step}; " \
                f"schedule horizon {self.horizon}"
