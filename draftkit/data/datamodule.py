@@ -188,8 +188,10 @@ class ChatDataModule(pl.LightningDataModule):
             raise ValueError(f"data.min_prompt_chars must be >= 0 characters, got {min_prompt_chars}")
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if val_size < 0 or (max_samples is not None and max_samples < 1):
-            raise ValueError(f"need data.val_size >= 0 and data.max_samples >= 1, got {val_size}, {max_samples}")
+        if val_size < 0:
+            raise ValueError(f"data.val_size must be >= 0 sequences held out (0 = no validation), got {val_size}")
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"data.max_samples must be >= 1 training sequences (or null: all), got {max_samples}")
         self.save_hyperparameters()
         self.train_set = None
         self.val_set = None

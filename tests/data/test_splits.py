@@ -222,3 +222,14 @@ def test_grouped_split_equals_a_plain_reference(groups, val_size, seed):
 def test_prompt_filter_length_bound_is_inclusive_at_min_prompt_chars():
     assert PromptFilter(min_prompt_chars=8).keep(["abcdefgh", "abcdefg"])[0] == [0]
     assert PromptFilter(min_prompt_chars=0).keep(["a"])[0] == [0]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"val_size": -3}, r"^data.val_size must be >= 0 sequences held out \(0 = no validation\), got -3$"),
+    ({"max_samples": 0}, r"^data.max_samples must be >= 1 training sequences \(or null: all\), got 0$"),
+])
+def test_a_negative_val_size_or_empty_max_samples_names_its_own_option(kw, message, tiny_target_dir):
+    from draftkit.data.datamodule import ChatDataModule
+
+    with pytest.raises(ValueError, match=message):
+        ChatDataModule("unused.jsonl", tokenizer=str(tiny_target_dir), **kw)
