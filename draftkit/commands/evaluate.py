@@ -58,8 +58,9 @@ def evaluate(
             topologies in one run: ``sweep``).
         tree: ``depth,topk,N``: tree drafting (EAGLE-2 rule, N draft nodes verified in one target forward), or
             auto: the cost model picks among chains and trees (or plain decoding when nothing pays; at
-            ``temperature`` > 0 among chains only, calibrated by sampled decoding: a tree's fixed drafts are
-            accepted with the target's probability of each, not min(1, p/q) as a chain's sampled ones). A suffix
+            ``temperature`` > 0 its best few shapes by the greedy calibration are decoded at that temperature
+            before it picks: a tree's fixed drafts are accepted with the target's probability of each, not
+            min(1, p/q) as a chain's sampled ones). A suffix
             ``+lookup=L`` joins a prompt-lookup continuation of up to L tokens to the head's draft as one more
             branch, verified in the same forward; ``+switch=L`` drafts the lookup continuation instead of the
             head's in the rounds that have one (``decoding.tree``). Chains take the suffix in ``--sweep``

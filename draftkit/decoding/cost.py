@@ -28,12 +28,11 @@ calibration: tokens/s = sum_r (a_r + 1) / sum_r seconds_r, which for a plain hea
   continuation at a root depends only on the sequence, so a hybrid's round is read off the same roots: the
   longer of the head's and the lookup's matches (``lookup``), or the lookup's alone where it has a continuation
   (``switch``).
-- At T > 0 only the head's chains are rated, by :func:`calibrate_sampled_chains`: one sampled speculative run of
-  the longest chain per calibration prompt. A tree verifies fixed drafts (the draft's top tokens, accepted with the
-  target's probability of each: ``tree.tree_rejection_accept``) and prompt lookup's are fixed too, while a chain
-  samples its drafts from the head and accepts with min(1, p/q); where the target is flat a fixed draft is accepted
-  far less often than greedy calibration would say, so a tree or hybrid picked on greedy tau can run slower than
-  plain decoding.
+- At T > 0 greedy tau only shortlists: a tree's drafts are fixed (the draft's top tokens, each accepted with the
+  target's probability of it: ``tree.tree_rejection_accept``), as are prompt lookup's, while a chain samples its
+  drafts from the head and accepts with min(1, p/q), so greedy calibration rates them unequally: where the target is
+  flat a fixed draft is accepted far less often than greedily. The best few shapes by the greedy prediction and the
+  best chain are decoded at the run's temperature (:func:`calibrate_sampled`) and the pick is made on those rounds.
 
 The chosen topology is the one with the highest predicted tokens/s; plain decoding is chosen when no
 topology is predicted faster than it.
@@ -58,19 +57,19 @@ import torch
 
 from typing import NamedTuple
 
-from draftkit.decoding.metrics import acceptance_length
+from draftkit.decoding.metrics import HEAD, acceptance_length
 from draftkit.decoding.verify import generate_plain, generate_speculative
 from draftkit.precision import synchronize
 from draftkit.sampling import DecodeConfig
 from draftkit.target.session import TargetSession
-from draftkit.decoding.tree import LOOKUP_MODES, Eagle3TreeDrafter, TreeConfig, tree_greedy_accept
+from draftkit.decoding.tree import LOOKUP_MODES, Eagle3TreeDrafter, TreeConfig, generate_tree, tree_greedy_accept
 
 __all__ = [
     "CostTable",
     "Played",
     "Prediction",
     "calibrate_rounds",
-    "calibrate_sampled_chains",
+    "calibrate_sampled",
     "calibrate_tau",
     "candidate_topologies",
     "choose",
@@ -335,47 +334,51 @@ def calibrate_rounds(
 
 
 @torch.no_grad()
-def calibrate_sampled_chains(
+def calibrate_sampled(
     drafter: Eagle3TreeDrafter,
     target: TargetSession,
     prompts: list[torch.Tensor],
     cfg: DecodeConfig,
     generators: Callable[[int], torch.Generator],
-    max_k: int,
+    topologies: list[TreeConfig],
     naming: Naming | None = None,
 ) -> dict[TreeConfig, list[Played]]:
-    """The rounds the chains k = 1..``max_k`` would play at ``cfg``'s temperature (> 0), from one sampled
-    speculative run of the chain ``max_k`` per prompt.
-
-    In speculative sampling (Leviathan et al., arXiv 2211.17192) draft j of a chain is drawn from the head given
-    the drafts before it and tested against the target given the same prefix, so the first k drafts of a chain of
-    ``max_k`` are drawn and accepted as those of a chain of k are: a chain of k accepts min(a, k) where the long
-    chain accepted a (rounds whose long draft was cut short near ``cfg.max_new_tokens`` are kept as drafted).
+    """The rounds each topology plays when it decodes the prompts at ``cfg``'s temperature (> 0): a chain without
+    prompt lookup as the chain runs (``verify.generate_speculative``: sampled drafts, min(1, p/q)), anything else
+    as a tree (``tree.generate_tree``: fixed drafts), each prompt with ``generators(i)``.
 
     Args:
-        drafter: the head's drafter.
+        drafter: the head's tree drafter.
         target: the target session.
         prompts: (n_i,) int64 templated calibration prompts.
         cfg: the run's sampling options, ``max_new_tokens`` the calibration's length in tokens.
         generators: ``generators(i)`` is prompt i's RNG (the evaluation's own seeding).
-        max_k: the longest chain rated (>= 1).
+        topologies: the shapes to decode.
         naming: wraps the work on prompt i (:data:`Naming`).
 
     Returns:
-        {``TreeConfig.chain(k)``: [:class:`Played` per round]} for k = 1..max_k.
+        {topology: [:class:`Played` per round of all prompts]}.
 
     Raises:
-        ValueError: if ``cfg`` is greedy (use :func:`calibrate_rounds`) or no round was played.
+        ValueError: if ``cfg`` is greedy (greedy rounds are read off one plain run: :func:`calibrate_rounds`) or a
+            topology played no round.
     """
     if cfg.greedy:
-        raise ValueError("calibrate_sampled_chains is for temperature > 0; greedy calibration is calibrate_rounds")
-    accepted: list[int] = []
-    for i, ids in enumerate(prompts):
-        with _named(naming, i):
-            accepted += generate_speculative(target, drafter, ids, max_k, cfg, generators(i)).stats.accepted
-    if not accepted:
-        raise ValueError("calibration played no speculative round: raise --calibration_tokens")
-    return {TreeConfig.chain(k): [Played(min(a, k), k, True) for a in accepted] for k in range(1, max_k + 1)}
+        raise ValueError("calibrate_sampled is for temperature > 0; greedy calibration is calibrate_rounds")
+    played: dict[TreeConfig, list[Played]] = {t: [] for t in topologies}
+    for t in topologies:
+        for i, ids in enumerate(prompts):
+            with _named(naming, i):
+                if t.is_chain and not t.lookup:
+                    stats = generate_speculative(target, drafter, ids, t.depth, cfg, generators(i)).stats
+                    played[t] += [Played(a, d, True) for a, d in zip(stats.accepted, stats.drafted)]
+                else:
+                    stats = generate_tree(target, drafter, ids, t, cfg, generators(i)).stats
+                    played[t] += [Played(a, d, bool(src & HEAD)) for a, d, src
+                                  in zip(stats.accepted, stats.drafted, stats.round_sources)]
+        if not played[t]:
+            raise ValueError("calibration played no speculative round: raise --calibration_tokens")
+    return played
 
 
 def _hybrid_round(t: TreeConfig, a: int, chain: list[int], truth: list[int], kids: list[list[int]],

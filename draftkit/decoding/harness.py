@@ -493,6 +493,10 @@ def _draft_depth(k: int, tree: TreeConfig | None, auto: str | None, sweep: list[
     return depth, name
 
 
+SAMPLED_SHORTLIST = 3
+"""At T > 0, how many of the best shapes by the greedy prediction ``--k/--tree auto`` decode at the temperature
+(with the best chain) before it picks (``cost`` module docstring)."""
+
 HYBRID_LOOKUPS = (4, 8)
 """Prompt-lookup continuation lengths (tokens) of the hybrids ``--k auto`` / ``--tree auto`` rate."""
 
@@ -506,30 +510,25 @@ def choice_name(tree: TreeConfig) -> str:
 def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens: int, cfg: DecodeConfig,
                      naming=None, hybrid: bool = True, gen=None) -> dict:
     """Measure costs, calibrate tau and pick with ``decoding.cost`` (among the head's shapes and, with ``hybrid``,
-    their prompt-lookup hybrids of :data:`HYBRID_LOOKUPS` tokens; at T > 0 among the head's chains, calibrated by
-    sampled decoding with ``gen(i)``: ``cost.calibrate_sampled_chains``); the report's ``auto`` block
-    (``naming``: see ``cost.Naming``)."""
+    their prompt-lookup hybrids of :data:`HYBRID_LOOKUPS` tokens); at T > 0 the greedy prediction shortlists
+    :data:`SAMPLED_SHORTLIST` shapes and the best chain, decoded at the run's temperature with ``gen(i)``
+    (``cost.calibrate_sampled``) for the pick; the report's ``auto`` block (``naming``: see ``cost.Naming``)."""
     if prompts < 1 or tokens < 2:
         raise ValueError(f"calibration needs >= 1 prompt and >= 2 tokens, got {prompts}, {tokens}")
-    sampled = not cfg.greedy
-    if sampled and (tree or hybrid):
-        log.warning("auto at temperature %g rates the head's chains only: trees and prompt-lookup hybrids verify "
-                    "fixed drafts, accepted with the target's probability of each token rather than min(1, p/q), "
-                    "so greedy calibration overrates them there (decoding.cost)", cfg.temperature)
-    topologies = cost.candidate_topologies(tree and not sampled, lookups=HYBRID_LOOKUPS if hybrid and not sampled
-                                           else ())
+    topologies = cost.candidate_topologies(tree, lookups=HYBRID_LOOKUPS if hybrid else ())
     head_rows = {t.num_nodes + 1 for t in topologies}
     rows = sorted(head_rows | {n + t.lookup for n in head_rows for t in topologies if t.lookup})
     costs = cost.measure_costs(session, drafter, encoded[0], rows, sorted({t.topk for t in topologies}))
-    if sampled:
+    sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, cfg.eos_token_ids, naming)
+    played = cost.calibrate_rounds(drafter, session, sequences, topologies, naming)
+    shortlist = None
+    if not cfg.greedy:
+        greedy = cost.predict({t: acceptance_length([p.accepted for p in rounds]) for t, rounds in played.items()},
+                              costs, {t: cost.round_seconds(t, rounds, costs) for t, rounds in played.items()})
+        chain = next(p.tree for p in greedy if p.tree.is_chain and not p.tree.lookup)
+        shortlist = list(dict.fromkeys([p.tree for p in greedy[:SAMPLED_SHORTLIST]] + [chain]))
         short = DecodeConfig(tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.eos_token_ids)
-        played = cost.calibrate_sampled_chains(drafter, session, encoded[:prompts], short, gen,
-                                               max(t.depth for t in topologies), naming)
-        calibrated = len(encoded[:prompts])
-    else:
-        sequences = cost.greedy_sequences(session, encoded[:prompts], tokens, cfg.eos_token_ids, naming)
-        played = cost.calibrate_rounds(drafter, session, sequences, topologies, naming)
-        calibrated = len(sequences)
+        played = cost.calibrate_sampled(drafter, session, encoded[:prompts], short, gen, shortlist, naming)
     taus = {t: acceptance_length([p.accepted for p in rounds]) for t, rounds in played.items()}
     seconds = {t: cost.round_seconds(t, rounds, costs) for t, rounds in played.items()}
     predictions = cost.predict(taus, costs, seconds)
@@ -541,7 +540,8 @@ def _choose_topology(drafter, session, encoded, tree: bool, prompts: int, tokens
         "_tree": TreeConfig.chain(1) if best is None else best.tree,
         "choice": "plain" if best is None else choice_name(best.tree),
         "predicted_speedup": 1.0 if best is None else best.speedup,
-        "calibration": {"prompts": calibrated, "tokens": tokens, "temperature": cfg.temperature},
+        "calibration": {"prompts": len(sequences), "tokens": tokens, "temperature": cfg.temperature,
+                        "sampled": None if shortlist is None else [choice_name(t) for t in shortlist]},
         "verify_padding": dict(session.pad_rows),  # {rows: rows run}
         "costs_ms": {"verify": {n: 1000 * s for n, s in costs.verify.items()}, "draft_first": 1000 * costs.first,
                      "draft_step": {w: 1000 * s for w, s in costs.step.items()},

@@ -29,7 +29,8 @@ At T = 0 a chain of k drafts is the tree (depth k, top-k 1, N k): same drafts, s
 T > 0 they differ (both lossless): the chain samples its drafts from the head and accepts one with probability
 min(1, p/q) (speculative sampling, ``verify.rejection_verify``; vLLM's rejection sampler), while the tree's drafts
 are the head's top tokens, fixed before the target is read, each accepted with probability p(c) (the target-only
-rule above), which accepts less where the target is flat; ``--k/--tree auto`` therefore rate chains only at T > 0.
+rule above), which accepts less where the target is flat; ``--k/--tree auto`` therefore decode their shortlist at
+the run's temperature before they pick (``decoding.cost``).
 
 Hybrid rounds (``TreeConfig.lookup``): the prompt-lookup continuation of the sequence (``PromptLookupDrafter``,
 up to L tokens) joins the head's draft. ``lookup`` mode: it is one more root path of the tree (:func:`add_branch`;

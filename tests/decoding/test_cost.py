@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftkit.decoding.cost import (
-    calibrate_sampled_chains,
+    calibrate_sampled,
     CostTable,
     calibrate_rounds,
     candidate_topologies,
@@ -86,9 +86,11 @@ def test_calibration_replays_greedy_tree_decoding(tiny, tiny_head):
         assert all(p.head and p.nodes == t.num_nodes for p in rounds[t]) == (t in heads), t
 
 
-def test_sampled_calibration_reads_every_chain_off_the_longest(tiny, tiny_head):
-    """At T > 0 chain k's rounds are the chain max_k's, each accepting min(a, k): exactly the sampled run of the
-    chain 4 with each prompt's generator, truncated (rounds of 0, 1 and 4 accepted drafts among them); greedy is refused."""
+def test_sampled_calibration_plays_each_shape_as_it_decodes(tiny, tiny_head):
+    """At T > 0 a topology's calibration rounds are exactly those it plays decoding the prompts with their
+    generators: a chain as the chain (sampled drafts), a tree and a hybrid chain as trees; greedy is refused."""
+    from draftkit.decoding.metrics import HEAD
+
     target, _ = tiny
     session = TargetSession(target)
     prompts = [torch.tensor([256, 33, 44, 55, 66]), torch.tensor([256, 7, 8, 9])]
@@ -97,16 +99,20 @@ def test_sampled_calibration_reads_every_chain_off_the_longest(tiny, tiny_head):
     def gen(i):
         return torch.Generator().manual_seed(10 + i)
 
-    rounds = calibrate_sampled_chains(Eagle3TreeDrafter(tiny_head), session, prompts, cfg, gen, 4)
-    real = [a for i, p in enumerate(prompts)
-            for a in generate_speculative(session, Eagle3TreeDrafter(tiny_head), p, 4, cfg, gen(i)).stats.accepted]
-    assert list(rounds) == [TreeConfig.chain(k) for k in (1, 2, 3, 4)]
-    for t, played in rounds.items():
-        assert [p.accepted for p in played] == [min(a, t.depth) for a in real]
-        assert all(p.nodes == t.depth and p.head for p in played)
-    assert {0, 1, 4} <= set(real)  # rejected at once, part-accepted, all accepted
+    shapes = [TreeConfig.chain(3), TreeConfig(3, 2, 5), TreeConfig.chain(2, 4)]
+    rounds = calibrate_sampled(Eagle3TreeDrafter(tiny_head), session, prompts, cfg, gen, shapes)
+    assert list(rounds) == shapes
+    for t in shapes:
+        real = [generate_speculative(session, Eagle3TreeDrafter(tiny_head), p, 3, cfg, gen(i)) if t == shapes[0]
+                else generate_tree(session, Eagle3TreeDrafter(tiny_head), p, t, cfg, gen(i))
+                for i, p in enumerate(prompts)]
+        assert [r.accepted for r in rounds[t]] == [a for g in real for a in g.stats.accepted], t
+        assert [r.nodes for r in rounds[t]] == [d for g in real for d in g.stats.drafted], t
+        if t != shapes[0]:
+            assert [r.head for r in rounds[t]] == [bool(s & HEAD) for g in real for s in g.stats.round_sources]
+    assert {a for r in rounds.values() for a in (p.accepted for p in r)} >= {0, 1}
     with pytest.raises(ValueError, match="temperature > 0"):
-        calibrate_sampled_chains(Eagle3TreeDrafter(tiny_head), session, prompts, DecodeConfig(8), gen, 4)
+        calibrate_sampled(Eagle3TreeDrafter(tiny_head), session, prompts, DecodeConfig(8), gen, shapes)
 
 
 def test_measure_costs_shapes(tiny, tiny_head):
