@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default="llama-server", choices=["torch", "llama-server"])
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--questions", default=MT_BENCH, help="MT-bench question.jsonl (or a file like it)")
+    parser.add_argument("--dtype", default="auto", help="the torch engine's target dtype (auto: the precision policy)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # generate's progress
     out = Path(args.output)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             {"role": "assistant", "content": "(placeholder: the target answers)"}]}) + "\n" for q in questions))
         header = regenerate(str(source), str(Path(tmp) / "answers.jsonl"), args.target,
                             RegenerateConfig(max_new_tokens=args.max_new_tokens, turns="first"), engine=args.engine,
-                            shard_size=len(questions))
+                            shard_size=len(questions), dtype=args.dtype)
         conversations, summary = read_conversations(str(Path(tmp) / "answers.jsonl"))
         answered = {rid: messages[-1]["content"] for rid, messages in zip(summary.records, conversations)}
     records = turn2_records(questions, answered)
