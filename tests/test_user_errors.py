@@ -246,3 +246,19 @@ def test_select_layers_reads_the_recipe_spelling_of_its_options_and_other_verbs_
     assert main(["evaluate", "--checkpoint", "c", "--model.target", "t"]) == 2
     assert capsys.readouterr().err == ("draftkit evaluate: error: evaluate takes no recipe override --model.target: "
                                        "see `python -m draftkit evaluate --help` for its options\n")
+
+
+def test_select_layers_on_data_cut_before_every_answer_names_the_max_length(tiny_target_dir, tmp_path, monkeypatch,
+                                                                              capsys):
+    import json
+
+    monkeypatch.delenv("DRAFTKIT_DEBUG", raising=False)
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "a long question " * 40},
+                                                     {"role": "assistant", "content": "short answer"}]}) + "\n"
+                            for _ in range(4)))
+    assert main(["select-layers", "--target", str(tiny_target_dir), "--data", str(data), "--max_length", "32",
+                 "--output", str(tmp_path / "layers.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no row to analyse" in err and "raise --max_length (data.max_length)" in err
+    assert not (tmp_path / "layers.json").exists()

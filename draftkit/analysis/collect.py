@@ -563,7 +563,9 @@ def collect_layer_statistics(
                 break
     t_collect = time.perf_counter() - t0
     if scanned == 0:
-        raise ValueError("the data yielded no row to analyse (no assistant token after the position rules)")
+        raise ValueError("the data yielded no row to analyse (no assistant token after the position rules): a "
+                         "sequence cut at the max length before its first answer has none; raise --max_length "
+                         "(data.max_length), or give data with assistant turns")
     stats = collector.finalize()
     stats.counts["sequences"] = sequences
     stats.timings = {
