@@ -119,6 +119,7 @@ class DraftkitCLI(LightningCLI):
         config = self.config.get(self.config.get("subcommand") or "", None)
         path = config.get("ckpt_path") if config is not None else None
         verb = self.config.get("subcommand")
+        kept = {}  # model options that may change on resume, set again after LightningCLI restores the checkpoint's
         if verb in ("fit", "validate") and path and path not in ("best", "last", "hpc") \
                 and not path.startswith("registry"):  # Lightning's names; a file is read or refused naming it
             from draftkit.heads.checkpoint import load_checkpoint
@@ -127,10 +128,12 @@ class DraftkitCLI(LightningCLI):
             held = ckpt.get(HELD_OUT_KEY)  # the split the run trained with (restore_head_prompts)
             self._held_out = (held["hashes"] if isinstance(held, dict) else None,)
             if verb == "fit":
-                check_resume_options(config, ckpt, path)
+                kept = check_resume_options(config, ckpt, path)
             else:
                 warn_replaced_model_options(config, ckpt, path)
         super()._parse_ckpt_path()
+        for field, value in kept.items():
+            self.config[verb].model[field] = value
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -51,6 +51,8 @@ SAFE_ON_RESUME: tuple[tuple[tuple[str, ...], str], ...] = (
     (("trainer.callbacks", "trainer.enable_checkpointing"), "the monitor and callbacks: they watch and save the run"),
     (("trainer.logger", "trainer.default_root_dir"), "paths that only say where to write"),
     (("data.num_workers", "data.num_proc"), "loader and tokenizer processes: the rows and batches are the same"),
+    (("trainer.precision", "model.target_dtype"), "the arithmetic a step runs in: a run started where bf16 is fast "
+     "resumes in float32 on a CPU without it (~60x slower in bf16); it continues, not bit for bit"),
 )
 """Options that ``fit --ckpt_path`` lets change (each change is logged once), with the reason; every other
 ``model.*``/``data.*`` option that differs from the checkpoint's is refused (:func:`check_resume_options`)."""
@@ -127,7 +129,7 @@ def _data_changed(config, ckpt: dict) -> str:
             "order would change; restore the file the run started from to resume")
 
 
-def check_resume_options(config, ckpt: dict, path: str) -> None:
+def check_resume_options(config, ckpt: dict, path: str) -> dict:
     """Compare a resumed fit's ``model.*``, ``data.*`` and ``trainer.*`` options with the checkpoint's.
 
     The checkpoint's model and data options are the ``hyper_parameters`` / ``datamodule_hyper_parameters``
@@ -136,6 +138,10 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
     only together with the processes, keeping the global batch (``batch_size x devices x num_nodes``). The data
     source's content must be the one the checkpoint stores under ``DATA_KEY`` (:func:`_data_changed`). An
     option the checkpoint does not store (written by an older draftkit) is reported and not compared.
+
+    Returns:
+        ``{field: this run's value}`` of the ``model.*`` options of :data:`SAFE_ON_RESUME` that changed: LightningCLI
+        puts the checkpoint's hyperparameters back into ``model.*``, so the caller sets these again after it.
 
     Raises:
         ValueError: for any other difference, or a data file whose content changed (LightningCLI would otherwise
@@ -152,7 +158,7 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
         rank_zero_info(f"resuming {path}: the checkpoint stores no trainer options (an older draftkit); "
                        "trainer options are not compared")
     old_world, new_world = _world(stored), _world(current)
-    refused, missing = [], []
+    refused, missing, kept = [], [], {}
     for name, new in current.items():
         if name in NOT_COMPARED or (name.startswith("trainer.") and not ckpt.get(RESUME_KEY)):
             continue
@@ -166,6 +172,8 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
         if name in safe or global_batch_kept:
             why = f" (global batch {old * old_world} kept)" if global_batch_kept else ""
             rank_zero_info(f"resuming {path}: {name} changed {old!r} -> {new!r}{why}")
+            if name.startswith("model."):
+                kept[name.removeprefix("model.")] = new
         else:
             hint = " (it may change only with trainer.devices, keeping the global batch)" if name == "data.batch_size" else ""
             refused.append(f"{name} is {new!r} in this run but {old!r} in the checkpoint{hint}")
@@ -183,6 +191,7 @@ def check_resume_options(config, ckpt: dict, path: str) -> None:
             "head's weights and draft vocab, e.g. to continue it on new data). Options that may change on resume: "
             + ", ".join(name for names, _ in SAFE_ON_RESUME for name in names)
         )
+    return kept
 
 
 NOT_USED_BY_VALIDATE = ("model.optim", "model.init_head", "model.init_from_target", "model.freeze_lm_head",

@@ -212,3 +212,31 @@ def test_a_resume_under_another_root_dir_says_where_it_logs(two_steps, tmp_path,
     assert (f"resuming {ckpt}: its run directory {old} is not under {other / 'lightning_logs'} "
             "(trainer.default_root_dir or the logger changed)") in caplog.text
     assert (other / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_run_resumes_in_another_precision_on_a_cpu_without_fast_bf16(two_steps, tmp_path, monkeypatch, caplog):
+    """A run started where bf16 is fast must resume where it is ~60x slower: trainer.precision and
+    model.target_dtype may change on resume (logged once each); the model runs the new target dtype (LightningCLI
+    would put the checkpoint's back) and the next checkpoint stores it."""
+    import shutil
+
+    root, ckpt = two_steps
+    monkeypatch.chdir(REPO)
+    stored = torch.load(ckpt, map_location="cpu", weights_only=True)
+    step, dtype = stored["global_step"], stored["hyper_parameters"]["target_dtype"]
+    precision = stored[RESUME_KEY]["trainer.precision"]
+    new_dtype, new_precision = ("bfloat16", "bf16-mixed") if dtype == "float32" else ("float32", "32-true")
+    copy = tmp_path / "run"
+    shutil.copytree(root, copy)
+    moved = copy / ckpt.relative_to(root)
+    with caplog.at_level(logging.INFO):
+        cli = DraftkitCLI(args=_args(copy, "--trainer.max_steps", str(step + 1), "--data.num_workers", "0",
+                                     "--trainer.precision", new_precision, "--model.target_dtype", new_dtype,
+                                     "--ckpt_path", str(moved)))
+    assert cli.trainer.global_step == step + 1
+    assert caplog.text.count(f"model.target_dtype changed {dtype!r} -> {new_dtype!r}") == 1
+    assert caplog.text.count(f"trainer.precision changed {precision!r} -> {new_precision!r}") == 1
+    assert cli.model.hparams.target_dtype == new_dtype
+    assert str(next(cli.model.target.parameters()).dtype) == f"torch.{new_dtype}"
+    last = max(copy.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)  # the copy logs into a new version dir
+    assert torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"]["target_dtype"] == new_dtype
