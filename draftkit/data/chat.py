@@ -29,7 +29,9 @@ __all__ = [
     "ReadSummary",
     "content_text",
     "decode_file",
+    "READ_HINTS",
     "describe_skips",
+    "read_hint",
     "read_conversations",
     "normalize_record",
     "tokenize_conversation",
@@ -46,6 +48,21 @@ ROLE_ALIASES = {
     "bing": "assistant", "model": "assistant",
     "system": "system",
 }
+
+
+READ_HINTS = {
+    "unknown role": "give every turn the role user, assistant or system (tool and function-call turns are not "
+                    "trained: drop those turns, or the records that hold them)",
+    "non-string content": "give every turn its text (an assistant turn that only calls a tool has none: drop those "
+                          "turns, or the records that hold them)",
+}
+"""What to do about skip reasons of :func:`normalize_record` that name a known shape of data."""
+
+
+def read_hint(reason: str) -> str:
+    """What to do about records skipped for ``reason`` (:data:`READ_HINTS`, else: convert the data)."""
+    return READ_HINTS.get(reason, "convert the data to chat (messages) or ShareGPT (conversations) records, fix "
+                                  "data.chat_template")
 
 
 class TemplateError(ValueError):

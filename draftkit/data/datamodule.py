@@ -28,6 +28,7 @@ from draftkit.artifacts import cache_dir, file_sha256, resolve_artifact, resolve
 from draftkit.data.chat import (
     TemplateError,
     describe_skips,
+    read_hint,
     read_conversations,
     tokenization_fingerprint,
     tokenize_conversation,
@@ -36,7 +37,7 @@ from draftkit.data.collate import SUPERVISE, collate, collate_offline
 from draftkit.data.hidden_cache import AUTO, HiddenStateCache
 from draftkit.data.sampler import ResumableLoader
 from draftkit.jsonio import atomic_path, short_hash, write_json_atomic
-from draftkit.data.splits import PromptFilter, first_prompt, grouped_split, normalize_prompt
+from draftkit.data.splits import PromptFilter, check_split_sizes, first_prompt, grouped_split, normalize_prompt
 from draftkit.data.trained_prompts import StartingHead, prompt_hashes
 from draftkit.target.tokens import pad_token_id, tokenizer_identity
 
@@ -76,14 +77,6 @@ PROMPT_RULE_HINTS = {
     "duplicate conversation": "set data.dedup_prompts false to train exact copies several times per epoch",
 }
 """What to do about each reason of the prompt rule (``splits.PromptFilter``) when its drops stop set-up."""
-
-READ_HINTS = {
-    "unknown role": "give every turn the role user, assistant or system (tool and function-call turns are not "
-                    "trained: drop those turns, or the records that hold them)",
-    "non-string content": "give every turn its text (an assistant turn that only calls a tool has none: drop those "
-                          "turns, or the records that hold them)",
-}
-"""What to do about reader skip reasons (``chat.normalize_record``) that name a known shape of data."""
 
 LOST_TO_TRUNCATION = "assistant tokens lost to truncation"
 """The skip reason of a conversation whose assistant tokens all lie past ``data.max_length``."""
@@ -286,8 +279,7 @@ class ChatDataModule(pl.LightningDataModule):
             skips = summary.skip_rows()
             if not skips:
                 raise ValueError(f"{hp.path} holds no record; give a chat JSONL or JSON file of conversations")
-            hint = READ_HINTS.get(next(iter(_reason_counts(skips))),
-                                  "convert the data to chat (messages) or ShareGPT (conversations) records")
+            hint = read_hint(next(iter(_reason_counts(skips))))
             raise ValueError(f"no usable conversation in {hp.path}: skipped {describe_skips(summary.skips)}; {hint}")
         ds = datasets.Dataset.from_dict({
             "messages": conversations, "record": summary.records,
@@ -464,31 +456,12 @@ class ChatDataModule(pl.LightningDataModule):
         val_keys = {keys[i] for i in val_idx}
         train_idx = sorted(train_idx + [i for i in kept if (n_sup[i] == 0 or i in trained_by_head)
                                         and keys[i] not in val_keys])
-        self._check_split_sizes(keys, train_idx, val_idx)
+        check_split_sizes(hp.path, hp.val_size, keys, train_idx, val_idx)
         order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(hp.seed)).tolist()
         train_idx = [train_idx[i] for i in order]
         if hp.max_samples is not None:
             train_idx = train_idx[: hp.max_samples]
         return train_idx, val_idx, dropped
-
-    def _check_split_sizes(self, keys: list[str], train_idx: list[int], val_idx: list[int]) -> None:
-        """Sequences that share a first prompt stay on one side of the split, so validation can take more than
-        ``data.val_size`` (several answers per prompt): refuse a split that leaves nothing to train on, and warn
-        when validation holds more than twice what was asked, naming the largest prompt group.
-
-        Raises:
-            ValueError: no training sequence is left, naming ``data.path``, ``data.val_size`` and the prompt.
-        """
-        hp = self.hparams
-        if not val_idx or (train_idx and len(val_idx) <= 2 * hp.val_size):
-            return
-        prompt, size = collections.Counter(keys[i] for i in val_idx).most_common(1)[0]
-        why = (f"validation took {len(val_idx)} sequences for data.val_size={hp.val_size}: the sequences of one first "
-               f"prompt stay on one side, and {size} share the prompt {prompt[:60]!r}")
-        if not train_idx:
-            raise ValueError(f"{hp.path}: the split by first prompt leaves no sequence to train on ({why}); add "
-                             "conversations with other first prompts, or set data.val_size 0 to train on all of them")
-        log.warning("%s: %s; %d sequences train", hp.path, why, len(train_idx))
 
     def hold_out_head(self, path: str | None) -> None:
         """Keep out of validation the prompts the head at ``path`` trained on (``model.init_head``: the CLI calls
@@ -550,9 +523,7 @@ class ChatDataModule(pl.LightningDataModule):
             hint = (f"raise data.max_length (now {hp.max_length}; these records keep an assistant token from "
                     f"{stats['shortest_needed_length']} tokens, all of them from {stats.get('longest_needed_length')})")
         else:
-            hint = {**PROMPT_RULE_HINTS, **READ_HINTS}.get(
-                reason, "convert the data to chat (messages) or ShareGPT (conversations) records, fix "
-                "data.chat_template")
+            hint = PROMPT_RULE_HINTS.get(reason) or read_hint(reason)
         raise ValueError(
             f"{hp.path}: {len(skips)} of {total} records skipped ({len(skips) / total:.0%}), more than "
             f"data.max_skip_fraction={hp.max_skip_fraction:g}; main reason: {reason} ({counts[reason]} records; "

@@ -23,12 +23,15 @@ Shapes: none (lists of strings and row indices).
 
 from __future__ import annotations
 
+import collections
+import logging
 import random
 import re
 import unicodedata
 from dataclasses import dataclass
 
-__all__ = ["CONTINUATION_STARTS", "FILLER_WORDS", "PromptFilter", "first_prompt", "grouped_split", "normalize_prompt"]
+__all__ = ["CONTINUATION_STARTS", "FILLER_WORDS", "PromptFilter", "check_split_sizes", "first_prompt", "grouped_split",
+           "normalize_prompt"]
 
 FILLER_WORDS = frozenset(
     "continue continued continuing go on keep going please pls more next proceed and then ok okay yes yeah "
@@ -154,3 +157,28 @@ def grouped_split(keys: list[str], rows: list[int], val_size: int, seed: int) ->
         taken += 1
     train = [r for key in order[taken:] for r in groups[key]]
     return sorted(train), sorted(val)
+
+
+def check_split_sizes(path: str, val_size: int, keys: list[str], train_rows: list[int], val_rows: list[int]) -> None:
+    """Sequences that share a first prompt stay on one side of :func:`grouped_split`, so validation can take more
+    than ``val_size`` (several answers per prompt): refuse a split that leaves nothing to train on, and warn when
+    validation holds more than twice what was asked, naming the largest prompt group.
+
+    Args:
+        path: the data source (``data.path``), named in the message.
+        val_size: ``data.val_size``.
+        keys: the normalised first prompt of every row.
+        train_rows, val_rows: the split's rows.
+
+    Raises:
+        ValueError: no training sequence is left, naming ``data.path``, ``data.val_size`` and the prompt.
+    """
+    if not val_rows or (train_rows and len(val_rows) <= 2 * val_size):
+        return
+    prompt, size = collections.Counter(keys[i] for i in val_rows).most_common(1)[0]
+    why = (f"validation took {len(val_rows)} sequences for data.val_size={val_size}: the sequences of one first "
+           f"prompt stay on one side, and {size} share the prompt {prompt[:60]!r}")
+    if not train_rows:
+        raise ValueError(f"{path}: the split by first prompt leaves no sequence to train on ({why}); add "
+                         "conversations with other first prompts, or set data.val_size 0 to train on all of them")
+    logging.getLogger(__name__).warning("%s: %s; %d sequences train", path, why, len(train_rows))
