@@ -542,14 +542,20 @@ class Eagle3Module(pl.LightningModule):
         if fitting and self.trainer.global_step == 0 and self.empty_batches:
             raise guards.no_signal(self.entropy_filter, self.hparams.draft_vocab_size,
                                    f"every one of the {self.empty_batches} training batches before validation")
-        accs = []
+        accs, losses = [], {}
         for k in range(self.ttt.steps):
             if weight[k] > 0:  # measured: some row's target top token is a draft id
                 accs.append(float(self.val_acc[k].compute()))  # over every scored row (draft_accuracy)
                 self.log(f"val/acc_{k}", accs[-1])
-                self.log(f"val/loss_{k}", self.val_step_loss[k].compute())
+                losses[k] = float(self.val_step_loss[k].compute())
+                self.log(f"val/loss_{k}", losses[k])
             self.val_acc[k].reset()
             self.val_step_loss[k].reset()
+        past_warmup = self.trainer.global_step >= self.optim.warmup_steps  # a fresh head is near uniform
+        if fitting and past_warmup and 0 in losses and self.trainer.is_global_zero \
+                and not getattr(self, "_uniform_warned", False):
+            self._uniform_warned = guards.warn_uniform_head(losses[0], accs[0], self.hparams.draft_vocab_size,
+                                                            self.trainer.global_step, self.optim.lr)
         if weight[0] > 0:
             self.log("val/loss", self.val_loss.compute(), prog_bar=True)
         self.val_loss.reset()

@@ -5,6 +5,8 @@ Two kinds, both raised by ``Eagle3Module`` at the hook where the problem first s
 - non-finite numbers (:class:`NonFiniteTrainingError`): a NaN/inf loss (:func:`check_finite_loss`, its cause
   found by :func:`nonfinite_detail`), gradient (:func:`check_finite_grads`) or head weight
   (:func:`check_head_finite`) stops ``fit`` before the optimizer step or the checkpoint that would use it;
+- no learning (a warning, :func:`warn_uniform_head`): past the warmup, a head whose validation loss is a uniform
+  guess's over the draft vocab, or ten times worse (a learning rate that flattened or blew it up);
 - no signal: an entropy filter that removes every position (:func:`check_filter_keeps_tokens`), training batches
   without a trainable token (:func:`no_signal`), a validation split with nothing to measure for a monitored
   ``val/tau_sim`` (:func:`nothing_to_measure`).
@@ -23,10 +25,16 @@ import torch
 __all__ = [
     "LOW_DRAFT_COVERAGE", "NonFiniteTrainingError", "check_filter_for_target", "check_filter_keeps_tokens",
     "check_finite_grads", "check_finite_loss", "check_head_finite", "check_validation_measured", "head_is_finite",
-    "no_signal", "nonfinite_detail", "nothing_to_measure", "warn_low_draft_coverage",
+    "no_signal", "nonfinite_detail", "nothing_to_measure", "warn_low_draft_coverage", "warn_uniform_head",
 ]
 
 log = logging.getLogger(__name__)
+
+UNIFORM_MARGIN = 1e-3
+"""Nats: a step-0 validation loss within this of ln(V_d) is a uniform guess's (:func:`warn_uniform_head`)."""
+
+BLOWN_UP = 10.0
+"""A step-0 validation loss above this many times ln(V_d) is a blown-up head's (:func:`warn_uniform_head`)."""
 
 LOW_DRAFT_COVERAGE = 0.5
 """``val/draft_coverage`` below this warns: most drafts are then rejected whatever the head learns."""
@@ -291,4 +299,38 @@ def warn_low_draft_coverage(coverage: float, draft_vocab_size: int) -> bool:
         "val/acc_k and val/tau_sim count the others as misses (as decoding rejects them): raise "
         "model.draft_vocab_size (now %d) or train on data the target answers like", 100 * coverage,
         draft_vocab_size)
+    return True
+
+
+def warn_uniform_head(loss_0: float, acc_0: float, draft_vocab_size: int, step: int, lr: float) -> bool:
+    """Warn when the head, past its warmup, is flat (a uniform distribution over the draft vocab) or blown up;
+    return whether it warned.
+
+    The step-0 loss is the soft cross-entropy against the target's distribution over the ``V_d`` draft ids
+    (``draftkit.models.ttt.soft_ce``), so a uniform draft distribution scores exactly ln(V_d) nats whatever the
+    target: within :data:`UNIFORM_MARGIN` of it the head is flat, above :data:`BLOWN_UP` x ln(V_d) it is blown up.
+    A learning rate far too high does either: ``model.optim.lr`` 1e6 flattens the tiny recipe's head to exactly
+    ln 64 = 4.1589 nats (val/acc_0 0.0), 1e2 blows it up to millions of nats, while 1e-3 passes 4.188 at step 4 and
+    reaches 4.1488 at step 40 on the same (nearly uniform) tiny target. A learning head may score above ln(V_d)
+    early, so only the two extremes warn.
+
+    Args:
+        loss_0: ``val/loss_0``, nats per supervised row.
+        acc_0: ``val/acc_0`` (fraction).
+        draft_vocab_size: V_d.
+        step: the optimizer step of the validation.
+        lr: ``model.optim.lr`` (named in the warning).
+    """
+    uniform = math.log(draft_vocab_size)
+    if abs(loss_0 - uniform) <= UNIFORM_MARGIN:
+        what = "is a uniform guess's over the %d draft ids (ln %d = %.4f)" % ((draft_vocab_size,) * 2 + (uniform,))
+    elif loss_0 > BLOWN_UP * uniform:
+        what = "is over %g times a uniform guess's over the %d draft ids (ln %d = %.4f)" % (
+            BLOWN_UP, draft_vocab_size, draft_vocab_size, uniform)
+    else:
+        return False
+    log.warning(
+        "validation at step %d: the head's step-0 loss %.4g nats %s, val/acc_0 %.3f: the head is not learning. A "
+        "learning rate far too high flattens or blows up a head: model.optim.lr is %g (the recipes train at 1e-4 to "
+        "1e-3); lower it and start the run again (its checkpoints hold the broken head)", step, loss_0, what, acc_0, lr)
     return True
