@@ -168,7 +168,8 @@ def whole_characters(tokenizer, ids: list[int]) -> list[int]:
 def _take_answer(w: _Work, tokens: list[int] | None, stop: str, tokenizer, cfg: RegenerateConfig) -> None:
     """Append the decoded answer (``tokens``, its stop id kept when ``stop`` is ``eos``) to ``w`` and move it to
     its next assistant turn; ``tokens`` None fails ``w`` with the reason ``stop``, an empty answer ends it (fails
-    it when it has no answer yet)."""
+    it when it has no answer yet). ``w.new_tokens`` counts every decoded token (the throughput's count: the stop id
+    and a cut character's dropped tokens included)."""
     if tokens is None:
         w.failed = stop
         return
