@@ -5,7 +5,8 @@
 when H != H_t. The architecture is written ``LlamaForCausalLM`` (with ``draft_vocab_size``): TensorRT-LLM resolves a
 draft by prefixing ``EAGLE3`` to it (``EAGLE3LlamaForCausalLM`` is the registered ``Eagle3ForCausalLM``), and
 older releases do not strip an ``...Eagle3`` suffix first, so ``LlamaForCausalLMEagle3`` is unknown there.
-Norm flags are not known to be read, so only standard heads are exported. Aux ids are given
+Norm flags: ``Eagle3DraftModel`` reads ``norm_before_fc`` from ``eagle_config`` (written there), the others are
+written as the SGLang fields; a ``norm_before_residual`` head is refused (:func:`check_supported`). Aux ids are given
 in the LLM-API config in output-of-layer form; whether the loader also reads the draft config is unverified,
 so the exporter writes them (when non-default) into ``trtllm_spec.yaml`` beside the weights and keeps them
 out of ``config.json``.
