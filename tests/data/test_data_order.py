@@ -90,7 +90,7 @@ def test_case_each_epoch_draws_its_own_seeded_permutation(chat20, tiny_target_di
         epoch, index = rows[step]
         by_epoch.setdefault(epoch, []).append(index)
     assert sorted(by_epoch) == [0, 1, 2] and all(len(b) == 7 for b in by_epoch.values())  # 20 train, batch 3
-    assert by_epoch[0] != by_epoch[1] != by_epoch[2]
+    assert by_epoch[0] != by_epoch[1] and by_epoch[1] != by_epoch[2] and by_epoch[0] != by_epoch[2]  # pairwise
     if bucket_window == 0:
         for epoch, batches in by_epoch.items():
             assert batches == _expected_epoch(20, 0, epoch, 3)  # epoch e: permutation seeded seed*100003 + e
@@ -163,5 +163,8 @@ def test_resume_at_an_epoch_boundary_with_any_setting_starts_the_next_epoch():
     list(done)
     fresh = _loader(40, 2, 1, 3, window=8)
     fresh.load_state_dict(done.state_dict())
-    list(fresh)
-    assert fresh.state_dict()["epoch"] == 1
+    got = _ids(fresh)
+    reference = _loader(40, 2, 1, 3, window=8)
+    list(reference)  # epoch 0; the next pass is epoch 1, from its first batch
+    assert got == _ids(reference) and len(got) == len(fresh) == 7  # rank 1's share: 20 sequences in batches of 3
+    assert fresh.state_dict()["epoch"] == 1 and fresh.state_dict()["consumed"] == len(fresh)

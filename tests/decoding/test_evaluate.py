@@ -215,7 +215,7 @@ def test_main_bad_input_exit_code(tmp_path, ckpt, prompts_file, tiny, capsys):
 
 
 def test_exported_head_directory(tmp_path, ckpt, prompts_file):
-    export = pytest.importorskip("draftkit.export")
+    import draftkit.export as export
     directory = export.export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
     out = tmp_path / "report.json"
     rc = main(["--checkpoint", str(directory), "--prompts", str(prompts_file), "--output", str(out),
@@ -501,8 +501,9 @@ def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_t
     blob = torch.load(ckpt, weights_only=False)
     blob["draftkit"]["trained_length"] = 20
     torch.save(blob, ckpt)
-    lengths = [len(encode_chat(tiny[1], [{"role": "user", "content": c}]))
-               for c in ("Tell me a story.", "abc abc abc abc")]
+    messages = [[{"role": "user", "content": "Tell me a story."}], [{"role": "user", "content": "abc abc abc abc"}],
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]  # prompts_file's 3
+    lengths = [len(encode_chat(tiny[1], m)) for m in messages]
     common = ["--prompts", str(prompts_file), "--max_new_tokens", "6", "--prompt_lookup", "false", "--dtype", "float32"]
     first = export_checkpoint(ckpt, "vllm", tmp_path / "export", dtype="float32")
     again = export_checkpoint(first, "speculators", tmp_path / "reexport", dtype="float32")
@@ -512,10 +513,12 @@ def test_prompts_longer_than_the_trained_length_are_named(tmp_path, tiny, tiny_t
         with caplog.at_level(logging.WARNING, logger="draftkit.decoding.harness"):
             assert main(["--checkpoint", str(source), "--output", str(out), *common]) == 0
         setup = json.loads(out.read_text())["setup"]
-        over = [pid for pid, n in zip(["7", "2"], lengths) if n + 6 > 20]
-        assert setup["trained_length"] == 20 and setup["prompts_over_trained_length"][:len(over)] == over
-        assert over and f"prompt 0 (7): {lengths[0]} tokens + max_new_tokens 6 = {lengths[0] + 6} exceed the head's " \
-                         "trained length of 20 tokens" in caplog.text
+        over = [(i, pid, n) for i, (pid, n) in enumerate(zip(["7", "2", "3"], lengths)) if n + 6 > 20]
+        assert setup["trained_length"] == 20 and setup["prompts_over_trained_length"] == [pid for _, pid, _ in over]
+        assert len(over) == 3 and caplog.text.count("exceed the head's trained length") == 3
+        for i, pid, n in over:
+            assert f"prompt {i} ({pid}): {n} tokens + max_new_tokens 6 = {n + 6} exceed the head's trained length " \
+                   "of 20 tokens" in caplog.text
     assert json.loads((again / "draftkit_export.json").read_text())["trained_length"] == 20
 
     old = write_ckpt(tmp_path / "old.ckpt", head, tiny_target_dir)

@@ -74,6 +74,7 @@ def test_greedy_speculative_with_controlled_acceptance(tiny, tiny_head):
     cache = KVCache()
     tiny_head(torch.tensor([seq[1:]]), tiny_head.project(full.aux_hidden_states), torch.arange(len(seq) - 1)[None], cache)
     torch.testing.assert_close(drafter.cache.k, cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter.cache.v, cache.v, atol=1e-5, rtol=1e-5)
 
 
 def test_sync_applies_rank_zeros_picks_and_rounds(tiny, tiny_head):

@@ -20,6 +20,13 @@ def test_launch_command_survives_a_shell(tiny_checkpoint, tmp_path, engine, caps
     launch = json.loads((out / "draftkit_export.json").read_text())["launch"]
     assert f"launch: {launch}" in capsys.readouterr().out
     args = shlex.split(launch)
-    assert any(str(out) in a for a in args)
-    if engine != "speculators":  # speculators names the target inside the directory
-        assert "org/tiny llama" in args
+    if engine == "vllm":
+        assert args[:3] == ["vllm", "serve", "org/tiny llama"] and args[3] == "--speculative-config"
+        assert json.loads(args[4])["model"] == str(out) and len(args) == 5
+    elif engine == "sglang":
+        assert args[args.index("--model-path") + 1] == "org/tiny llama"
+        assert args[args.index("--speculative-draft-model-path") + 1] == str(out)
+    elif engine == "trtllm":
+        assert args == ["trtllm-serve", "org/tiny llama", "--extra_llm_api_options", f"{out}/trtllm_spec.yaml"]
+    else:  # speculators names the target inside the directory
+        assert args == ["vllm", "serve", str(out)]

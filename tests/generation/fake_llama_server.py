@@ -81,6 +81,8 @@ class Handler(BaseHTTPRequestHandler):
         with LOCK:
             served += 1
             if served == DIE_AFTER + 1:
+                sys.stderr.write("fake llama-server: dying on request (FAKE_LLAMA_DIE_AFTER)\n")
+                sys.stderr.flush()
                 os._exit(3)
             first = served == 1
         if STUCK or (first and SLOW_FIRST):

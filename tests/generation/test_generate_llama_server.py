@@ -184,7 +184,7 @@ def test_a_server_that_dies_stops_the_run_with_its_log(tmp_path, gguf_target, fa
     binary, _ = fake_server
     monkeypatch.setenv("FAKE_LLAMA_DIE_AFTER", "2")
     out = tmp_path / "o.jsonl"
-    with pytest.raises(RuntimeError, match=r"llama-server exited \(3\)"):
+    with pytest.raises(RuntimeError, match=r"llama-server exited \(3\): (?s:.*)fake llama-server: dying on request"):
         regenerate(str(_source(tmp_path)), str(out), gguf_target, RegenerateConfig(max_new_tokens=3), shard_size=9,
                    engine="llama-server", parallel=1, llama_server=binary)
     assert not out.exists() and not (tmp_path / "o.jsonl.parts").exists()  # no shard done: nothing written

@@ -61,11 +61,13 @@ def test_x07_nan_cache_shard_stops_fit_naming_the_shard(tmp_path, monkeypatch):
             {"class_path": "draftkit.callbacks.interrupt.InterruptCheckpoint",
              "init_args": {"dirpath": str(run / "interrupted")}},
         ]}}))
-    steps = []
+    steps, last_good = [], {}
 
     class Steps(pl.Callback):
-        def on_train_batch_end(self, trainer, *args):
+        def on_train_batch_end(self, trainer, pl_module, *args):
             steps.append(trainer.global_step)
+            last_good.update({f"head.{k}": v.detach().clone() for k, v in pl_module.head.state_dict().items()
+                              if v.is_floating_point()})
 
     monkeypatch.setattr(Eagle3Module, "configure_callbacks", lambda self: [Steps()])
     with pytest.raises(NonFiniteTrainingError) as err:
@@ -82,6 +84,9 @@ def test_x07_nan_cache_shard_stops_fit_naming_the_shard(tmp_path, monkeypatch):
     for path in ckpts:
         tensors = _head_tensors(path)
         assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors.values()), path
+    interrupt = _head_tensors(run / "interrupted" / "on_exception.ckpt")  # the weights of the last good step
+    assert len(interrupt) > 5 and interrupt.keys() <= last_good.keys()  # (the frozen embedding is not saved)
+    assert all(torch.equal(interrupt[k], last_good[k]) for k in interrupt)
 
 
 def _offline_batch(model, b: int = 2, t: int = 6, seed: int = 0) -> dict:
