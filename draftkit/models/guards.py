@@ -332,5 +332,6 @@ def warn_uniform_head(loss_0: float, acc_0: float, draft_vocab_size: int, step: 
     log.warning(
         "validation at step %d: the head's step-0 loss %.4g nats %s, val/acc_0 %.3f: the head is not learning. A "
         "learning rate far too high flattens or blows up a head: model.optim.lr is %g (the recipes train at 1e-4 with "
-        "AdamW, 2e-3 with Muon); lower it and start the run again (its checkpoints hold the broken head)", step, loss_0, what, acc_0, lr)
+        "AdamW, 2e-3 with Muon); lower it and start the run again (its checkpoints hold the broken head)",
+        step, loss_0, what, acc_0, lr)
     return True
