@@ -14,7 +14,7 @@ from draftkit.export import export_checkpoint, load_exported_head
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "smollm2-135m-eagle3-head"
-TAU_K5 = 1.9392  # chain k = 5 in the shipped evaluate.json (bfloat16, 128 new tokens; MADE_BY.md)
+TAU_K5 = 1.9517  # chain k = 5 in the shipped evaluate.json (bfloat16, 128 new tokens; MADE_BY.md)
 
 
 def test_shipped_head_is_the_default_recipes_head():
@@ -28,7 +28,7 @@ def test_shipped_head_is_the_default_recipes_head():
     assert not any(Path(sidecar[k]).is_absolute() for k in ("source_checkpoint", "target_path"))  # named, no machine path
     assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) <= 25 * 2**20  # issue 13: <= 25 MB
     training = sorted(f.name for f in (SHIPPED / "training").iterdir())  # its recipe and TensorBoard events
-    assert training[0] == "config.yaml" and len(training) == 3 and all(n.startswith("events.out.tfevents.")
+    assert training[0] == "config.yaml" and len(training) == 2 and all(n.startswith("events.out.tfevents.")
                                                                         for n in training[1:])
     report = json.loads((SHIPPED / "evaluate.json").read_text())
     assert report["num_prompts"] == 80 and report["temperature"] == 0 and report["setup"]["max_new_tokens"] == 128
