@@ -24,7 +24,7 @@ def test_shipped_head_is_the_default_recipes_head():
     assert meta["aux_layer_ids"] == [2, 15, 27] and head.config.draft_vocab_size == recipe["model"]["draft_vocab_size"]
     assert meta["ttt"]["steps"] == recipe["model"]["ttt"]["steps"]
     sidecar = json.loads((SHIPPED / "draftkit_export.json").read_text())
-    assert sidecar["source_checkpoint"].endswith("version_0/checkpoints/last.ckpt")  # issue 52's second continuation (MADE_BY.md)
+    assert sidecar["source_checkpoint"].endswith("version_0/checkpoints/last.ckpt")  # MADE_BY.md
     assert not any(Path(sidecar[k]).is_absolute() for k in ("source_checkpoint", "target_path"))  # named, no machine path
     assert sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file()) <= 25 * 2**20  # issue 13: <= 25 MB
     training = sorted(f.name for f in (SHIPPED / "training").iterdir())  # its recipe and TensorBoard events
