@@ -47,7 +47,7 @@ def generate(
     parallel: int = 16,  # regenerate.PARALLEL
     llama_server: Optional[str] = None,
 ) -> dict:
-    """Replace each assistant turn of a chat source with the target's own answer (chat JSONL with a header).
+    """Answer the first (--turns first) or every (--turns all) human turn of a chat source with the target's answer.
 
     Args:
         output: the chat JSONL to write (.jsonl or .jsonl.gz); shards go to <output>.parts until it is done.
