@@ -15,6 +15,7 @@ from draftkit.export import export_checkpoint, load_exported_head
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "checkpoints" / "smollm2-135m-eagle3-head"
 TAU_K5 = 1.9517  # chain k = 5 in the shipped evaluate.json (bfloat16, 128 new tokens; MADE_BY.md)
+TAU_TREE_60 = {"tree depth=5 topk=10 N=60": 2.8556, "tree depth=7 topk=10 N=60": 2.8773}  # evaluate-trees.json
 
 
 def test_shipped_head_is_the_default_recipes_head():
@@ -43,6 +44,17 @@ def test_shipped_head_is_the_default_recipes_head():
     chain = {r["topology"]: r for r in report["sweep"]}["chain k=5"]
     assert chain["tau"] == pytest.approx(TAU_K5, abs=1e-4)  # the figure MADE_BY.md quotes
     assert report["prompt_lookup_tau"] > 1.0 and report["baseline_tokens_per_s"] > 0
+
+
+def test_shipped_tree_report_holds_the_60_node_trees_made_by_quotes():
+    report = json.loads((SHIPPED / "evaluate-trees.json").read_text())
+    assert report["num_prompts"] == 80 and report["temperature"] == 0 and report["setup"]["max_new_tokens"] == 128
+    assert report["setup"]["target_dtype"] == "bfloat16" and report["setup"]["head_fingerprint"] == json.loads(
+        (SHIPPED / "evaluate.json").read_text())["setup"]["head_fingerprint"]  # the shipped head, not an earlier one
+    taus = {r["topology"]: r["tau"] for r in report["sweep"]}
+    assert len(taus) == 4 and all(taus[t] == pytest.approx(v, abs=1e-4) for t, v in TAU_TREE_60.items())
+    made_by = (SHIPPED / "MADE_BY.md").read_text()
+    assert all(f"{v:.3f}" in made_by for v in TAU_TREE_60.values())
 
 
 @pytest.mark.slow
